@@ -1,0 +1,117 @@
+package backend
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// AddrManager puts the GIDs that guests bind onto a host network device as
+// host addresses (/32 or /128, no DAD), so that RoCE v2 traffic for them
+// reaches this host's UDP port 4791 and the kernel answers ARP/ND for them
+// on the fabric. Addresses are reference-counted (two VMs may bind the same
+// link-local GID index on different fabrics, or one VM binds a GID twice) and
+// only addresses this manager added are ever removed.
+type AddrManager struct {
+	h     *netlink.Handle
+	link  netlink.Link
+	mu    sync.Mutex
+	owned map[netip.Addr]int // address -> references; 0 entries are deleted
+}
+
+// NewAddrManager manages addresses on the named netdev in the current
+// network namespace.
+func NewAddrManager(netdev string) (*AddrManager, error) {
+	h, err := netlink.NewHandle(unix.NETLINK_ROUTE)
+	if err != nil {
+		return nil, fmt.Errorf("netlink handle: %w", err)
+	}
+	link, err := h.LinkByName(netdev)
+	if err != nil {
+		h.Close()
+		return nil, fmt.Errorf("fabric netdev %q: %w", netdev, err)
+	}
+	return &AddrManager{h: h, link: link, owned: map[netip.Addr]int{}}, nil
+}
+
+func hostPrefix(a netip.Addr) *net.IPNet {
+	bits := 128
+	if a.Is4() {
+		bits = 32
+	}
+	return &net.IPNet{IP: net.IP(a.AsSlice()), Mask: net.CIDRMask(bits, bits)}
+}
+
+// Add adds a (reference to) address a.
+func (m *AddrManager) Add(a netip.Addr) error {
+	a = a.Unmap()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if n, ok := m.owned[a]; ok {
+		m.owned[a] = n + 1
+		return nil
+	}
+	addr := &netlink.Addr{IPNet: hostPrefix(a), Flags: unix.IFA_F_NODAD}
+	err := m.h.AddrAdd(m.link, addr)
+	switch {
+	case errors.Is(err, unix.EEXIST):
+		// Configured by someone else: use it, never remove it.
+		return nil
+	case err != nil:
+		return fmt.Errorf("add %v to %s: %w", a, m.link.Attrs().Name, err)
+	}
+	m.owned[a] = 1
+	return nil
+}
+
+// Remove drops a reference to a, deleting the address with the last one.
+func (m *AddrManager) Remove(a netip.Addr) error {
+	a = a.Unmap()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	n, ok := m.owned[a]
+	if !ok {
+		return nil
+	}
+	if n > 1 {
+		m.owned[a] = n - 1
+		return nil
+	}
+	delete(m.owned, a)
+	err := m.h.AddrDel(m.link, &netlink.Addr{IPNet: hostPrefix(a)})
+	if err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
+		return fmt.Errorf("remove %v from %s: %w", a, m.link.Attrs().Name, err)
+	}
+	return nil
+}
+
+// Owned returns the addresses this manager has added.
+func (m *AddrManager) Owned() []netip.Addr {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]netip.Addr, 0, len(m.owned))
+	for a := range m.owned {
+		out = append(out, a)
+	}
+	return out
+}
+
+// Close removes every address this manager added.
+func (m *AddrManager) Close() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var first error
+	for a := range m.owned {
+		if err := m.h.AddrDel(m.link, &netlink.Addr{IPNet: hostPrefix(a)}); err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) && first == nil {
+			first = fmt.Errorf("remove %v: %w", a, err)
+		}
+		delete(m.owned, a)
+	}
+	m.h.Close()
+	return first
+}

@@ -1,0 +1,162 @@
+package backend
+
+import (
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"path/filepath"
+	"regexp"
+	"strconv"
+)
+
+// ErrBadVMName: a VM name is empty, too long or has characters that cannot
+// name a socket file.
+var ErrBadVMName = errors.New("VM name must be 1-64 characters of [A-Za-z0-9_.-], not starting with '.'")
+
+var vmNameRE = regexp.MustCompile(`^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$`)
+
+// CheckVMName validates a VM name.
+func CheckVMName(name string) error {
+	if !vmNameRE.MatchString(name) {
+		return fmt.Errorf("VM name %q: %w", name, ErrBadVMName)
+	}
+	return nil
+}
+
+// DefaultMAC derives a stable MAC address for a VM's paired vmxnet3 from its
+// name, in QEMU's 52:54:00 range. The backend and `qemu-args` both use it, so
+// the device's node GUID matches the NIC without the guest telling us (the
+// driver never writes the MAC registers).
+func DefaultMAC(name string) net.HardwareAddr {
+	h := sha256.Sum256([]byte("pvrdma-backend/vm/" + name))
+	return net.HardwareAddr{0x52, 0x54, 0x00, h[0], h[1], h[2]}
+}
+
+// NodeGUID is the EUI-64 of a MAC address (ff:fe inserted, universal/local
+// bit flipped), the node GUID RoCE devices report.
+func NodeGUID(mac net.HardwareAddr) uint64 {
+	if len(mac) != 6 {
+		return 0
+	}
+	b := [8]byte{mac[0] ^ 0x02, mac[1], mac[2], 0xff, 0xfe, mac[3], mac[4], mac[5]}
+	var g uint64
+	for _, x := range b {
+		g = g<<8 | uint64(x)
+	}
+	return g
+}
+
+// VMSpec is what the backend and QEMU must agree on for one VM.
+type VMSpec struct {
+	// Name names the VM and its socket (<SocketDir>/<Name>.sock).
+	Name string
+	// MAC is the vmxnet3 MAC; DefaultMAC(Name) when nil.
+	MAC net.HardwareAddr
+	// Slot is the PCI slot: vmxnet3 at Slot.0, PVRDMA at Slot.1.
+	Slot int
+	// Bus is the PCI bus to plug into ("" = the machine's root bus).
+	Bus string
+	// MemBytes is the guest RAM size; it backs all RAM with a shared memfd.
+	MemBytes uint64
+	// Netdev is the id of the -netdev the vmxnet3 attaches to.
+	Netdev string
+	// Socket is the vfio-user socket path.
+	Socket string
+}
+
+// SocketPath returns the socket path of VM name in dir.
+func SocketPath(dir, name string) string { return filepath.Join(dir, name+".sock") }
+
+func (s VMSpec) check() error {
+	if err := CheckVMName(s.Name); err != nil {
+		return err
+	}
+	if s.Slot > 31 || s.Slot < 0 || (s.Slot == 0 && s.Bus == "") {
+		return fmt.Errorf("PCI slot %d: must be 1..31 on the root bus (0..31 on a named bus)", s.Slot)
+	}
+	if s.MemBytes < 64<<20 || s.MemBytes%(2<<20) != 0 {
+		return fmt.Errorf("memory %d bytes: must be a multiple of 2 MiB, at least 64 MiB", s.MemBytes)
+	}
+	if s.MAC != nil && len(s.MAC) != 6 {
+		return fmt.Errorf("MAC %v: not a 48-bit MAC", s.MAC)
+	}
+	if s.Netdev == "" || s.Socket == "" {
+		return errors.New("netdev id and socket path are required")
+	}
+	return nil
+}
+
+func (s VMSpec) mac() net.HardwareAddr {
+	if s.MAC != nil {
+		return s.MAC
+	}
+	return DefaultMAC(s.Name)
+}
+
+// DeviceJSON returns the vfio-user-pci -device (and device_add) properties
+// for our function. x-no-posted-writes is required: the driver reads the
+// capabilities from guest RAM right after its DSRHIGH write, which a posted
+// write would race, and posted doorbells let QEMU queue MMIO without bound
+// (docs/ARCHITECTURE.md).
+func (s VMSpec) DeviceJSON(id string) map[string]any {
+	d := map[string]any{
+		"driver":             "vfio-user-pci",
+		"socket":             map[string]any{"type": "unix", "path": s.Socket},
+		"addr":               fmt.Sprintf("%02x.1", s.Slot),
+		"x-no-posted-writes": true,
+	}
+	if id != "" {
+		d["id"] = id
+	}
+	if s.Bus != "" {
+		d["bus"] = s.Bus
+	}
+	return d
+}
+
+// NICJSON returns the vmxnet3 -device (and device_add) properties.
+func (s VMSpec) NICJSON(id string) map[string]any {
+	d := map[string]any{
+		"driver":        "vmxnet3",
+		"netdev":        s.Netdev,
+		"mac":           s.mac().String(),
+		"addr":          fmt.Sprintf("%02x.0", s.Slot),
+		"multifunction": true,
+	}
+	if id != "" {
+		d["id"] = id
+	}
+	if s.Bus != "" {
+		d["bus"] = s.Bus
+	}
+	return d
+}
+
+// QEMUArgs returns the QEMU command-line arguments that give a VM the
+// PVRDMA device: RAM in a shared memfd (the device reads guest memory in
+// place), locked RAM, the paired vmxnet3 at function 0 and our vfio-user
+// device at function 1 of the slot.
+func (s VMSpec) QEMUArgs() ([]string, error) {
+	if err := s.check(); err != nil {
+		return nil, fmt.Errorf("qemu args: %w", err)
+	}
+	nic, err := json.Marshal(s.NICJSON(""))
+	if err != nil {
+		return nil, err
+	}
+	dev, err := json.Marshal(s.DeviceJSON(""))
+	if err != nil {
+		return nil, err
+	}
+	mem := strconv.FormatUint(s.MemBytes>>20, 10) + "M"
+	return []string{
+		"-m", mem,
+		"-object", "memory-backend-memfd,id=pvrdma-ram,size=" + mem + ",share=on,prealloc=on",
+		"-machine", "q35,memory-backend=pvrdma-ram",
+		"-overcommit", "mem-lock=on",
+		"-device", string(nic),
+		"-device", string(dev),
+	}, nil
+}
