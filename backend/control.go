@@ -1,0 +1,286 @@
+package backend
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Status is the daemon's state as the control socket reports it.
+type Status struct {
+	Transport string            `json:"transport"`
+	SocketDir string            `json:"socket_dir"`
+	Fabric    FabricStatus      `json:"fabric"`
+	VMs       []VMStatus        `json:"vms"`
+	Counters  map[string]uint64 `json:"counters,omitempty"`
+}
+
+// FabricStatus describes how the daemon's devices reach the network.
+type FabricStatus struct {
+	Mode   string `json:"mode"` // "local", "ip" or "l2"
+	Netdev string `json:"netdev,omitempty"`
+}
+
+// VMStatus is one VM's session.
+type VMStatus struct {
+	Name        string            `json:"name"`
+	Socket      string            `json:"socket"`
+	MAC         string            `json:"mac"`
+	Connected   bool              `json:"connected"`
+	Since       time.Time         `json:"since,omitzero"`
+	GIDs        []GIDStatus       `json:"gids,omitempty"`
+	Resources   map[string]int    `json:"resources,omitempty"`
+	LockedBytes uint64            `json:"locked_bytes"`
+	Counters    map[string]uint64 `json:"counters,omitempty"`
+}
+
+// GIDStatus is one bound GID.
+type GIDStatus struct {
+	Index int    `json:"index"`
+	GID   string `json:"gid"`
+	Type  string `json:"type"`
+}
+
+// VMRequest registers a VM with a running daemon.
+type VMRequest struct {
+	Name string `json:"name"`
+	MAC  string `json:"mac,omitempty"`
+}
+
+// Controller is what the control socket serves.
+type Controller interface {
+	Status() Status
+	AddVM(VMRequest) (VMStatus, error)
+	RemoveVM(name string) error
+}
+
+// ErrVMExists and ErrNoVM are Controller errors with HTTP meaning.
+var (
+	ErrVMExists = errors.New("VM already registered")
+	ErrNoVM     = errors.New("no such VM")
+)
+
+// ControlHandler serves the control API:
+//
+//	GET    /v1/status       Status as JSON
+//	POST   /v1/vms          register a VM (VMRequest); creates its socket
+//	DELETE /v1/vms/{name}   unregister a VM, disconnecting it
+//	GET    /metrics         Prometheus text exposition
+func ControlHandler(c Controller) http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, c.Status())
+	})
+	mux.HandleFunc("POST /v1/vms", func(w http.ResponseWriter, r *http.Request) {
+		var req VMRequest
+		dec := json.NewDecoder(io.LimitReader(r.Body, 4096))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&req); err != nil {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("bad VM request: %w", err))
+			return
+		}
+		st, err := c.AddVM(req)
+		switch {
+		case errors.Is(err, ErrVMExists):
+			writeError(w, http.StatusConflict, err)
+		case errors.Is(err, ErrBadVMName):
+			writeError(w, http.StatusBadRequest, err)
+		case err != nil:
+			writeError(w, http.StatusInternalServerError, err)
+		default:
+			writeJSON(w, http.StatusCreated, st)
+		}
+	})
+	mux.HandleFunc("DELETE /v1/vms/{name}", func(w http.ResponseWriter, r *http.Request) {
+		err := c.RemoveVM(r.PathValue("name"))
+		switch {
+		case errors.Is(err, ErrNoVM):
+			writeError(w, http.StatusNotFound, err)
+		case err != nil:
+			writeError(w, http.StatusInternalServerError, err)
+		default:
+			w.WriteHeader(http.StatusNoContent)
+		}
+	})
+	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
+		WriteMetrics(w, c.Status())
+	})
+	return mux
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+func writeError(w http.ResponseWriter, code int, err error) {
+	writeJSON(w, code, map[string]string{"error": err.Error()})
+}
+
+// ListenControl creates the control socket at path (mode 0600), replacing
+// a stale socket file left by a dead daemon but refusing to steal one that a
+// live daemon still answers on.
+func ListenControl(path string) (net.Listener, error) {
+	if c, err := net.DialTimeout("unix", path, 200*time.Millisecond); err == nil {
+		c.Close()
+		return nil, fmt.Errorf("control socket %s: another daemon is listening", path)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("control socket %s: %w", path, err)
+	}
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("control socket: %w", err)
+	}
+	return ln, nil
+}
+
+// ControlClient talks to a daemon's control socket.
+type ControlClient struct {
+	hc *http.Client
+}
+
+// NewControlClient returns a client for the control socket at path.
+func NewControlClient(path string) *ControlClient {
+	tr := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", path)
+	}}
+	return &ControlClient{hc: &http.Client{Transport: tr, Timeout: 10 * time.Second}}
+}
+
+func (c *ControlClient) do(ctx context.Context, method, path string, body, out any) error {
+	var rd io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return err
+		}
+		rd = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, "http://pvrdma"+path, rd)
+	if err != nil {
+		return err
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return fmt.Errorf("control socket: %w (is `pvrdma-backend serve` running?)", err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode >= 300 {
+		var e struct{ Error string }
+		if json.Unmarshal(data, &e) == nil && e.Error != "" {
+			return fmt.Errorf("%s %s: %s", method, path, e.Error)
+		}
+		return fmt.Errorf("%s %s: %s", method, path, resp.Status)
+	}
+	if out != nil {
+		return json.Unmarshal(data, out)
+	}
+	return nil
+}
+
+// Status fetches the daemon's status.
+func (c *ControlClient) Status(ctx context.Context) (Status, error) {
+	var st Status
+	err := c.do(ctx, http.MethodGet, "/v1/status", nil, &st)
+	return st, err
+}
+
+// AddVM registers a VM.
+func (c *ControlClient) AddVM(ctx context.Context, req VMRequest) (VMStatus, error) {
+	var st VMStatus
+	err := c.do(ctx, http.MethodPost, "/v1/vms", req, &st)
+	return st, err
+}
+
+// RemoveVM unregisters a VM.
+func (c *ControlClient) RemoveVM(ctx context.Context, name string) error {
+	return c.do(ctx, http.MethodDelete, "/v1/vms/"+name, nil, nil)
+}
+
+// Metrics fetches the Prometheus exposition.
+func (c *ControlClient) Metrics(ctx context.Context) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://pvrdma/metrics", nil)
+	if err != nil {
+		return "", err
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	return string(b), err
+}
+
+// WriteMetrics writes st in the Prometheus text exposition format.
+func WriteMetrics(w io.Writer, st Status) {
+	var b strings.Builder
+	family := func(name, typ, help string) {
+		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, typ)
+	}
+	family("pvrdma_vm_connected", "gauge", "1 if the VM's QEMU is connected.")
+	for _, vm := range st.VMs {
+		v := 0
+		if vm.Connected {
+			v = 1
+		}
+		fmt.Fprintf(&b, "pvrdma_vm_connected{vm=%q} %d\n", vm.Name, v)
+	}
+	family("pvrdma_vm_locked_bytes", "gauge", "Guest memory bytes mapped and locked for the VM.")
+	for _, vm := range st.VMs {
+		fmt.Fprintf(&b, "pvrdma_vm_locked_bytes{vm=%q} %d\n", vm.Name, vm.LockedBytes)
+	}
+	family("pvrdma_vm_gids", "gauge", "GIDs the VM has bound.")
+	for _, vm := range st.VMs {
+		fmt.Fprintf(&b, "pvrdma_vm_gids{vm=%q} %d\n", vm.Name, len(vm.GIDs))
+	}
+	family("pvrdma_vm_resources", "gauge", "Live device objects by kind.")
+	for _, vm := range st.VMs {
+		for _, k := range sortedKeys(vm.Resources) {
+			fmt.Fprintf(&b, "pvrdma_vm_resources{vm=%q,kind=%q} %d\n", vm.Name, k, vm.Resources[k])
+		}
+	}
+	family("pvrdma_vm_events_total", "counter", "Per-VM device counters (commands, doorbells, completions, errors).")
+	for _, vm := range st.VMs {
+		for _, k := range sortedKeys(vm.Counters) {
+			fmt.Fprintf(&b, "pvrdma_vm_events_total{vm=%q,event=%q} %d\n", vm.Name, k, vm.Counters[k])
+		}
+	}
+	family("pvrdma_fabric_events_total", "counter", "Fabric counters (packets, drops by reason, retransmissions).")
+	for _, k := range sortedKeys(st.Counters) {
+		fmt.Fprintf(&b, "pvrdma_fabric_events_total{event=%q} %d\n", k, st.Counters[k])
+	}
+	_, _ = io.WriteString(w, b.String())
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	ks := make([]string, 0, len(m))
+	for k := range m {
+		ks = append(ks, k)
+	}
+	sort.Strings(ks)
+	return ks
+}
