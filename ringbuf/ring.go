@@ -1,0 +1,283 @@
+package ringbuf
+
+import (
+	"fmt"
+	"math/bits"
+
+	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+)
+
+// RingStateSize is sizeof(struct pvrdma_ring): u32 prod_tail, u32 cons_head.
+const RingStateSize = 8
+
+// Offsets inside struct pvrdma_ring.
+const (
+	offProdTail = 0
+	offConsHead = 4
+)
+
+// Geometry is a ring's index arithmetic, reproduced exactly as the guest
+// driver computes it from an element count ("slots"):
+//
+//	valid(i) = i & ^(2*slots-1) == 0
+//	slot(i)  = i & (slots-1)
+//	inc(i)   = (i+1) & (2*slots-1)
+//
+// For a power-of-two count this is the usual wrap-bit ring of slots
+// elements. The driver also applies it to the async-event and
+// CQ-notification rings, whose counts are (pages-1)*4096/entry size and not
+// powers of two (3072 for a 4-page CQ-notify ring). The arithmetic then
+// cycles through indices [0, 2n) over n slots, where n is the largest power
+// of two dividing slots (1024 for 3072): inc wraps to 0 when i+1 == 2n
+// because bit log2(2n) of 2*slots-1 is clear, and slot(i) == i & (n-1) for
+// every i < 2n. Geometry works in those effective terms, so the device
+// writes exactly the slots the driver reads (OBSERVED.md, "CQ-notify ring
+// arithmetic").
+type Geometry struct {
+	slots uint32 // count as the driver computes it
+	n     uint32 // effective element count: lowest set bit of slots
+}
+
+// NewGeometry returns the geometry of a ring the driver sizes with slots
+// elements. slots must be nonzero and below 2^31 (indices carry one more
+// bit).
+func NewGeometry(slots uint32) (Geometry, error) {
+	if slots == 0 || slots >= 1<<31 {
+		return Geometry{}, fmt.Errorf("ring of %d elements: %w", slots, ErrGeometry)
+	}
+	return Geometry{slots: slots, n: slots & -slots}, nil
+}
+
+// Slots is the element count the driver uses in its arithmetic.
+func (g Geometry) Slots() uint32 { return g.slots }
+
+// Len is the number of distinct element slots the ring really uses.
+func (g Geometry) Len() uint32 { return g.n }
+
+// Valid reports whether idx is an index the driver's arithmetic can
+// produce: it passes the driver's own validity test and lies in [0, 2n).
+func (g Geometry) Valid(idx uint32) bool {
+	return idx&^(2*g.slots-1) == 0 && idx < 2*g.n
+}
+
+// Inc returns the index after idx.
+func (g Geometry) Inc(idx uint32) uint32 { return (idx + 1) & (2*g.n - 1) }
+
+// Slot returns the element slot of idx.
+func (g Geometry) Slot(idx uint32) uint32 { return idx & (g.n - 1) }
+
+// Used returns how many elements lie between head and tail (both valid).
+func (g Geometry) Used(head, tail uint32) uint32 { return (tail - head) & (2*g.n - 1) }
+
+// Area is the element array of a ring: n elements of stride bytes starting
+// base bytes into the virtually contiguous span of the ring's pages. The
+// stride is a power of two no larger than a page and base is a multiple of
+// the stride, so an element never straddles two pages.
+type Area struct {
+	pages  []guestmem.GPA
+	base   uint64
+	shift  uint8 // log2(stride)
+	n      uint32
+	stride uint32
+}
+
+// NewArea describes n elements of stride bytes at byte offset base of
+// pages. It fails unless stride is a power of two in [1, 4096], base is
+// stride-aligned, and the elements fit inside the pages.
+func NewArea(pages []guestmem.GPA, base uint64, stride, n uint32) (Area, error) {
+	if stride == 0 || stride > guestmem.PageSize || stride&(stride-1) != 0 {
+		return Area{}, fmt.Errorf("element stride %d: %w", stride, ErrGeometry)
+	}
+	if base%uint64(stride) != 0 {
+		return Area{}, fmt.Errorf("element base %#x not %d-aligned: %w", base, stride, ErrGeometry)
+	}
+	end := base + uint64(n)*uint64(stride)
+	if n == 0 || end > uint64(len(pages))*guestmem.PageSize {
+		return Area{}, fmt.Errorf("%d elements of %d bytes at %#x need %d bytes, pages hold %d: %w",
+			n, stride, base, end, uint64(len(pages))*guestmem.PageSize, ErrPageCount)
+	}
+	return Area{pages: pages, base: base, shift: uint8(bits.TrailingZeros32(stride)), n: n, stride: stride}, nil
+}
+
+// Stride is the size of one element.
+func (a Area) Stride() uint32 { return a.stride }
+
+// Len is the number of elements.
+func (a Area) Len() uint32 { return a.n }
+
+// Elem returns the guest address of element slot (taken modulo Len, so any
+// slot value is safe).
+func (a Area) Elem(slot uint32) guestmem.GPA {
+	off := a.base + uint64(slot%a.n)<<a.shift
+	return a.pages[off>>guestmem.PageShift] + guestmem.GPA(off&(guestmem.PageSize-1))
+}
+
+// guestIndex is an index the guest owns: the device loads it atomically,
+// once per use, validates it, and never writes it.
+type guestIndex struct{ gpa guestmem.GPA }
+
+func (gi guestIndex) load(m *guestmem.Memory, g Geometry) (uint32, error) {
+	v, err := m.LoadUint32(gi.gpa)
+	if err != nil {
+		return 0, fmt.Errorf("load ring index at %v: %w", gi.gpa, err)
+	}
+	if !g.Valid(v) {
+		return 0, fmt.Errorf("ring index %#x at %v (ring of %d): %w", v, gi.gpa, g.slots, ErrIndex)
+	}
+	return v, nil
+}
+
+// deviceIndex is an index the device owns: its truth is val, mirrored to
+// guest memory after every change. What the guest writes there is ignored.
+type deviceIndex struct {
+	gpa guestmem.GPA
+	val uint32
+}
+
+func (di *deviceIndex) store(m *guestmem.Memory, v uint32) error {
+	di.val = v
+	if err := m.StoreUint32(di.gpa, v); err != nil {
+		return fmt.Errorf("store ring index at %v: %w", di.gpa, err)
+	}
+	return nil
+}
+
+// Consumer is a ring the guest produces and the device consumes (send,
+// receive and shared receive queues). It owns cons_head. A Consumer is not
+// safe for concurrent use.
+type Consumer struct {
+	mem  *guestmem.Memory
+	geo  Geometry
+	area Area
+	tail guestIndex
+	head deviceIndex
+}
+
+// NewConsumer returns the consumer side of the ring whose struct
+// pvrdma_ring is at state, and sets cons_head to 0. The area must hold the
+// geometry's elements.
+func NewConsumer(m *guestmem.Memory, state guestmem.GPA, g Geometry, a Area) (*Consumer, error) {
+	if a.Len() < g.Len() {
+		return nil, fmt.Errorf("ring of %d elements in an area of %d: %w", g.Len(), a.Len(), ErrGeometry)
+	}
+	c := &Consumer{mem: m, geo: g, area: a,
+		tail: guestIndex{gpa: state + offProdTail}, head: deviceIndex{gpa: state + offConsHead}}
+	if err := c.head.store(m, 0); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Pending loads the guest's prod_tail once and returns how many elements
+// wait to be consumed. An invalid tail, or one more than a ring ahead of
+// the head, is an ErrIndex.
+func (c *Consumer) Pending() (uint32, error) {
+	t, err := c.tail.load(c.mem, c.geo)
+	if err != nil {
+		return 0, err
+	}
+	used := c.geo.Used(c.head.val, t)
+	if used > c.geo.Len() {
+		return 0, fmt.Errorf("prod_tail %#x is %d ahead of cons_head %#x (ring of %d): %w",
+			t, used, c.head.val, c.geo.Len(), ErrIndex)
+	}
+	return used, nil
+}
+
+// Head returns the address of the element at cons_head.
+func (c *Consumer) Head() guestmem.GPA { return c.area.Elem(c.geo.Slot(c.head.val)) }
+
+// HeadIndex returns cons_head.
+func (c *Consumer) HeadIndex() uint32 { return c.head.val }
+
+// Advance consumes the element at cons_head.
+func (c *Consumer) Advance() error { return c.head.store(c.mem, c.geo.Inc(c.head.val)) }
+
+// Reset sets cons_head back to 0, as the guest does to both indices when
+// it resets the queue.
+func (c *Consumer) Reset() error { return c.head.store(c.mem, 0) }
+
+// Stride is the element size.
+func (c *Consumer) Stride() uint32 { return c.area.Stride() }
+
+// Len is the ring's element count.
+func (c *Consumer) Len() uint32 { return c.geo.Len() }
+
+// Producer is a ring the device produces and the guest consumes
+// (completion queues, the async-event and CQ-notification rings). It owns
+// prod_tail. A Producer is not safe for concurrent use.
+type Producer struct {
+	mem  *guestmem.Memory
+	geo  Geometry
+	area Area
+	head guestIndex
+	tail deviceIndex
+}
+
+// NewProducer returns the producer side of the ring whose struct
+// pvrdma_ring is at state, and sets prod_tail to 0.
+func NewProducer(m *guestmem.Memory, state guestmem.GPA, g Geometry, a Area) (*Producer, error) {
+	if a.Len() < g.Len() {
+		return nil, fmt.Errorf("ring of %d elements in an area of %d: %w", g.Len(), a.Len(), ErrGeometry)
+	}
+	p := &Producer{mem: m, geo: g, area: a,
+		head: guestIndex{gpa: state + offConsHead}, tail: deviceIndex{gpa: state + offProdTail}}
+	if err := p.tail.store(m, 0); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// Reserve loads the guest's cons_head once and returns the address of the
+// free element at prod_tail. It fails with ErrFull when the guest has not
+// consumed enough, and with ErrIndex when cons_head is invalid. The element
+// is published by Commit.
+func (p *Producer) Reserve() (guestmem.GPA, error) {
+	h, err := p.head.load(p.mem, p.geo)
+	if err != nil {
+		return 0, err
+	}
+	used := p.geo.Used(h, p.tail.val)
+	if used > p.geo.Len() {
+		return 0, fmt.Errorf("cons_head %#x is %d behind prod_tail %#x (ring of %d): %w",
+			h, used, p.tail.val, p.geo.Len(), ErrIndex)
+	}
+	if used == p.geo.Len() {
+		return 0, ErrFull
+	}
+	return p.area.Elem(p.geo.Slot(p.tail.val)), nil
+}
+
+// Commit publishes the element returned by the last Reserve. The caller
+// orders its element writes before Commit (guestmem stores are not
+// reordered past the atomic index store on amd64, and Go's atomics are
+// sequentially consistent).
+func (p *Producer) Commit() error { return p.tail.store(p.mem, p.geo.Inc(p.tail.val)) }
+
+// TailIndex returns prod_tail.
+func (p *Producer) TailIndex() uint32 { return p.tail.val }
+
+// Reset sets prod_tail back to 0.
+func (p *Producer) Reset() error { return p.tail.store(p.mem, 0) }
+
+// Len is the ring's element count.
+func (p *Producer) Len() uint32 { return p.geo.Len() }
+
+// Resize changes the element count to g (the guest's pages must hold it),
+// keeping the area's pages. It is allowed only while the ring is empty;
+// both indices restart at 0 and the caller tells the guest so.
+func (p *Producer) Resize(g Geometry, stride uint32) error {
+	h, err := p.head.load(p.mem, p.geo)
+	if err != nil {
+		return err
+	}
+	if h != p.tail.val {
+		return fmt.Errorf("resize a ring holding %d elements: %w", p.geo.Used(h, p.tail.val), ErrFull)
+	}
+	a, err := NewArea(p.area.pages, p.area.base, stride, g.Len())
+	if err != nil {
+		return err
+	}
+	p.geo, p.area = g, a
+	return p.tail.store(p.mem, 0)
+}
