@@ -1,0 +1,48 @@
+package roce
+
+import (
+	"encoding/binary"
+	"hash/crc32"
+)
+
+// The invariant CRC (IBA 7.8.1 and Annex A17.3.3) is CRC-32 (IEEE 802.3)
+// over a pseudo-packet: 8 bytes of 0xFF standing for the masked LRH, then
+// the IP header, the UDP header and the transport headers with every field
+// a router may change replaced by ones, then the payload and pad. Masked:
+// IPv4 TOS, TTL and header checksum; IPv6 traffic class, flow label and
+// hop limit; the UDP checksum; BTH byte 4 (FECN, BECN, reserved). Not
+// masked: IPv4 ID and flags, lengths, addresses and ports. The result is
+// stored little-endian (Linux stores ~crc as a native u32).
+
+// icrcSeed is the CRC state after the eight 0xFF bytes, in hash/crc32's
+// convention (Update takes and returns the complemented register).
+var icrcSeed = crc32.Update(0, crc32.IEEETable, []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff})
+
+// ICRC computes the invariant CRC of a RoCE v2 datagram d: the IP header
+// (ipLen bytes, 20 or 40) at d[0], then UDP, transport headers, payload,
+// pad and the 4-byte ICRC field, which is not covered. d must hold at least
+// ipLen + UDPHeaderSize + BTHSize + ICRCSize bytes.
+func ICRC(d []byte, ipLen int) uint32 {
+	var ps [IPv6HeaderSize + UDPHeaderSize + BTHSize]byte
+	n := copy(ps[:], d[:ipLen+UDPHeaderSize+BTHSize])
+	if ipLen == IPv4HeaderSize {
+		ps[1] = 0xff                // TOS
+		ps[8] = 0xff                // TTL
+		ps[10], ps[11] = 0xff, 0xff // header checksum
+	} else {
+		ps[0] |= 0x0f // low nibble of the traffic class
+		ps[1], ps[2], ps[3] = 0xff, 0xff, 0xff
+		ps[7] = 0xff // hop limit
+	}
+	u := ipLen
+	ps[u+6], ps[u+7] = 0xff, 0xff // UDP checksum
+	ps[u+UDPHeaderSize+bthResv8a] = 0xff
+	crc := crc32.Update(icrcSeed, crc32.IEEETable, ps[:n])
+	return crc32.Update(crc, crc32.IEEETable, d[n:len(d)-ICRCSize])
+}
+
+// SealICRC computes the ICRC of datagram d and stores it in its last four
+// bytes.
+func SealICRC(d []byte, ipLen int) {
+	binary.LittleEndian.PutUint32(d[len(d)-ICRCSize:], ICRC(d, ipLen))
+}
