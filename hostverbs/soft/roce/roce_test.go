@@ -45,7 +45,7 @@ func TestICRCKnownAnswers(t *testing.T) {
 
 func TestOpcodeTableLayout(t *testing.T) {
 	for _, tc := range []struct {
-		op                                        Opcode
+		op                                       Opcode
 		length, reth, aeth, atom, ack, deth, imm int
 	}{
 		{RCSendFirst, 12, 0, 0, 0, 0, 0, 0},
@@ -128,11 +128,11 @@ func gid(s string) [16]byte { return netip.MustParseAddr(s).As16() }
 func buildPacket(t testing.TB, src, dst string, op Opcode, n int) []byte {
 	net := NetFields{Src: gid(src), Dst: gid(dst), TClass: 0x68, HopLimit: 64, FlowLabel: 0x12345, ID: 0x4242, SrcPort: 0xc123}
 	tf := TransportFields{
-		BTH:       BTHFields{Opcode: op, SolicitedEvent: true, PKey: DefaultPKey, DestQP: 0x123456, AckReq: true, PSN: 0xabcdef},
-		VA:        0x1122334455667788, RKey: 0x99aabbcc, DMALength: 0x100000,
-		SwapAdd:   0x0102030405060708, Compare: 0x1112131415161718,
-		Syndrome:  NAKRemoteAccess, MSN: 0x654321, OrigData: 0x2122232425262728,
-		QKey:      0x11111111, SrcQP: 0xfedcba, Imm: 0xdeadbeef, IETHRKey: 0x31323334,
+		BTH: BTHFields{Opcode: op, SolicitedEvent: true, PKey: DefaultPKey, DestQP: 0x123456, AckReq: true, PSN: 0xabcdef},
+		VA:  0x1122334455667788, RKey: 0x99aabbcc, DMALength: 0x100000,
+		SwapAdd: 0x0102030405060708, Compare: 0x1112131415161718,
+		Syndrome: NAKRemoteAccess, MSN: 0x654321, OrigData: 0x2122232425262728,
+		QKey: 0x11111111, SrcQP: 0xfedcba, Imm: 0xdeadbeef, IETHRKey: 0x31323334,
 	}
 	buf := make([]byte, DatagramSize(IsV4Mapped(&net.Dst), op, n))
 	d, off := Build(buf, &net, &tf, n)
