@@ -1,0 +1,201 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+)
+
+// sizeFlag parses sizes like 512M, 1G, 1073741824.
+type sizeFlag uint64
+
+func (s *sizeFlag) String() string { return strconv.FormatUint(uint64(*s), 10) }
+
+func (s *sizeFlag) Set(v string) error {
+	mult := uint64(1)
+	switch {
+	case strings.HasSuffix(v, "G"):
+		mult, v = 1<<30, strings.TrimSuffix(v, "G")
+	case strings.HasSuffix(v, "M"):
+		mult, v = 1<<20, strings.TrimSuffix(v, "M")
+	}
+	n, err := strconv.ParseUint(v, 10, 64)
+	if err != nil || n > (1<<46)/mult {
+		return fmt.Errorf("bad size %q (want e.g. 512M or 1G)", v)
+	}
+	*s = sizeFlag(n * mult)
+	return nil
+}
+
+type vmFlags struct {
+	name, mac, netdev, socketDir, bus string
+	slot                              int
+	mem                               sizeFlag
+}
+
+func (v *vmFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&v.name, "vm", "", "VM name (names its socket <socket-dir>/<vm>.sock); required")
+	fs.StringVar(&v.mac, "mac", "", "vmxnet3 MAC (default: derived from the VM name)")
+	fs.StringVar(&v.netdev, "netdev", "net0", "id of the -netdev the vmxnet3 attaches to")
+	fs.StringVar(&v.socketDir, "socket-dir", defaultSocketDir, "daemon socket directory")
+	fs.IntVar(&v.slot, "slot", 5, "PCI slot: vmxnet3 at <slot>.0, PVRDMA at <slot>.1")
+	v.mem = 1 << 30
+	fs.Var(&v.mem, "mem", "guest RAM size, backed by a shared memfd")
+}
+
+func (v *vmFlags) spec() (backend.VMSpec, error) {
+	if v.name == "" {
+		return backend.VMSpec{}, fmt.Errorf("--vm is required: %w", errUsage)
+	}
+	spec := backend.VMSpec{Name: v.name, Slot: v.slot, Bus: v.bus, MemBytes: uint64(v.mem), Netdev: v.netdev,
+		Socket: backend.SocketPath(v.socketDir, v.name)}
+	if v.mac != "" {
+		mac, err := net.ParseMAC(v.mac)
+		if err != nil || len(mac) != 6 {
+			return spec, fmt.Errorf("--mac %q: not a 48-bit MAC", v.mac)
+		}
+		spec.MAC = mac
+	}
+	return spec, backend.CheckVMName(v.name)
+}
+
+func controlPath(socketDir string) string { return filepath.Join(socketDir, "control.sock") }
+
+func runQEMUArgs(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlags("qemu-args", "--vm NAME [flags]", stderr)
+	var v vmFlags
+	v.register(fs)
+	register := fs.Bool("register", true, "register the VM with the running daemon so its socket exists before QEMU starts")
+	shell := fs.Bool("shell", true, "print shell-quoted arguments on one line (false: one argument per line)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	spec, err := v.spec()
+	if err != nil {
+		return err
+	}
+	qargs, err := spec.QEMUArgs()
+	if err != nil {
+		return err
+	}
+	if *register {
+		req := backend.VMRequest{Name: spec.Name}
+		if spec.MAC != nil {
+			req.MAC = spec.MAC.String()
+		}
+		_, err := backend.NewControlClient(controlPath(v.socketDir)).AddVM(ctx, req)
+		if err != nil && !strings.Contains(err.Error(), "already registered") {
+			return fmt.Errorf("register %s: %w", spec.Name, err)
+		}
+	}
+	if !*shell {
+		for _, a := range qargs {
+			fmt.Fprintln(stdout, a)
+		}
+		return nil
+	}
+	q := make([]string, len(qargs))
+	for i, a := range qargs {
+		q[i] = shellQuote(a)
+	}
+	fmt.Fprintln(stdout, strings.Join(q, " "))
+	return nil
+}
+
+func shellQuote(s string) string {
+	if s != "" && strings.IndexFunc(s, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("-_=,./:+@", r))
+	}) < 0 {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+func runAttach(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlags("attach", "--qmp SOCKET --vm NAME --bus PORT [flags]", stderr)
+	var v vmFlags
+	v.register(fs)
+	qmpPath := fs.String("qmp", "", "QMP unix socket of the running VM; required")
+	fs.StringVar(&v.bus, "bus", "", "empty hot-pluggable bus (a pcie-root-port id); required")
+	timeout := fs.Duration("timeout", 10*time.Second, "QMP timeout")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if *qmpPath == "" || v.bus == "" {
+		fs.Usage()
+		return errUsage
+	}
+	v.slot = 0
+	spec, err := v.spec()
+	if err != nil {
+		return err
+	}
+	req := backend.VMRequest{Name: spec.Name}
+	if spec.MAC != nil {
+		req.MAC = spec.MAC.String()
+	}
+	if _, err := backend.NewControlClient(controlPath(v.socketDir)).AddVM(ctx, req); err != nil &&
+		!strings.Contains(err.Error(), "already registered") {
+		return fmt.Errorf("register %s: %w", spec.Name, err)
+	}
+	q, err := backend.DialQMP(ctx, *qmpPath, *timeout)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	if err := backend.Attach(ctx, q, spec); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "attached PVRDMA (%s) and vmxnet3 to %s on bus %s\n", spec.Socket, spec.Name, spec.Bus)
+	return nil
+}
+
+func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlags("status", "[flags]", stderr)
+	socketDir := fs.String("socket-dir", defaultSocketDir, "daemon socket directory")
+	asJSON := fs.Bool("json", false, "print JSON")
+	metrics := fs.Bool("metrics", false, "print the Prometheus metrics")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	c := backend.NewControlClient(controlPath(*socketDir))
+	if *metrics {
+		m, err := c.Metrics(ctx)
+		if err != nil {
+			return err
+		}
+		_, err = io.WriteString(stdout, m)
+		return err
+	}
+	st, err := c.Status(ctx)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		return enc.Encode(st)
+	}
+	fmt.Fprintf(stdout, "transport %s, fabric %s %s, sockets in %s\n", st.Transport, st.Fabric.Mode, st.Fabric.Netdev, st.SocketDir)
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "VM\tCONNECTED\tMAC\tGIDS\tQPS\tMRS\tLOCKED")
+	for _, vm := range st.VMs {
+		gids := make([]string, 0, len(vm.GIDs))
+		for _, g := range vm.GIDs {
+			gids = append(gids, fmt.Sprintf("%d:%s", g.Index, g.GID))
+		}
+		fmt.Fprintf(tw, "%s\t%v\t%s\t%s\t%d\t%d\t%dM\n", vm.Name, vm.Connected, vm.MAC, strings.Join(gids, ","),
+			vm.Resources["qp"], vm.Resources["mr"], vm.LockedBytes>>20)
+	}
+	return tw.Flush()
+}
