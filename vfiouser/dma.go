@@ -1,0 +1,123 @@
+package vfiouser
+
+import (
+	"fmt"
+
+	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+)
+
+// DMA_MAP and DMA_UNMAP (vfio-user spec): the client tells the server which
+// guest-physical ranges it may access. A map with a file descriptor is
+// mmapped MAP_SHARED with the protection it asks for and mlocked (the
+// device reads rings in place and must never fault on swapped-out pages);
+// a map without one (QEMU's BIOS ROM at 0xfffc0000, and all of guest RAM
+// unless it is a shared memfd) is recorded and reached with DMA_READ and
+// DMA_WRITE messages, or refused at access time for devices that need
+// memory in place.
+
+const pageMask = pageSize4K - 1
+
+func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
+	d := DecodeDMAMap(m.body)
+	if d.Argsz < DMAMapSize {
+		return 0, fmt.Errorf("DMA_MAP argsz %d: %w", d.Argsz, ErrInvalid)
+	}
+	if d.Flags&^(DMAFlagRead|DMAFlagWrite) != 0 || d.Flags == 0 {
+		return 0, fmt.Errorf("DMA_MAP flags %#x: %w", d.Flags, ErrInvalid)
+	}
+	if d.Size == 0 || d.Address&pageMask != 0 || d.Size&pageMask != 0 || d.Offset&pageMask != 0 {
+		return 0, fmt.Errorf("DMA_MAP %#x+%#x offset %#x: not 4 KiB aligned: %w", d.Address, d.Size, d.Offset, ErrInvalid)
+	}
+	if end := d.Address + d.Size; end < d.Address {
+		return 0, fmt.Errorf("DMA_MAP %#x+%#x overflows: %w", d.Address, d.Size, ErrInvalid)
+	}
+	if c.dmaMaps >= c.cfg.MaxDMAMaps {
+		return 0, fmt.Errorf("DMA_MAP: %d mappings already (max_dma_maps): %w", c.dmaMaps, ErrInvalid)
+	}
+	var prot guestmem.Prot
+	if d.Flags&DMAFlagRead != 0 {
+		prot |= guestmem.ProtRead
+	}
+	if d.Flags&DMAFlagWrite != 0 {
+		prot |= guestmem.ProtWrite
+	}
+	base := guestmem.GPA(d.Address)
+	var spec guestmem.RegionSpec
+	if len(m.fds) == 1 {
+		if d.Offset > 1<<62 {
+			return 0, fmt.Errorf("DMA_MAP offset %#x: %w", d.Offset, ErrInvalid)
+		}
+		var err error
+		spec, err = guestmem.MapFD(base, d.Size, prot, m.fds[0], int64(d.Offset))
+		if err != nil {
+			return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
+		}
+		m.fds[0] = -1 // owned by spec now; Release closes it
+	} else {
+		spec = guestmem.RegionSpec{Base: base, Size: d.Size, Prot: prot, FD: -1}
+		if c.desc.RequireSharedMemory && prot&guestmem.ProtWrite != 0 && !c.warnedRAM {
+			c.warnedRAM = true
+			c.log.Warn("client mapped writable guest memory without a file descriptor; the device cannot reach it",
+				"addr", fmt.Sprintf("%#x", d.Address), "size", d.Size, "fix", guestmem.ErrNotShared.Error())
+		}
+	}
+	if err := c.mem.Add(spec); err != nil {
+		if spec.Release != nil {
+			_ = spec.Release()
+		}
+		return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
+	}
+	c.dmaMaps++
+	if c.trace {
+		c.log.Debug("DMA_MAP", "addr", fmt.Sprintf("%#x", d.Address), "size", d.Size, "flags", d.Flags,
+			"fd", spec.FD >= 0, "locked_bytes", c.mem.LockedBytes())
+	}
+	if n, ok := c.dev.(DMANotifier); ok {
+		s := spec
+		s.Data, s.Release = nil, nil
+		n.DMAMapped(s)
+	}
+	return 0, nil
+}
+
+func (c *conn) handleDMAUnmap(m *ownedMsg) (int, error) {
+	u := DecodeDMAUnmap(m.body)
+	if u.Argsz < DMAUnmapSize {
+		return 0, fmt.Errorf("DMA_UNMAP argsz %d: %w", u.Argsz, ErrInvalid)
+	}
+	switch u.Flags {
+	case 0:
+		if _, err := c.mem.Remove(guestmem.GPA(u.Address), u.Size); err != nil {
+			return 0, fmt.Errorf("DMA_UNMAP %#x+%#x: %w", u.Address, u.Size, err)
+		}
+		c.dmaMaps--
+		if n, ok := c.dev.(DMANotifier); ok {
+			n.DMAUnmapped(guestmem.GPA(u.Address), u.Size)
+		}
+	case UnmapFlagAll:
+		if u.Address != 0 || u.Size != 0 {
+			return 0, fmt.Errorf("DMA_UNMAP all with range %#x+%#x: %w", u.Address, u.Size, ErrInvalid)
+		}
+		regions := c.mem.Regions()
+		if err := c.mem.RemoveAll(); err != nil {
+			return 0, fmt.Errorf("DMA_UNMAP all: %w", err)
+		}
+		c.dmaMaps = 0
+		if n, ok := c.dev.(DMANotifier); ok {
+			for _, r := range regions {
+				n.DMAUnmapped(r.Base, r.Size)
+			}
+		}
+	case UnmapFlagDirtyBitmap:
+		return 0, fmt.Errorf("DMA_UNMAP dirty bitmap: %w", ErrUnsupported)
+	default:
+		return 0, fmt.Errorf("DMA_UNMAP flags %#x: %w", u.Flags, ErrInvalid)
+	}
+	if c.trace {
+		c.log.Debug("DMA_UNMAP", "addr", fmt.Sprintf("%#x", u.Address), "size", u.Size, "locked_bytes", c.mem.LockedBytes())
+	}
+	p := c.payload(DMAUnmapSize)
+	u.Argsz = DMAUnmapSize
+	u.Encode(p)
+	return DMAUnmapSize, nil
+}

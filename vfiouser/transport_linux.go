@@ -1,0 +1,129 @@
+package vfiouser
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// oobFDs is how many descriptors one recvmsg can carry before the kernel
+// truncates (MSG_CTRUNC). It is larger than any max_msg_fds we announce so
+// that "too many descriptors" is seen and refused, not silently truncated.
+const oobFDs = 64
+
+// unixTransport is a transport over a connected AF_UNIX stream socket. It
+// receives with a raw recvmsg through the runtime poller (no allocation
+// per read, MSG_CMSG_CLOEXEC on received descriptors) and sends with the
+// net package.
+type unixTransport struct {
+	c  *net.UnixConn
+	rc syscall.RawConn
+
+	// recvmsg state, reused by every read; only one goroutine reads at a
+	// time (the connection's read token).
+	msg    unix.Msghdr
+	iov    unix.Iovec
+	oob    [(oobFDs*4 + 64)]byte
+	n      int
+	errno  syscall.Errno
+	readFn func(fd uintptr) bool
+}
+
+func newUnixTransport(c *net.UnixConn) (*unixTransport, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return nil, fmt.Errorf("raw socket: %w", err)
+	}
+	t := &unixTransport{c: c, rc: rc}
+	t.readFn = t.recvmsg
+	return t, nil
+}
+
+// recvmsg runs inside RawConn.Read: false asks the poller to wait for the
+// socket to become readable.
+func (t *unixTransport) recvmsg(fd uintptr) bool {
+	for {
+		n, _, e := unix.Syscall(unix.SYS_RECVMSG, fd, uintptr(unsafe.Pointer(&t.msg)), unix.MSG_CMSG_CLOEXEC)
+		switch e {
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			return false
+		}
+		t.n, t.errno = int(n), e
+		return true
+	}
+}
+
+func (t *unixTransport) read(p []byte, fds []int) (int, []int, bool, error) {
+	if len(p) == 0 {
+		return 0, fds, false, nil
+	}
+	t.iov.Base = &p[0]
+	t.iov.SetLen(len(p))
+	t.msg = unix.Msghdr{Iov: &t.iov, Iovlen: 1, Control: &t.oob[0]}
+	t.msg.SetControllen(len(t.oob))
+	if err := t.rc.Read(t.readFn); err != nil {
+		return 0, fds, false, err // closed, or the read deadline passed
+	}
+	if t.errno != 0 {
+		return 0, fds, false, fmt.Errorf("recvmsg: %w", t.errno)
+	}
+	n := t.n
+	truncated := t.msg.Flags&unix.MSG_CTRUNC != 0
+	if oobn := int(t.msg.Controllen); oobn > 0 {
+		var err error
+		fds, err = parseRights(t.oob[:oobn], fds)
+		if err != nil {
+			return n, fds, true, nil // malformed control data: refuse the message, keep the stream
+		}
+	}
+	if n == 0 && len(fds) == 0 {
+		return 0, fds, truncated, io.EOF
+	}
+	return n, fds, truncated, nil
+}
+
+// parseRights appends the descriptors of every SCM_RIGHTS message in oob to
+// fds. Other control messages are ignored.
+func parseRights(oob []byte, fds []int) ([]int, error) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return fds, fmt.Errorf("parse control messages: %w", err)
+	}
+	for i := range msgs {
+		if msgs[i].Header.Level != unix.SOL_SOCKET || msgs[i].Header.Type != unix.SCM_RIGHTS {
+			continue
+		}
+		r, err := unix.ParseUnixRights(&msgs[i])
+		if err != nil {
+			return fds, fmt.Errorf("parse SCM_RIGHTS: %w", err)
+		}
+		fds = append(fds, r...)
+	}
+	return fds, nil
+}
+
+func (t *unixTransport) write(p []byte, fds []int) error {
+	if len(fds) == 0 {
+		_, err := t.c.Write(p)
+		return err
+	}
+	n, _, err := t.c.WriteMsgUnix(p, unix.UnixRights(fds...), nil)
+	if err != nil {
+		return err
+	}
+	if n < len(p) {
+		_, err = t.c.Write(p[n:])
+	}
+	return err
+}
+
+func (t *unixTransport) setReadDeadline(d time.Time) error { return t.c.SetReadDeadline(d) }
+
+func (t *unixTransport) close() error { return t.c.Close() }
