@@ -1,0 +1,22 @@
+#!/bin/sh
+# Installs the host packages the VM test bed needs (Debian 12 / bookworm packages only).
+# Idempotent: when everything is present it neither updates the package lists nor
+# downloads anything.
+set -eu
+pkgs="ca-certificates gcc make libc6-dev binutils kmod xz-utils apt dpkg iproute2"
+missing=""
+for p in $pkgs; do
+	if ! dpkg-query -W -f '${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+		missing="$missing $p"
+	fi
+done
+if [ -n "$missing" ]; then
+	echo "deps: installing$missing"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -q
+	apt-get install -y -q --no-install-recommends $missing
+fi
+for t in /dev/net/tun; do
+	[ -e "$t" ] || echo "deps: note: $t is missing" >&2
+done
+[ -e /dev/net/tun ] || { echo "deps: /dev/net/tun is required for the VM networks" >&2; exit 1; }

@@ -1,0 +1,58 @@
+# Helpers for test-bed scenarios (busybox sh); sourced before every scenario.
+
+# Real programs (iproute2 ip, pciutils lspci) instead of the busybox applets.
+[ -r /usr/lib/pvt/overrides.sh ] && . /usr/lib/pvt/overrides.sh
+
+# pvt_retry N CMD...: run CMD; while it fails because its peer is not listening yet
+# ("Couldn't connect", "Connection refused", "Unable to init the socket connection"),
+# retry up to N times, one second apart. Any other failure is returned at once. The
+# command's output is printed once, from the last attempt.
+pvt_retry() {
+	_n=$1
+	shift
+	_i=0
+	while :; do
+		"$@" >/tmp/pvt_retry.out 2>&1
+		_rc=$?
+		if [ $_rc -eq 0 ] || [ $_i -ge "$_n" ] ||
+			! grep -qiE "couldn't connect|connection refused|unable to init the socket connection|failed to connect" /tmp/pvt_retry.out; then
+			cat /tmp/pvt_retry.out
+			return $_rc
+		fi
+		_i=$((_i + 1))
+		sleep 1
+	done
+}
+
+# pvt_rxe DEV [NAME]: load soft-RoCE and create an rxe device on netdev DEV. crc32_generic
+# is not a declared dependency of rdma_rxe but rxe fails without it.
+pvt_rxe() {
+	modprobe crc32_generic && modprobe rdma_rxe || return 1
+	rdma link add "${2:-rxe0}" type rxe netdev "$1" || return 1
+	_t=0
+	while [ ! -e /sys/class/infiniband/"${2:-rxe0}"/ports/1/gids/1 ] && [ $_t -lt 50 ]; do
+		sleep 0.1
+		_t=$((_t + 1))
+	done
+}
+
+# pvt_gid_index IBDEV IPV4: print the index of IBDEV's RoCE v2 GID for IPV4
+# (::ffff:a.b.c.d), waiting up to 10 s for it to appear.
+pvt_gid_index() {
+	_want=$(echo "$2" | awk -F. '{printf "0000:0000:0000:0000:0000:ffff:%02x%02x:%02x%02x", $1, $2, $3, $4}')
+	_t=0
+	while [ $_t -lt 100 ]; do
+		for _g in /sys/class/infiniband/"$1"/ports/1/gids/*; do
+			_i=${_g##*/}
+			if [ "$(cat "$_g" 2>/dev/null)" = "$_want" ] &&
+				[ "$(cat /sys/class/infiniband/"$1"/ports/1/gid_attrs/types/"$_i" 2>/dev/null)" = "RoCE v2" ]; then
+				echo "$_i"
+				return 0
+			fi
+		done
+		sleep 0.1
+		_t=$((_t + 1))
+	done
+	echo "pvt: no RoCE v2 GID for $2 on $1" >&2
+	return 1
+}

@@ -1,0 +1,286 @@
+package vm
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// imageRecipe versions image.json itself.
+const imageRecipe = "image-v1"
+
+// Image is a built guest image: QEMU, the guest kernel and the base initramfs, all in the
+// cache. It is immutable once returned.
+type Image struct {
+	// CacheDir is the cache the image lives in.
+	CacheDir string `json:"cache_dir"`
+	// QEMUDir is the QEMU component (the unpacked trixie tree is QEMUDir/root).
+	QEMUDir string `json:"qemu_dir"`
+	// QEMUVersion is the Debian version of qemu-system-x86.
+	QEMUVersion string `json:"qemu_version"`
+	// KernelABI is the guest kernel release, e.g. "6.1.0-56-amd64".
+	KernelABI string `json:"kernel_abi"`
+	// KernelVersion is the Debian version of the kernel packages, e.g. "6.1.192-2".
+	KernelVersion string `json:"kernel_version"`
+	// Kernel is the uncompressed PVH-bootable vmlinux.
+	Kernel string `json:"kernel"`
+	// Initramfs is the base initramfs (newc cpio, uncompressed). Each boot appends a
+	// second archive with /init, the scenario and the test's files.
+	Initramfs string `json:"initramfs"`
+	// Modules are the kernel modules present in the guest.
+	Modules []string `json:"modules"`
+	// Packages are the exact guest userspace packages.
+	Packages []Package `json:"packages"`
+	// Recipe is the image recipe version.
+	Recipe string `json:"recipe"`
+}
+
+func (img *Image) qemu() qemuInstall { return qemuPaths(img.QEMUDir) }
+
+// QEMUCommand returns a command that runs the image's qemu-system-x86_64 (through the
+// unpacked trixie loader and libraries, with its firmware and module directories) with
+// args.
+func (img *Image) QEMUCommand(ctx context.Context, args ...string) *exec.Cmd {
+	return img.qemu().command(ctx, args...)
+}
+
+// ImageOptions configure EnsureImage. The zero value uses the defaults.
+type ImageOptions struct {
+	// CacheDir defaults to DefaultCacheDir().
+	CacheDir string
+	// Mirror and SecurityMirror default to $PVRDMA_DEBIAN_MIRROR /
+	// $PVRDMA_DEBIAN_SECURITY_MIRROR, else deb.debian.org.
+	Mirror, SecurityMirror string
+	// Refresh fetches the package indices again (also set by PVRDMA_VM_REFRESH=1) and
+	// rebuilds the components whose package versions changed.
+	Refresh bool
+	// Logf receives progress messages; nil discards them.
+	Logf func(format string, args ...any)
+}
+
+// EnsureImage returns the cached image, building whatever is missing. A warm cache is
+// used without any network access or apt call. logf (e.g. t.Logf) receives progress; it
+// may be nil.
+func EnsureImage(ctx context.Context, logf func(format string, args ...any)) (*Image, error) {
+	return ImageOptions{Logf: logf}.Ensure(ctx)
+}
+
+func (o ImageOptions) withDefaults() ImageOptions {
+	if o.CacheDir == "" {
+		o.CacheDir = DefaultCacheDir()
+	}
+	if o.Mirror == "" {
+		o.Mirror = envOr(EnvMirror, "http://deb.debian.org/debian")
+	}
+	if o.SecurityMirror == "" {
+		o.SecurityMirror = envOr(EnvSecurityMirror, "http://deb.debian.org/debian-security")
+	}
+	if os.Getenv(EnvRefresh) == "1" {
+		o.Refresh = true
+	}
+	if o.Logf == nil {
+		o.Logf = func(string, ...any) {}
+	}
+	return o
+}
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+// Ensure is EnsureImage with options.
+func (o ImageOptions) Ensure(ctx context.Context) (*Image, error) {
+	o = o.withDefaults()
+	if !o.Refresh {
+		l, err := lockCache(o.CacheDir, false)
+		if err != nil {
+			return nil, err
+		}
+		img, err := loadImage(o.CacheDir)
+		l.unlock()
+		if err == nil {
+			return img, nil
+		}
+	}
+	l, err := lockCache(o.CacheDir, true)
+	if err != nil {
+		return nil, err
+	}
+	defer l.unlock()
+	if !o.Refresh {
+		// Another process may have built it while we waited for the lock.
+		if img, err := loadImage(o.CacheDir); err == nil {
+			return img, nil
+		}
+	}
+	start := time.Now()
+	img, err := o.build(ctx)
+	if err != nil {
+		return nil, err
+	}
+	o.Logf("image ready in %v: %s", time.Since(start).Round(time.Millisecond), o.CacheDir)
+	return img, nil
+}
+
+func imagePath(cacheDir string) string { return filepath.Join(cacheDir, "image.json") }
+
+// loadImage reads image.json and checks that everything it names is still there.
+func loadImage(cacheDir string) (*Image, error) {
+	b, err := os.ReadFile(imagePath(cacheDir))
+	if err != nil {
+		return nil, err
+	}
+	var img Image
+	if err := json.Unmarshal(b, &img); err != nil {
+		return nil, fmt.Errorf("image.json: %w", err)
+	}
+	if img.Recipe != fullRecipe() {
+		return nil, errors.New("image recipe changed")
+	}
+	q := img.qemu()
+	for _, p := range []string{img.Kernel, img.Initramfs, q.Binary, q.Loader} {
+		if _, err := os.Stat(p); err != nil {
+			return nil, fmt.Errorf("image incomplete: %w", err)
+		}
+	}
+	return &img, nil
+}
+
+func fullRecipe() string {
+	return strings.Join([]string{imageRecipe, qemuRecipe, kernelRecipe, initramfsRecipe}, "+")
+}
+
+// build resolves exact package versions (from cached indices, fetching them first if
+// there are none or Refresh is set), builds the components whose keys are missing and
+// writes image.json.
+func (o ImageOptions) build(ctx context.Context) (*Image, error) {
+	bookworm := &aptRoot{dir: filepath.Join(o.CacheDir, "apt", "bookworm"), logf: o.Logf, sources: []string{
+		"deb " + o.Mirror + " bookworm main",
+		"deb " + o.Mirror + " bookworm-updates main",
+		"deb " + o.SecurityMirror + " bookworm-security main",
+	}}
+	trixie := &aptRoot{dir: filepath.Join(o.CacheDir, "apt", "trixie"), logf: o.Logf, sources: []string{
+		"deb " + o.Mirror + " trixie main",
+		"deb " + o.Mirror + " trixie-backports main",
+	}}
+	for _, a := range []*aptRoot{bookworm, trixie} {
+		if err := a.prepare(); err != nil {
+			return nil, fmt.Errorf("apt root: %w", err)
+		}
+		if o.Refresh || !a.hasLists() {
+			if err := a.update(ctx); err != nil {
+				return nil, err
+			}
+		}
+	}
+
+	// QEMU.
+	qpkgs, err := trixie.resolve(ctx, qemuPackages)
+	if err != nil {
+		return nil, err
+	}
+	qc := newComponent(o.CacheDir, "qemu", qemuRecipe, pkgStrings(qpkgs))
+	if !qc.exists() {
+		t := time.Now()
+		if err := qc.build(func(tmp string) error { return buildQEMU(ctx, trixie, qpkgs, tmp, o.Logf) }); err != nil {
+			return nil, err
+		}
+		o.Logf("qemu component %s built in %v", qc.key, time.Since(t).Round(time.Millisecond))
+	}
+
+	// Kernel.
+	kc, err := chooseKernel(ctx, bookworm)
+	if err != nil {
+		return nil, err
+	}
+	kcomp := newComponent(o.CacheDir, "kernel", kernelRecipe+" "+strings.Join(guestModules, ","), pkgStrings(kc.Packages))
+	if !kcomp.exists() {
+		t := time.Now()
+		if err := kcomp.build(func(tmp string) error { return buildKernel(ctx, bookworm, kc, tmp, o.Logf) }); err != nil {
+			return nil, err
+		}
+		o.Logf("kernel component %s (%s) built in %v", kcomp.key, kc.ABI, time.Since(t).Round(time.Millisecond))
+	}
+	var kman kernelManifest
+	if err := readJSON(filepath.Join(kcomp.dir, "manifest.json"), &kman); err != nil {
+		return nil, err
+	}
+
+	// Initramfs.
+	upkgs, err := bookworm.resolve(ctx, guestPackages)
+	if err != nil {
+		return nil, err
+	}
+	ic := newComponent(o.CacheDir, "initramfs", initramfsRecipe, append(pkgStrings(upkgs), "kernel="+kcomp.key))
+	if !ic.exists() {
+		t := time.Now()
+		if err := ic.build(func(tmp string) error {
+			return buildInitramfs(ctx, bookworm, upkgs, kcomp.dir, kc.ABI, tmp, o.Logf)
+		}); err != nil {
+			return nil, err
+		}
+		o.Logf("initramfs component %s built in %v (%d MiB)", ic.key, time.Since(t).Round(time.Millisecond), dirSize(ic.dir)>>20)
+	}
+
+	img := &Image{
+		CacheDir:      o.CacheDir,
+		QEMUDir:       qc.dir,
+		QEMUVersion:   versionOf(qpkgs, "qemu-system-x86"),
+		KernelABI:     kc.ABI,
+		KernelVersion: kc.Version,
+		Kernel:        filepath.Join(kcomp.dir, "vmlinux"),
+		Initramfs:     filepath.Join(ic.dir, "base.cpio"),
+		Modules:       kman.Modules,
+		Packages:      upkgs,
+		Recipe:        fullRecipe(),
+	}
+	b, err := json.MarshalIndent(img, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	tmp := imagePath(o.CacheDir) + ".tmp"
+	if err := os.WriteFile(tmp, b, 0o644); err != nil {
+		return nil, err
+	}
+	if err := os.Rename(tmp, imagePath(o.CacheDir)); err != nil {
+		return nil, err
+	}
+	return img, nil
+}
+
+func pkgStrings(pkgs []Package) []string {
+	s := make([]string, len(pkgs))
+	for i, p := range pkgs {
+		s[i] = p.String()
+	}
+	return s
+}
+
+func versionOf(pkgs []Package, name string) string {
+	for _, p := range pkgs {
+		if p.Name == name {
+			return p.Version
+		}
+	}
+	return ""
+}
+
+func readJSON(p string, v any) error {
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		return fmt.Errorf("%s: %w", p, err)
+	}
+	return nil
+}
