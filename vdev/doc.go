@@ -1,6 +1,28 @@
-// Package vdev is the PVRDMA device model: PCI identity and MSI-X, the BAR1
-// register file, the device shared region, the command channel (21
-// commands), UAR doorbells, the async-event and CQ-notification rings, and
-// the translation of guest work requests and completions to and from a
-// hostverbs.Device.
+// Package vdev is the PVRDMA device model: the PCI function that the stock
+// Linux vmw_pvrdma driver and rdma-core's vmw_pvrdma provider drive,
+// emulated over a hostverbs.Device.
+//
+// It covers the BAR1 register file, the device shared region (DSR) and the
+// capabilities written into it, the command channel (all 21 commands,
+// driven by a table keyed by command code), the UAR doorbells of BAR2, the
+// async-event and CQ-notification rings with their MSI-X vectors, and the
+// translation of guest work requests (read from guest rings with
+// package ringbuf) into hostverbs work requests and of hostverbs work
+// completions into CQEs in guest CQ rings.
+//
+// Everything the guest writes is untrusted: ring indices, page
+// directories, handles, keys, SGEs and every command field are validated
+// and a bad one gets an error status (ERR register and response header, or
+// an error CQE that consumes the WQE's slot), never a panic, an
+// out-of-bounds access or an unbounded allocation. Resource counts are
+// bounded by per-VM Limits, and the capabilities reported to the guest are
+// the truth: the provider's limits, ours, and the ABI's, whichever is
+// smallest.
+//
+// Concurrency: BAR accesses (ReadBAR/WriteBAR) of one device arrive in
+// order from one goroutine, are serialised by the device and run
+// synchronously (a doorbell drains the ring and posts to the provider
+// before the write returns). Completions and async events arrive from
+// provider goroutines; each CQ ring and the two device rings have their own
+// lock, so completions never wait for commands.
 package vdev

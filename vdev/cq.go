@@ -1,0 +1,238 @@
+package vdev
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"syscall"
+
+	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+)
+
+// Arm states of a CQ, weakest first (a later ARM upgrades an ARM_SOL).
+const (
+	armNone = iota
+	armSolicited
+	armNext
+)
+
+// cq is a completion queue: a guest ring of CQEs (page 0 ring state, rx
+// half; CQEs from page 1) that the device produces into, and a provider CQ
+// whose completion handler it is. Complete runs on provider goroutines and
+// takes only mu.
+type cq struct {
+	dev    *Device
+	handle uint32
+	uar    uint32
+	hv     hostverbs.CQ
+	pages  int
+	refs   int // QPs using it; guarded by Device.mu
+
+	mu         sync.Mutex
+	ring       *ringbuf.Producer
+	armed      uint8
+	dead       bool
+	overflowed bool
+	cqe        CQE
+	buf        [CQESize]byte
+}
+
+// cqRingPages is how many pages a CQ ring of n CQEs needs: the ring-state
+// page and the CQEs (pvrdma_create_cq and rdma-core compute the same).
+func cqRingPages(n uint32) uint64 {
+	return 1 + (uint64(n)*CQESize+guestmem.PageSize-1)/guestmem.PageSize
+}
+
+func (d *Device) cmdCreateCQ(req, resp []byte) error {
+	var r CreateCQ
+	r.Decode(req)
+	uar, err := d.context(r.CtxHandle)
+	if err != nil {
+		return err
+	}
+	if r.CQE == 0 || r.CQE > d.caps.MaxCQE || r.CQE&(r.CQE-1) != 0 {
+		return fmt.Errorf("%d CQEs (power of two up to %d): %w", r.CQE, d.caps.MaxCQE, syscall.EINVAL)
+	}
+	need, most := cqRingPages(r.CQE), cqRingPages(d.caps.MaxCQE)
+	if uint64(r.NChunks) < need || uint64(r.NChunks) > most {
+		return fmt.Errorf("CQ of %d CQEs in %d pages (needs %d, at most %d): %w", r.CQE, r.NChunks, need, most, ringbuf.ErrPageCount)
+	}
+	pages, err := ringbuf.ReadPageDir(d.mem, guestmem.GPA(r.PDirDMA), int(r.NChunks), int(most))
+	if err != nil {
+		return fmt.Errorf("CQ page directory: %w", err)
+	}
+	geo, err := ringbuf.NewGeometry(r.CQE)
+	if err != nil {
+		return err
+	}
+	area, err := ringbuf.NewArea(pages, guestmem.PageSize, CQESize, r.CQE)
+	if err != nil {
+		return err
+	}
+	ring, err := ringbuf.NewProducer(d.mem, pages[0]+ringStateRx, geo, area)
+	if err != nil {
+		return fmt.Errorf("CQ ring state: %w", err)
+	}
+	c := &cq{dev: d, uar: uar, ring: ring, pages: len(pages)}
+	h, ok := d.cqs.alloc(c)
+	if !ok {
+		return fmt.Errorf("%d CQs: %w", d.cqs.len(), ErrLimit)
+	}
+	c.handle = h
+	c.hv, err = d.verbs.CreateCQ(hostverbs.CQAttr{Depth: int(r.CQE), Context: uint64(h), Handler: c})
+	if err != nil {
+		d.cqs.free(h)
+		return fmt.Errorf("create CQ: %w", err)
+	}
+	CreateCQResp{CQHandle: h, CQE: r.CQE}.Encode(resp)
+	return nil
+}
+
+// cmdResizeCQ changes the number of CQEs of a CQ within the pages it was
+// created with. The ring must be empty; the device restarts prod_tail at 0
+// and the guest restarts its cons_head (no Linux driver issues
+// RESIZE_CQ: it returns EOPNOTSUPP to its callers).
+func (d *Device) cmdResizeCQ(req, resp []byte) error {
+	var r ResizeCQ
+	r.Decode(req)
+	c, ok := d.cqs.get(r.CQHandle)
+	if !ok {
+		return fmt.Errorf("CQ %d: %w", r.CQHandle, ErrBadHandle)
+	}
+	if r.CQE == 0 || r.CQE > d.caps.MaxCQE || r.CQE&(r.CQE-1) != 0 || cqRingPages(r.CQE) > uint64(c.pages) {
+		return fmt.Errorf("resize CQ %d to %d CQEs in %d pages: %w", r.CQHandle, r.CQE, c.pages, syscall.EINVAL)
+	}
+	geo, err := ringbuf.NewGeometry(r.CQE)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err := c.hv.Resize(int(r.CQE)); err != nil {
+		return fmt.Errorf("resize provider CQ: %w", err)
+	}
+	if err := c.ring.Resize(geo, CQESize); err != nil {
+		if errors.Is(err, ringbuf.ErrFull) {
+			return fmt.Errorf("resize CQ %d: %w", r.CQHandle, syscall.EBUSY)
+		}
+		return err
+	}
+	c.overflowed = false
+	ResizeCQResp{CQE: r.CQE}.Encode(resp)
+	return nil
+}
+
+func (d *Device) cmdDestroyCQ(req, resp []byte) error {
+	var r DestroyCQ
+	r.Decode(req)
+	c, ok := d.cqs.get(r.CQHandle)
+	if !ok {
+		return fmt.Errorf("CQ %d: %w", r.CQHandle, ErrBadHandle)
+	}
+	if c.refs > 0 {
+		return fmt.Errorf("CQ %d used by %d QPs: %w", r.CQHandle, c.refs, syscall.EBUSY)
+	}
+	return d.destroyCQ(c)
+}
+
+func (d *Device) destroyCQ(c *cq) error {
+	d.cqs.free(c.handle)
+	c.mu.Lock()
+	c.dead = true // a completion racing with Destroy is dropped
+	c.mu.Unlock()
+	if err := c.hv.Destroy(); err != nil {
+		d.log.Warn("pvrdma: provider refused to destroy a CQ", "cq", c.handle, "err", err)
+		return fmt.Errorf("destroy CQ: %w", err)
+	}
+	return nil
+}
+
+// cq validates a CQ handle from a command.
+func (d *Device) cq(h uint32) (*cq, error) {
+	c, ok := d.cqs.get(h)
+	if !ok {
+		return nil, fmt.Errorf("CQ %d: %w", h, ErrBadHandle)
+	}
+	return c, nil
+}
+
+// arm requests a notification for the next completion (or the next
+// solicited or unsuccessful one).
+func (c *cq) arm(level uint8) {
+	c.mu.Lock()
+	c.armed = max(c.armed, level)
+	c.mu.Unlock()
+}
+
+// Complete writes one work completion into the guest's CQ ring. It is the
+// provider CQ's handler (any goroutine, never blocking) and the path of
+// completions the device generates itself (errors and flushes). The QP is
+// resolved from the completion's context under the CQ lock, so nothing is
+// written for a QP once DestroyQP has returned: the drivers would not find
+// it (rdma-core then never advances past the CQE).
+func (c *cq) Complete(wc *hostverbs.WorkCompletion) {
+	d := c.dev
+	c.mu.Lock()
+	q := d.liveQP(wc.QPContext)
+	if c.dead || q == nil {
+		c.mu.Unlock()
+		d.stats.staleCompletions.Add(1)
+		return
+	}
+	if c.overflowed {
+		c.mu.Unlock()
+		d.stats.cqOverflows.Add(1)
+		return
+	}
+	gpa, err := c.ring.Reserve()
+	if err != nil {
+		// Full or corrupted ring: IBA's CQ overflow. The CQ stops taking
+		// completions and the guest gets a CQ error event; never block.
+		c.overflowed = true
+		c.mu.Unlock()
+		d.stats.cqOverflows.Add(1)
+		d.log.Debug("pvrdma: CQ overflow", "cq", c.handle, "err", err)
+		d.pushEvent(uint32(hostverbs.EventCQErr), c.handle)
+		return
+	}
+	e := &c.cqe
+	*e = CQE{
+		WRID: wc.WRID, QP: uint64(q.handle), Opcode: uint32(wc.Opcode), Status: uint32(wc.Status),
+		ByteLen: wc.ByteLen, ImmData: wc.ImmData, SrcQP: wc.SrcQP, WCFlags: uint32(wc.Flags),
+		VendorErr: wc.VendorErr, PKeyIndex: wc.PKeyIndex, SLID: wc.SLID, SL: wc.SL,
+		DLIDPathBits: wc.DLIDBits, PortNum: wc.Port, NetworkHdrType: uint8(wc.NetworkHdrType),
+	}
+	if e.PortNum == 0 {
+		e.PortNum = portNum
+	}
+	e.Encode(c.buf[:])
+	if err := d.mem.WriteAt(c.buf[:], gpa); err == nil {
+		err = c.ring.Commit()
+	}
+	notify := false
+	if err == nil {
+		switch {
+		case c.armed == armNext:
+			notify = true
+		case c.armed == armSolicited:
+			notify = wc.Solicited || wc.Status != hostverbs.WCSuccess
+		}
+		if notify {
+			c.armed = armNone
+		}
+	}
+	c.mu.Unlock()
+	if err != nil {
+		d.stats.cqOverflows.Add(1)
+		return
+	}
+	d.stats.completions.Add(1)
+	if q.typ == hostverbs.QPTypeRC && wc.Status != hostverbs.WCSuccess && wc.Status != hostverbs.WCWRFlushErr {
+		q.state.Store(uint32(hostverbs.QPStateErr)) // an RC completion error moves the QP to ERR
+	}
+	if notify {
+		d.pushCQNotify(c.handle)
+	}
+}

@@ -1,0 +1,331 @@
+package vdev
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+)
+
+// IRQ raises the device's interrupts: MSI-X vector v (VectorResponse,
+// VectorAsync, VectorCQ), or INTx when the function runs without MSI-X.
+// Trigger must be safe to call from any goroutine and must not block.
+type IRQ interface {
+	Trigger(vector int)
+}
+
+// Limits are per-VM resource quotas. A zero field selects the default
+// below; the capabilities reported to the guest are the smaller of these
+// and the provider's. Exceeding one fails the guest's command with an
+// error status (ENOMEM), never host memory exhaustion.
+type Limits struct {
+	MaxQP, MaxCQ, MaxMR, MaxPD, MaxSRQ, MaxAH int
+	// MaxMRBytes caps the bytes of all registered memory regions.
+	MaxMRBytes uint64
+	// MaxQPWR, MaxCQE and MaxSRQWR cap queue depths; MaxSGE the SGEs per
+	// WQE (send, receive and SRQ).
+	MaxQPWR, MaxCQE, MaxSRQWR, MaxSGE int
+	// GIDTableLen is the number of GID table entries offered to the guest.
+	GIDTableLen int
+}
+
+// DefaultLimits returns the limits used for zero fields of Config.Limits.
+func DefaultLimits() Limits {
+	return Limits{
+		MaxQP: 1024, MaxCQ: 2048, MaxMR: 4096, MaxPD: 1024, MaxSRQ: 512, MaxAH: 4096,
+		MaxMRBytes: 4 << 30,
+		MaxQPWR:    4096, MaxCQE: 16384, MaxSRQWR: 4096, MaxSGE: 16,
+		GIDTableLen: 16,
+	}
+}
+
+func (l Limits) withDefaults() Limits {
+	d := DefaultLimits()
+	pick := func(v, def int) int {
+		if v <= 0 {
+			return def
+		}
+		return v
+	}
+	l.MaxQP, l.MaxCQ, l.MaxMR = pick(l.MaxQP, d.MaxQP), pick(l.MaxCQ, d.MaxCQ), pick(l.MaxMR, d.MaxMR)
+	l.MaxPD, l.MaxSRQ, l.MaxAH = pick(l.MaxPD, d.MaxPD), pick(l.MaxSRQ, d.MaxSRQ), pick(l.MaxAH, d.MaxAH)
+	l.MaxQPWR, l.MaxCQE, l.MaxSRQWR = pick(l.MaxQPWR, d.MaxQPWR), pick(l.MaxCQE, d.MaxCQE), pick(l.MaxSRQWR, d.MaxSRQWR)
+	l.MaxSGE, l.GIDTableLen = pick(l.MaxSGE, d.MaxSGE), pick(l.GIDTableLen, d.GIDTableLen)
+	if l.MaxMRBytes == 0 {
+		l.MaxMRBytes = d.MaxMRBytes
+	}
+	return l
+}
+
+// Config parameterises a device.
+type Config struct {
+	// Memory is the VM's guest-physical memory. The device requires it to
+	// be shared (fd-backed): New calls Memory.RequireShared(true).
+	Memory *guestmem.Memory
+	// Verbs is the provider device the guest's verbs are relayed to. The
+	// caller owns it; route its DeviceConfig.Events to HandleEvent.
+	Verbs hostverbs.Device
+	// IRQ raises interrupts.
+	IRQ IRQ
+	// MAC is the paired vmxnet3's MAC address (node GUID, MACL/MACH).
+	MAC [6]byte
+	// Limits caps the VM's resources.
+	Limits Limits
+	// Logger is the device's logger; nil means slog.Default().
+	Logger *slog.Logger
+	// OnGID, if set, is called when the guest binds (bound true) or
+	// unbinds a GID, after the provider accepted it. It runs on the BAR
+	// goroutine and must not call back into the device.
+	OnGID func(index int, e hostverbs.GIDEntry, bound bool)
+}
+
+// Errors of the device (wrapped with context; the guest sees errnos).
+var (
+	// ErrClosed: the device was closed.
+	ErrClosed = errors.New("pvrdma device closed")
+	// ErrAccess: a BAR access outside a BAR or of a size the register file
+	// does not implement.
+	ErrAccess = errors.New("invalid BAR access")
+	// ErrNoDSR: a command or doorbell arrived before the driver loaded the
+	// device shared region (CVE-2022-1050).
+	ErrNoDSR = fmt.Errorf("device shared region not loaded: %w", syscall.EFAULT)
+	// ErrBadHandle: a handle from the guest names no live object.
+	ErrBadHandle = fmt.Errorf("no such handle: %w", hostverbs.ErrInvalid)
+	// ErrLimit: a per-VM limit or capability would be exceeded.
+	ErrLimit = fmt.Errorf("limit reached: %w", hostverbs.ErrNoResources)
+)
+
+// Stats are the device's counters.
+type Stats struct {
+	Commands, CommandErrors             uint64
+	Doorbells, PollDoorbells            uint64
+	BadDoorbells                        uint64
+	SendWQEs, RecvWQEs, BadWQEs         uint64
+	FlushedWQEs, StalledPosts           uint64
+	Completions, StaleCompletions       uint64
+	CQOverflows                         uint64
+	CQNotifications, NotifyDropped      uint64
+	AsyncEvents, AsyncDropped           uint64
+	Interrupts, MaskedInterrupts        uint64
+	BadBARAccesses                      uint64
+}
+
+type counters struct {
+	commands, commandErrors          atomic.Uint64
+	doorbells, pollDoorbells         atomic.Uint64
+	badDoorbells                     atomic.Uint64
+	sendWQEs, recvWQEs, badWQEs      atomic.Uint64
+	flushedWQEs, stalledPosts        atomic.Uint64
+	completions, staleCompletions    atomic.Uint64
+	cqOverflows                      atomic.Uint64
+	cqNotifications, notifyDropped   atomic.Uint64
+	asyncEvents, asyncDropped        atomic.Uint64
+	interrupts, maskedInterrupts     atomic.Uint64
+	badBARAccesses                   atomic.Uint64
+}
+
+// Device is one PVRDMA function serving one VM.
+type Device struct {
+	log    *slog.Logger
+	mem    *guestmem.Memory
+	verbs  hostverbs.Device
+	irq    IRQ
+	onGID  func(int, hostverbs.GIDEntry, bool)
+	mac    [6]byte
+	limits Limits
+	caps   Caps
+	stats  counters
+
+	// Interrupt state, touched from any goroutine.
+	icr atomic.Uint32
+	imr atomic.Uint32
+
+	// asyncMu guards async, notifyMu guards notify: the device-produced
+	// rings of the DSR. Completions and events take them; commands replace
+	// them only under mu and the ring's own lock.
+	asyncMu  sync.Mutex
+	async    *ringbuf.Producer
+	eqeBuf   [EQESize]byte
+	notifyMu sync.Mutex
+	notify   *ringbuf.Producer
+	cqneBuf  [CQNESize]byte
+
+	// live maps a QP handle to the QP while it exists, for completion
+	// handlers (which must not take mu). See qp.context.
+	live []atomic.Pointer[qp]
+
+	// mu serialises BAR accesses, commands, doorbells, Reset and Close.
+	// Everything below is guarded by it.
+	mu      sync.Mutex
+	closed  bool
+	dsrLow  uint32
+	dsrHigh uint32
+	errReg  uint32
+	macl    uint32
+	mach    uint32
+	active  bool
+	dsr     *dsrState
+	ucs     table[*uctx]
+	pds     table[*pd]
+	mrs     table[*mr]
+	cqs     table[*cq]
+	qps     table[*qp]
+	srqs    table[*srq]
+	keys    map[uint32]*mr // guest lkey -> MR
+	frmrs   map[uint32]*mr // FRMR key with the consumer byte cleared -> MR
+	mrBytes uint64
+	gids    []gidSlot
+	gsi     *qp
+	qpGen   uint32
+	stalled int // QPs with work left in a ring because the provider queue was full
+
+	// Scratch space for the BAR goroutine (guarded by mu): command slots
+	// and one WQE at a time.
+	req      [CmdReqSize]byte
+	resp     [CmdRespSize]byte
+	wqe      [SQWQEHdrSize + SGESize*maxSGELimit]byte
+	sgl      [maxSGELimit]hostverbs.SGE
+	swr      hostverbs.SendWR
+	rwr      hostverbs.RecvWR
+	wc       hostverbs.WorkCompletion
+}
+
+type gidSlot struct {
+	bound bool
+	entry hostverbs.GIDEntry
+}
+
+// dsrState is what the device keeps of a loaded DSR.
+type dsrState struct {
+	gpa           guestmem.GPA
+	driverVersion uint32
+	cmdSlot       guestmem.GPA
+	respSlot      guestmem.GPA
+	uarPFN        uint64
+}
+
+// New creates a device. Memory, Verbs and IRQ are required.
+func New(cfg Config) (*Device, error) {
+	if cfg.Memory == nil || cfg.Verbs == nil || cfg.IRQ == nil {
+		return nil, fmt.Errorf("vdev: Memory, Verbs and IRQ are required: %w", hostverbs.ErrInvalid)
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	d := &Device{
+		log: log, mem: cfg.Memory, verbs: cfg.Verbs, irq: cfg.IRQ, onGID: cfg.OnGID,
+		mac: cfg.MAC, limits: cfg.Limits.withDefaults(),
+	}
+	// PVRDMA reads rings and buffers in place: guest RAM that QEMU maps
+	// without an fd is refused with an error naming the QEMU options.
+	d.mem.RequireShared(true)
+	d.caps = computeCaps(d.verbs.Attr(), d.limits, d.mac)
+	d.live = make([]atomic.Pointer[qp], d.caps.MaxQP)
+	d.macl = uint32(d.mac[0]) | uint32(d.mac[1])<<8 | uint32(d.mac[2])<<16 | uint32(d.mac[3])<<24
+	d.mach = uint32(d.mac[4]) | uint32(d.mac[5])<<8
+	d.resetLocked()
+	return d, nil
+}
+
+// Caps returns the capabilities the device reports to the guest.
+func (d *Device) Caps() Caps { return d.caps }
+
+// Stats returns a snapshot of the device's counters.
+func (d *Device) Stats() Stats {
+	s := &d.stats
+	return Stats{
+		Commands: s.commands.Load(), CommandErrors: s.commandErrors.Load(),
+		Doorbells: s.doorbells.Load(), PollDoorbells: s.pollDoorbells.Load(), BadDoorbells: s.badDoorbells.Load(),
+		SendWQEs: s.sendWQEs.Load(), RecvWQEs: s.recvWQEs.Load(), BadWQEs: s.badWQEs.Load(),
+		FlushedWQEs: s.flushedWQEs.Load(), StalledPosts: s.stalledPosts.Load(),
+		Completions: s.completions.Load(), StaleCompletions: s.staleCompletions.Load(),
+		CQOverflows:     s.cqOverflows.Load(),
+		CQNotifications: s.cqNotifications.Load(), NotifyDropped: s.notifyDropped.Load(),
+		AsyncEvents: s.asyncEvents.Load(), AsyncDropped: s.asyncDropped.Load(),
+		Interrupts: s.interrupts.Load(), MaskedInterrupts: s.maskedInterrupts.Load(),
+		BadBARAccesses: s.badBARAccesses.Load(),
+	}
+}
+
+// Reset returns the device to its power-on state: every object is
+// destroyed in the provider, GIDs are unbound, the DSR is forgotten and the
+// registers reset. It is what CTL RESET, a vfio-user DEVICE_RESET and a
+// client disconnect do.
+func (d *Device) Reset() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.resetLocked()
+}
+
+// Close resets the device and makes further BAR accesses fail. It does not
+// close Verbs or Memory, which the caller owns.
+func (d *Device) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil
+	}
+	d.resetLocked()
+	d.closed = true
+	return nil
+}
+
+// resetLocked drops all state. Objects go in dependency order so the
+// provider never sees a busy PD or CQ.
+func (d *Device) resetLocked() {
+	d.qps.each(func(h uint32, q *qp) { d.destroyQP(q) })
+	d.srqs.each(func(h uint32, s *srq) { d.destroySRQ(s) })
+	d.cqs.each(func(h uint32, c *cq) { d.destroyCQ(c) })
+	d.mrs.each(func(h uint32, m *mr) { d.destroyMR(m) })
+	d.pds.each(func(h uint32, p *pd) { d.destroyPD(p) })
+	for i := range d.gids {
+		if d.gids[i].bound {
+			d.unbindGID(i)
+		}
+	}
+	d.asyncMu.Lock()
+	d.async = nil
+	d.asyncMu.Unlock()
+	d.notifyMu.Lock()
+	d.notify = nil
+	d.notifyMu.Unlock()
+
+	d.ucs = newTable[*uctx](1, d.caps.MaxUAR)
+	d.pds = newTable[*pd](0, d.caps.MaxPD)
+	d.mrs = newTable[*mr](0, d.caps.MaxMR)
+	d.cqs = newTable[*cq](0, d.caps.MaxCQ)
+	d.qps = newTable[*qp](0, d.caps.MaxQP)
+	d.srqs = newTable[*srq](0, d.caps.MaxSRQ)
+	d.keys = map[uint32]*mr{}
+	d.frmrs = map[uint32]*mr{}
+	d.mrBytes = 0
+	d.gids = make([]gidSlot, d.caps.GIDTblLen)
+	d.gsi = nil
+	d.stalled = 0
+	d.dsr = nil
+	d.active = false
+	d.dsrLow, d.dsrHigh = 0, 0
+	d.errReg = 0xFFFF // ERR reads nonzero until the driver activates the device
+	d.icr.Store(0)
+	d.imr.Store(^uint32(0)) // masked until the driver enables interrupts
+}
+
+// raise sets the cause bit of vector v in ICR and triggers the vector
+// unless IMR masks it (the driver writes IMR 0 to enable and ~0 to
+// disable everything).
+func (d *Device) raise(v int) {
+	d.icr.Or(1 << v)
+	if d.imr.Load()&(1<<v) != 0 {
+		d.stats.maskedInterrupts.Add(1)
+		return
+	}
+	d.stats.interrupts.Add(1)
+	d.irq.Trigger(v)
+}

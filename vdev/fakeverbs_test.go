@@ -1,0 +1,358 @@
+package vdev
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+)
+
+// fakeVerbs is a minimal hostverbs.Device for command-layer tests: it
+// hands out keys and QPNs, records every work request posted to it
+// exactly as the device translated it, lets tests complete them by hand,
+// and can be told to fail. Data movement is the real provider's job and is
+// tested with hostverbs/soft.
+type fakeVerbs struct {
+	mu       sync.Mutex
+	attr     hostverbs.DeviceAttr
+	port     hostverbs.PortAttr
+	gids     map[int]hostverbs.GIDEntry
+	nextKey  uint32
+	nextQPN  uint32
+	live     map[string]int
+	fail     map[string]error // method name -> error for its next call
+	queueCap int              // PostSend/PostRecv return ErrQueueFull beyond this many outstanding (0: no cap)
+	qps      []*fakeQP
+	srqs     []*fakeSRQ
+	mrs      []*fakeMR
+}
+
+func newFakeVerbs() *fakeVerbs {
+	return &fakeVerbs{
+		attr: hostverbs.DeviceAttr{
+			FWVersion: 0x100020003, MaxMRSize: 1 << 40, PageSizeCap: 4096, MaxQP: 256, MaxQPWR: 8192,
+			MaxSGE: 8, MaxSGERd: 8, MaxCQ: 512, MaxCQE: 65536, MaxMR: 1024, MaxPD: 256, MaxQPRdAtom: 16,
+			MaxQPInitRdAtom: 16, MaxAH: 1 << 20, MaxSRQ: 128, MaxSRQWR: 8192, MaxSRQSGE: 8,
+			AtomicCap: hostverbs.AtomicHCA, LocalCAAckDelay: 15, MaxPKeys: 1, GIDTableLen: 64, PhysPortCnt: 1,
+		},
+		port: hostverbs.PortAttr{State: hostverbs.PortActive, MaxMTU: hostverbs.MTU4096, ActiveMTU: hostverbs.MTU1024,
+			GIDTableLen: 64, MaxMsgSize: 1 << 31, PKeyTableLen: 1, ActiveWidth: 1, ActiveSpeed: 1, PhysState: 5},
+		gids: map[int]hostverbs.GIDEntry{}, nextKey: 0x100, nextQPN: 0x11, live: map[string]int{},
+		fail: map[string]error{},
+	}
+}
+
+func (f *fakeVerbs) failNext(method string, err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.fail[method] = err
+}
+
+// check returns the injected error for method, if any (mu held).
+func (f *fakeVerbs) check(method string) error {
+	if err, ok := f.fail[method]; ok {
+		delete(f.fail, method)
+		return fmt.Errorf("fake %s: %w", method, err)
+	}
+	return nil
+}
+
+func (f *fakeVerbs) count(kind string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.live[kind]
+}
+
+func (f *fakeVerbs) Attr() hostverbs.DeviceAttr { return f.attr }
+
+func (f *fakeVerbs) QueryPort(port uint8) (hostverbs.PortAttr, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if port != 1 {
+		return hostverbs.PortAttr{}, hostverbs.ErrInvalid
+	}
+	return f.port, f.check("QueryPort")
+}
+
+func (f *fakeVerbs) SetGID(index int, e hostverbs.GIDEntry) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.check("SetGID"); err != nil {
+		return err
+	}
+	f.gids[index] = e
+	return nil
+}
+
+func (f *fakeVerbs) ClearGID(index int) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.gids, index)
+	return nil
+}
+
+func (f *fakeVerbs) GID(index int) (hostverbs.GIDEntry, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	e, ok := f.gids[index]
+	if !ok {
+		return e, hostverbs.ErrNotFound
+	}
+	return e, nil
+}
+
+func (f *fakeVerbs) AllocPD() (hostverbs.PD, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.check("AllocPD"); err != nil {
+		return nil, err
+	}
+	f.live["pd"]++
+	return &fakePD{f: f}, nil
+}
+
+func (f *fakeVerbs) CreateCQ(attr hostverbs.CQAttr) (hostverbs.CQ, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.check("CreateCQ"); err != nil {
+		return nil, err
+	}
+	f.live["cq"]++
+	return &fakeCQ{f: f, attr: attr}, nil
+}
+
+func (f *fakeVerbs) Close() error { return nil }
+
+type fakePD struct{ f *fakeVerbs }
+
+func (p *fakePD) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
+	f := p.f
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.check("RegMR"); err != nil {
+		return nil, err
+	}
+	f.live["mr"]++
+	f.nextKey += 0x100
+	m := &fakeMR{f: f, lkey: f.nextKey | 0x11, rkey: f.nextKey | 0x22, attr: attr}
+	f.mrs = append(f.mrs, m)
+	return m, nil
+}
+
+func (p *fakePD) CreateQP(attr hostverbs.QPInitAttr) (hostverbs.QP, error) {
+	f := p.f
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.check("CreateQP"); err != nil {
+		return nil, err
+	}
+	f.live["qp"]++
+	q := &fakeQP{f: f, init: attr}
+	if attr.Type == hostverbs.QPTypeGSI {
+		q.qpn = 1
+	} else {
+		q.qpn = f.nextQPN
+		f.nextQPN++
+	}
+	f.qps = append(f.qps, q)
+	return q, nil
+}
+
+func (p *fakePD) CreateSRQ(attr hostverbs.SRQAttr) (hostverbs.SRQ, error) {
+	f := p.f
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.check("CreateSRQ"); err != nil {
+		return nil, err
+	}
+	f.live["srq"]++
+	s := &fakeSRQ{f: f, attr: attr}
+	f.srqs = append(f.srqs, s)
+	return s, nil
+}
+
+func (p *fakePD) Dealloc() error {
+	p.f.mu.Lock()
+	defer p.f.mu.Unlock()
+	p.f.live["pd"]--
+	return nil
+}
+
+type fakeMR struct {
+	f          *fakeVerbs
+	lkey, rkey uint32
+	attr       hostverbs.MRAttr
+	dead       bool
+}
+
+func (m *fakeMR) LKey() uint32 { return m.lkey }
+func (m *fakeMR) RKey() uint32 { return m.rkey }
+func (m *fakeMR) Dereg() error {
+	m.f.mu.Lock()
+	defer m.f.mu.Unlock()
+	if err := m.f.check("Dereg"); err != nil {
+		return err
+	}
+	m.dead = true
+	m.f.live["mr"]--
+	return nil
+}
+
+type fakeCQ struct {
+	f     *fakeVerbs
+	attr  hostverbs.CQAttr
+	depth int
+}
+
+func (c *fakeCQ) Resize(depth int) error {
+	c.f.mu.Lock()
+	defer c.f.mu.Unlock()
+	c.depth = depth
+	return c.f.check("Resize")
+}
+
+func (c *fakeCQ) Destroy() error {
+	c.f.mu.Lock()
+	defer c.f.mu.Unlock()
+	c.f.live["cq"]--
+	return nil
+}
+
+type fakeQP struct {
+	f     *fakeVerbs
+	qpn   uint32
+	init  hostverbs.QPInitAttr
+	attr  hostverbs.QPAttr
+	mods  []hostverbs.AttrMask
+	sends []hostverbs.SendWR
+	recvs []hostverbs.RecvWR
+	dead  bool
+}
+
+func (q *fakeQP) QPN() uint32 { return q.qpn }
+
+func (q *fakeQP) Modify(attr *hostverbs.QPAttr, mask hostverbs.AttrMask) error {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	if err := q.f.check("Modify"); err != nil {
+		return err
+	}
+	if mask&hostverbs.AttrState != 0 {
+		q.attr.State = attr.State
+	}
+	if mask&hostverbs.AttrAV != 0 {
+		q.attr.AV = attr.AV
+	}
+	if mask&hostverbs.AttrDestQPN != 0 {
+		q.attr.DestQPN = attr.DestQPN
+	}
+	if mask&hostverbs.AttrQKey != 0 {
+		q.attr.QKey = attr.QKey
+	}
+	q.mods = append(q.mods, mask)
+	return nil
+}
+
+func (q *fakeQP) Query() (hostverbs.QPAttr, error) {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	return q.attr, nil
+}
+
+func (q *fakeQP) PostSend(wr *hostverbs.SendWR) error {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	if err := q.f.check("PostSend"); err != nil {
+		return err
+	}
+	if q.f.queueCap > 0 && len(q.sends) >= q.f.queueCap {
+		return hostverbs.ErrQueueFull
+	}
+	c := *wr
+	c.SGL = append([]hostverbs.SGE(nil), wr.SGL...) // the device reuses its buffers
+	q.sends = append(q.sends, c)
+	return nil
+}
+
+func (q *fakeQP) PostRecv(wr *hostverbs.RecvWR) error {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	if err := q.f.check("PostRecv"); err != nil {
+		return err
+	}
+	if q.f.queueCap > 0 && len(q.recvs) >= q.f.queueCap {
+		return hostverbs.ErrQueueFull
+	}
+	c := *wr
+	c.SGL = append([]hostverbs.SGE(nil), wr.SGL...)
+	q.recvs = append(q.recvs, c)
+	return nil
+}
+
+func (q *fakeQP) Destroy() error {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	q.dead = true
+	q.f.live["qp"]--
+	return nil
+}
+
+// take returns and forgets the WRs posted so far.
+func (q *fakeQP) take() ([]hostverbs.SendWR, []hostverbs.RecvWR) {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	s, r := q.sends, q.recvs
+	q.sends, q.recvs = nil, nil
+	return s, r
+}
+
+// complete pushes a completion for this QP to its CQ's handler, as a
+// provider goroutine would.
+func (q *fakeQP) complete(recv bool, wc hostverbs.WorkCompletion) {
+	wc.QPN, wc.QPContext = q.qpn, q.init.Context
+	cq := q.init.SendCQ.(*fakeCQ)
+	if recv {
+		cq = q.init.RecvCQ.(*fakeCQ)
+	}
+	cq.attr.Handler.Complete(&wc)
+}
+
+type fakeSRQ struct {
+	f     *fakeVerbs
+	attr  hostverbs.SRQAttr
+	recvs []hostverbs.RecvWR
+}
+
+func (s *fakeSRQ) PostRecv(wr *hostverbs.RecvWR) error {
+	s.f.mu.Lock()
+	defer s.f.mu.Unlock()
+	if s.f.queueCap > 0 && len(s.recvs) >= s.f.queueCap {
+		return hostverbs.ErrQueueFull
+	}
+	c := *wr
+	c.SGL = append([]hostverbs.SGE(nil), wr.SGL...)
+	s.recvs = append(s.recvs, c)
+	return nil
+}
+
+func (s *fakeSRQ) Modify(attr hostverbs.SRQAttr, mask hostverbs.SRQAttrMask) error {
+	s.f.mu.Lock()
+	defer s.f.mu.Unlock()
+	if mask&hostverbs.SRQAttrLimit != 0 {
+		s.attr.Limit = attr.Limit
+	}
+	return nil
+}
+
+func (s *fakeSRQ) Query() (hostverbs.SRQAttr, error) {
+	s.f.mu.Lock()
+	defer s.f.mu.Unlock()
+	return s.attr, nil
+}
+
+func (s *fakeSRQ) Destroy() error {
+	s.f.mu.Lock()
+	defer s.f.mu.Unlock()
+	s.f.live["srq"]--
+	return nil
+}

@@ -1,0 +1,135 @@
+package vdev
+
+import (
+	"errors"
+
+	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+)
+
+// postRecvs drains the QP's receive queue (a RECV doorbell) into the
+// provider. Receive SGEs need local write access. In RESET nothing is
+// consumed (the guest resets its indices); in ERR every WQE completes with
+// WR_FLUSH_ERR.
+func (d *Device) postRecvs(q *qp) {
+	if q.rq == nil || q.stalledRQ || q.State() == hostverbs.QPStateReset {
+		return
+	}
+	n, err := q.rq.Pending()
+	if err != nil {
+		d.qpFatal(q, err)
+		return
+	}
+	for ; n > 0; n-- {
+		if !d.recvOne(q) {
+			return
+		}
+	}
+}
+
+func (d *Device) recvOne(q *qp) bool {
+	gpa := q.rq.Head()
+	wrid, status := d.buildRecv(q.rq, gpa, q.pd, q.recvSGE)
+	if status == statusUnreadable {
+		d.qpFatal(q, errUnreadableWQE)
+		return false
+	}
+	if q.State() == hostverbs.QPStateErr {
+		d.stats.flushedWQEs.Add(1)
+		d.completeRecv(q, wrid, hostverbs.WCWRFlushErr)
+		return d.advance(q, q.rq.Advance)
+	}
+	if status == hostverbs.WCSuccess {
+		err := q.hv.PostRecv(&d.rwr)
+		if err == nil {
+			d.stats.recvWQEs.Add(1)
+			return d.advance(q, q.rq.Advance)
+		}
+		if errors.Is(err, hostverbs.ErrQueueFull) {
+			d.stall(q, false)
+			return false
+		}
+		status = postStatus(err)
+	}
+	d.stats.badWQEs.Add(1)
+	d.completeRecv(q, wrid, status)
+	if q.typ == hostverbs.QPTypeRC {
+		d.errorQP(q)
+	}
+	return d.advance(q, q.rq.Advance)
+}
+
+// statusUnreadable marks a WQE whose bytes could not be read at all.
+const statusUnreadable = hostverbs.WCStatus(0xff)
+
+var errUnreadableWQE = errors.New("receive WQE not readable")
+
+// buildRecv reads and validates the receive WQE at gpa into d.rwr: at most
+// maxSGE SGEs, each in an MR of PD p with local write access.
+func (d *Device) buildRecv(ring *ringbuf.Consumer, gpa guestmem.GPA, p *pd, maxSGE uint32) (uint64, hostverbs.WCStatus) {
+	hb := d.wqe[:RQWQEHdrSize]
+	if err := d.mem.ReadAt(hb, gpa); err != nil {
+		return 0, statusUnreadable
+	}
+	var h RQWQEHdr
+	h.Decode(hb)
+	if h.NumSGE > maxSGE {
+		return h.WRID, hostverbs.WCLocLenErr
+	}
+	sges := d.wqe[RQWQEHdrSize : RQWQEHdrSize+SGESize*h.NumSGE]
+	if err := d.mem.ReadAt(sges, gpa+RQWQEHdrSize); err != nil {
+		return h.WRID, hostverbs.WCLocProtErr
+	}
+	for i := uint32(0); i < h.NumSGE; i++ {
+		var s SGE
+		s.Decode(sges[i*SGESize:])
+		lkey, st := d.checkSGE(&s, p, true)
+		if st != hostverbs.WCSuccess {
+			return h.WRID, st
+		}
+		d.sgl[i] = hostverbs.SGE{Addr: s.Addr, Length: s.Length, LKey: lkey}
+	}
+	d.rwr = hostverbs.RecvWR{WRID: h.WRID, SGL: d.sgl[:h.NumSGE]}
+	return h.WRID, hostverbs.WCSuccess
+}
+
+// postSRQ drains a shared receive queue (an SRQ doorbell). A bad WQE
+// belongs to no QP yet, so it cannot complete: it is dropped, counted and
+// reported with an SRQ_ERR event.
+func (d *Device) postSRQ(s *srq) {
+	if s.stalled {
+		return
+	}
+	n, err := s.ring.Pending()
+	if err != nil {
+		d.log.Debug("pvrdma: SRQ ring unusable", "srq", s.handle, "err", err)
+		d.pushEvent(uint32(hostverbs.EventSRQErr), s.handle)
+		return
+	}
+	for ; n > 0; n-- {
+		_, status := d.buildRecv(s.ring, s.ring.Head(), s.pd, s.maxSGE)
+		if status == hostverbs.WCSuccess {
+			err := s.hv.PostRecv(&d.rwr)
+			if errors.Is(err, hostverbs.ErrQueueFull) {
+				s.stalled = true
+				d.stalled++
+				d.stats.stalledPosts.Add(1)
+				return
+			}
+			if err == nil {
+				d.stats.recvWQEs.Add(1)
+			} else {
+				status = postStatus(err)
+			}
+		}
+		if status != hostverbs.WCSuccess {
+			d.stats.badWQEs.Add(1)
+			d.pushEvent(uint32(hostverbs.EventSRQErr), s.handle)
+		}
+		if err := s.ring.Advance(); err != nil {
+			d.pushEvent(uint32(hostverbs.EventSRQErr), s.handle)
+			return
+		}
+	}
+}

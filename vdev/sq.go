@@ -1,0 +1,245 @@
+package vdev
+
+import (
+	"errors"
+
+	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+)
+
+// opInfo describes what a send opcode needs, per the driver's opcode table
+// (pvrdma_qp.c): which QP types may post it, whether the device writes the
+// local SGEs, which union member it uses, and its completion opcode.
+type opInfo struct {
+	valid      bool
+	rc, ud     bool // allowed on RC / on UD and GSI
+	kernelOnly bool // only kernel QPs: these name keys and page lists beyond a process's reach
+	local      bool // executed by the device, never posted
+	atomic     bool
+	writeLocal bool // the device writes into the SGEs (READ, atomic results)
+	wcOpcode   hostverbs.WCOpcode
+}
+
+var sendOps = [...]opInfo{
+	hostverbs.WRRDMAWrite:         {valid: true, rc: true, wcOpcode: hostverbs.WCRDMAWrite},
+	hostverbs.WRRDMAWriteWithImm:  {valid: true, rc: true, wcOpcode: hostverbs.WCRDMAWrite},
+	hostverbs.WRSend:              {valid: true, rc: true, ud: true, wcOpcode: hostverbs.WCSend},
+	hostverbs.WRSendWithImm:       {valid: true, rc: true, ud: true, wcOpcode: hostverbs.WCSend},
+	hostverbs.WRRDMARead:          {valid: true, rc: true, writeLocal: true, wcOpcode: hostverbs.WCRDMARead},
+	hostverbs.WRAtomicCmpAndSwp:   {valid: true, rc: true, atomic: true, writeLocal: true, wcOpcode: hostverbs.WCCompSwap},
+	hostverbs.WRAtomicFetchAndAdd: {valid: true, rc: true, atomic: true, writeLocal: true, wcOpcode: hostverbs.WCFetchAdd},
+	hostverbs.WRLSO:               {wcOpcode: hostverbs.WCLSO},
+	hostverbs.WRSendWithInv:       {valid: true, rc: true, kernelOnly: true, wcOpcode: hostverbs.WCSend},
+	hostverbs.WRRDMAReadWithInv:   {wcOpcode: hostverbs.WCRDMARead},
+	hostverbs.WRLocalInv:          {valid: true, rc: true, kernelOnly: true, local: true, wcOpcode: hostverbs.WCLocalInv},
+	hostverbs.WRRegMR:             {valid: true, rc: true, kernelOnly: true, local: true, wcOpcode: hostverbs.WCRegMR},
+	// Masked atomics: the driver reports masked_atomic_cap = atomic_cap,
+	// but the provider interface has no masks; they complete with an error.
+	hostverbs.WRMaskedAtomicCmpSwp: {wcOpcode: hostverbs.WCMaskedCompSwap},
+	hostverbs.WRMaskedAtomicFAdd:   {wcOpcode: hostverbs.WCMaskedFetchAdd},
+	hostverbs.WRBindMW:             {wcOpcode: hostverbs.WCBindMW},
+}
+
+func sendOp(op uint32) opInfo {
+	if op < uint32(len(sendOps)) {
+		return sendOps[op]
+	}
+	return opInfo{wcOpcode: hostverbs.WCSend}
+}
+
+// maxMsgSize is the largest message the device accepts (port max_msg_sz).
+const maxMsgSize = 1 << 31
+
+// postSends drains the QP's send queue (a SEND doorbell): every pending
+// WQE is read once from guest memory, validated, translated and posted to
+// the provider, or completed with an error CQE; either way it consumes its
+// slot. In ERR every WQE completes with WR_FLUSH_ERR. If the provider's
+// queue is full the rest stays in the ring until a CQ doorbell retries.
+func (d *Device) postSends(q *qp) {
+	if q.stalledSQ {
+		return // a CQ doorbell will resume in order
+	}
+	n, err := q.sq.Pending()
+	if err != nil {
+		d.qpFatal(q, err)
+		return
+	}
+	for ; n > 0; n-- {
+		if !d.sendOne(q) {
+			break
+		}
+	}
+	if q.State() == hostverbs.QPStateErr && q.rq != nil && !q.stalledRQ {
+		d.postRecvs(q) // a bad WQE moved the QP to ERR: flush the RQ too
+	}
+}
+
+// sendOne handles the WQE at the SQ head. It returns false to stop the
+// drain (stalled on a full provider queue, or the QP became unusable).
+func (d *Device) sendOne(q *qp) bool {
+	gpa := q.sq.Head()
+	hb := d.wqe[:SQWQEHdrSize]
+	if err := d.mem.ReadAt(hb, gpa); err != nil {
+		d.qpFatal(q, err)
+		return false
+	}
+	var h SQWQEHdr
+	h.Decode(hb)
+	info := sendOp(h.Opcode)
+	status := hostverbs.WCSuccess
+	switch st := q.State(); {
+	case st == hostverbs.QPStateErr:
+		d.stats.flushedWQEs.Add(1)
+		d.completeSend(q, h.WRID, info.wcOpcode, hostverbs.WCWRFlushErr)
+		return d.advance(q, q.sq.Advance)
+	case st < hostverbs.QPStateRTS:
+		status = hostverbs.WCLocQPOpErr // posting before RTS (the drivers refuse it themselves)
+	default:
+		status = d.buildSend(q, &h, info, gpa)
+	}
+	if status == hostverbs.WCSuccess && info.local {
+		status = d.execLocal(q, &h)
+		if status == hostverbs.WCSuccess && (q.sigAll || h.SendFlags&uint32(hostverbs.SendSignaled) != 0) {
+			d.completeSend(q, h.WRID, info.wcOpcode, hostverbs.WCSuccess)
+		}
+		if status == hostverbs.WCSuccess {
+			return d.advance(q, q.sq.Advance)
+		}
+	}
+	if status != hostverbs.WCSuccess {
+		d.stats.badWQEs.Add(1)
+		d.completeSend(q, h.WRID, info.wcOpcode, status)
+		if q.typ == hostverbs.QPTypeRC {
+			d.errorQP(q)
+		}
+		return d.advance(q, q.sq.Advance)
+	}
+	if err := q.hv.PostSend(&d.swr); err != nil {
+		if errors.Is(err, hostverbs.ErrQueueFull) {
+			d.stall(q, true)
+			return false
+		}
+		d.stats.badWQEs.Add(1)
+		d.completeSend(q, h.WRID, info.wcOpcode, postStatus(err))
+		if q.typ == hostverbs.QPTypeRC {
+			d.errorQP(q)
+		}
+		return d.advance(q, q.sq.Advance)
+	}
+	d.stats.sendWQEs.Add(1)
+	return d.advance(q, q.sq.Advance)
+}
+
+// postStatus is the completion status of a WR the provider refused.
+func postStatus(err error) hostverbs.WCStatus {
+	switch {
+	case errors.Is(err, hostverbs.ErrInvalid), errors.Is(err, hostverbs.ErrNotSupported):
+		return hostverbs.WCLocQPOpErr
+	case errors.Is(err, hostverbs.ErrNotFound):
+		return hostverbs.WCLocProtErr
+	}
+	return hostverbs.WCGeneralErr
+}
+
+func (d *Device) advance(q *qp, step func() error) bool {
+	if err := step(); err != nil {
+		d.qpFatal(q, err)
+		return false
+	}
+	return true
+}
+
+// buildSend validates a send WQE and translates it into d.swr.
+func (d *Device) buildSend(q *qp, h *SQWQEHdr, info opInfo, gpa guestmem.GPA) hostverbs.WCStatus {
+	isRC := q.typ == hostverbs.QPTypeRC
+	switch {
+	case !info.valid, isRC && !info.rc, !isRC && !info.ud:
+		return hostverbs.WCLocQPOpErr
+	case info.kernelOnly && q.uar != 0:
+		return hostverbs.WCLocQPOpErr
+	case info.atomic && d.caps.AtomicOps == 0:
+		return hostverbs.WCLocQPOpErr
+	case h.NumSGE > q.sendSGE:
+		return hostverbs.WCLocLenErr
+	}
+	n := h.NumSGE
+	sges := d.wqe[SQWQEHdrSize : SQWQEHdrSize+SGESize*n]
+	if err := d.mem.ReadAt(sges, gpa+SQWQEHdrSize); err != nil {
+		return hostverbs.WCLocProtErr
+	}
+	total := uint64(0)
+	for i := uint32(0); i < n; i++ {
+		var s SGE
+		s.Decode(sges[i*SGESize:])
+		lkey, st := d.checkSGE(&s, q.pd, info.writeLocal)
+		if st != hostverbs.WCSuccess {
+			return st
+		}
+		d.sgl[i] = hostverbs.SGE{Addr: s.Addr, Length: s.Length, LKey: lkey}
+		total += uint64(s.Length)
+	}
+	if total > maxMsgSize || (info.atomic && total != 8) {
+		return hostverbs.WCLocLenErr
+	}
+	d.swr = hostverbs.SendWR{
+		WRID:   h.WRID,
+		Opcode: hostverbs.WROpcode(h.Opcode),
+		Flags:  hostverbs.SendFlags(h.SendFlags) & (hostverbs.SendFence | hostverbs.SendSignaled | hostverbs.SendSolicited),
+		SGL:    d.sgl[:n],
+	}
+	switch hostverbs.WROpcode(h.Opcode) {
+	case hostverbs.WRSendWithImm, hostverbs.WRRDMAWriteWithImm, hostverbs.WRSendWithInv:
+		d.swr.ImmData = h.Ex
+	}
+	if !isRC {
+		var ud WRUD
+		ud.Decode(h.WR[:])
+		if ud.AV.Port() != portNum || d.checkSGID(ud.AV.GIDIndex) != nil {
+			return hostverbs.WCLocQPOpErr
+		}
+		d.swr.RemoteQPN, d.swr.RemoteQKey = ud.RemoteQPN&0xFFFFFF, ud.RemoteQKey
+		f := ud.AV.SLTClassFlowLabel
+		d.swr.AV = hostverbs.AddressVector{
+			DGID: hostverbs.GID(ud.AV.DGID), SGIDIndex: ud.AV.GIDIndex, HopLimit: ud.AV.HopLimit,
+			TrafficClass: uint8(f >> 20), FlowLabel: f & 0xFFFFF, SL: uint8(f >> 28),
+			StaticRate: ud.AV.StatRate, Port: portNum, DMAC: ud.AV.DMAC,
+		}
+		return hostverbs.WCSuccess
+	}
+	switch {
+	case info.atomic:
+		var a WRAtomic
+		a.Decode(h.WR[:])
+		d.swr.RemoteAddr, d.swr.RKey, d.swr.CompareAdd, d.swr.Swap = a.RemoteAddr, a.RKey, a.CompareAdd, a.Swap
+	case h.Opcode == uint32(hostverbs.WRRDMAWrite), h.Opcode == uint32(hostverbs.WRRDMAWriteWithImm),
+		h.Opcode == uint32(hostverbs.WRRDMARead):
+		var r WRRDMA
+		r.Decode(h.WR[:])
+		d.swr.RemoteAddr, d.swr.RKey = r.RemoteAddr, r.RKey
+	}
+	return hostverbs.WCSuccess
+}
+
+// execLocal runs the work requests the device executes itself.
+func (d *Device) execLocal(q *qp, h *SQWQEHdr) hostverbs.WCStatus {
+	if hostverbs.WROpcode(h.Opcode) == hostverbs.WRLocalInv {
+		return d.localInv(q, h.Ex)
+	}
+	var fr WRFastReg
+	fr.Decode(h.WR[:])
+	return d.fastReg(q, &fr)
+}
+
+// completeSend writes a device-generated send completion.
+func (d *Device) completeSend(q *qp, wrid uint64, op hostverbs.WCOpcode, st hostverbs.WCStatus) {
+	d.wc = hostverbs.WorkCompletion{WRID: wrid, Status: st, Opcode: op, QPN: q.hv.QPN(),
+		QPContext: q.context(), Port: portNum}
+	q.scq.Complete(&d.wc)
+}
+
+// completeRecv writes a device-generated receive completion.
+func (d *Device) completeRecv(q *qp, wrid uint64, st hostverbs.WCStatus) {
+	d.wc = hostverbs.WorkCompletion{WRID: wrid, Status: st, Opcode: hostverbs.WCRecv, QPN: q.hv.QPN(),
+		QPContext: q.context(), Port: portNum}
+	q.rcq.Complete(&d.wc)
+}

@@ -1,0 +1,110 @@
+package vdev
+
+// doorbell decodes a UAR write (BAR2): the register is the offset within
+// its page (0 QP, 4 CQ, 8 SRQ) and the low 24 bits of the value name the
+// object. An object may only be rung from the UAR page of the context
+// that owns it (page 0 for the kernel's). A doorbell that names nothing is
+// counted and ignored. POLL doorbells, written by the provider on every
+// empty poll, cost one table lookup unless a queue is stalled.
+func (d *Device) doorbell(off uint64, v uint32) {
+	d.stats.doorbells.Add(1)
+	if d.dsr == nil {
+		d.stats.badDoorbells.Add(1)
+		return
+	}
+	page := uint32(off / UARPageSize)
+	h := v & UARHandleMask
+	switch off % UARPageSize {
+	case UARQPOffset:
+		q, ok := d.qps.get(h)
+		if !ok || q.uar != page {
+			d.stats.badDoorbells.Add(1)
+			return
+		}
+		if v&UARQPRecv != 0 {
+			d.postRecvs(q)
+		}
+		if v&UARQPSend != 0 {
+			d.postSends(q)
+		}
+	case UARCQOffset:
+		if v&UARCQPoll != 0 {
+			d.stats.pollDoorbells.Add(1)
+		}
+		c, ok := d.cqs.get(h)
+		if !ok || c.uar != page {
+			d.stats.badDoorbells.Add(1)
+			return
+		}
+		switch {
+		case v&UARCQArm != 0:
+			c.arm(armNext)
+		case v&UARCQArmSol != 0:
+			c.arm(armSolicited)
+		}
+		if d.stalled > 0 {
+			d.resumeStalled()
+		}
+	case UARSRQOffset:
+		s, ok := d.srqs.get(h)
+		if !ok || s.uar != page {
+			d.stats.badDoorbells.Add(1)
+			return
+		}
+		if v&UARSRQRecv != 0 {
+			d.postSRQ(s)
+		}
+	default:
+		d.stats.badDoorbells.Add(1)
+	}
+}
+
+// stall records that a queue has work the provider could not take yet.
+// The guest reaps completions before it can post more, and both drivers
+// ring a CQ doorbell (POLL on an empty poll, ARM before sleeping) while
+// waiting for them, so CQ doorbells retry stalled queues.
+func (d *Device) stall(q *qp, send bool) {
+	d.stats.stalledPosts.Add(1)
+	if send && !q.stalledSQ {
+		q.stalledSQ = true
+		d.stalled++
+	}
+	if !send && !q.stalledRQ {
+		q.stalledRQ = true
+		d.stalled++
+	}
+}
+
+func (d *Device) unstall(q *qp) {
+	if q.stalledSQ {
+		q.stalledSQ = false
+		d.stalled--
+	}
+	if q.stalledRQ {
+		q.stalledRQ = false
+		d.stalled--
+	}
+}
+
+// resumeStalled retries every stalled queue.
+func (d *Device) resumeStalled() {
+	d.qps.each(func(_ uint32, q *qp) {
+		if q.stalledRQ {
+			q.stalledRQ = false
+			d.stalled--
+			d.postRecvs(q)
+		}
+		if q.stalledSQ {
+			q.stalledSQ = false
+			d.stalled--
+			d.postSends(q)
+		}
+	})
+	d.srqs.each(func(_ uint32, s *srq) {
+		if s.stalled {
+			s.stalled = false
+			d.stalled--
+			d.postSRQ(s)
+		}
+	})
+}
