@@ -47,6 +47,7 @@ type conn struct {
 	peer       peerCaps
 	dmaMaps    int
 	warnedRAM  bool
+	warnedSeal bool
 
 	cur ownedMsg // the command being handled
 	out []byte   // reply buffer: header + payload
@@ -173,11 +174,11 @@ func (c *conn) serve() error {
 func (c *conn) handle() (fatal error) {
 	m := &c.cur
 	c.stats.messages.Add(1)
-	defer closeFDs(m.fds) // whatever the handler did not take
 	if m.hdr.NoReply() {
 		c.stats.posted.Add(1)
 	}
 	n, err := c.dispatch(m)
+	closeFDs(m.fds) // whatever the handler did not take, before the client hears back
 	if err != nil {
 		c.stats.errors.Add(1)
 		if m.hdr.NoReply() || c.trace {

@@ -3,6 +3,8 @@ package vfiouser
 import (
 	"fmt"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 )
 
@@ -47,6 +49,9 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 		if d.Offset > 1<<62 {
 			return 0, fmt.Errorf("DMA_MAP offset %#x: %w", d.Offset, ErrInvalid)
 		}
+		if err := c.checkMemFD(m.fds[0], d.Offset, d.Size); err != nil {
+			return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
+		}
 		var err error
 		spec, err = guestmem.MapFD(base, d.Size, prot, m.fds[0], int64(d.Offset))
 		if err != nil {
@@ -78,6 +83,31 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 		n.DMAMapped(s)
 	}
 	return 0, nil
+}
+
+// checkMemFD refuses a file too short for the mapping (touching pages past
+// its end would fault) and warns once about files that are not sealed
+// against shrinking: a client that truncates such a file under us could
+// make a later access fault. QEMU seals its memory-backend-memfd by default
+// (seal=on).
+func (c *conn) checkMemFD(fd int, off, size uint64) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fmt.Errorf("fstat: %w", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return nil // device memory etc.: mmap decides
+	}
+	if end := off + size; end < off || end > uint64(st.Size) {
+		return fmt.Errorf("file of %#x bytes is too short for offset %#x size %#x: %w", st.Size, off, size, ErrInvalid)
+	}
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if (err != nil || seals&unix.F_SEAL_SHRINK == 0) && !c.warnedSeal {
+		c.warnedSeal = true
+		c.log.Warn("guest memory file is not sealed against shrinking; keep QEMU's memory-backend-memfd seal=on",
+			"seals", seals)
+	}
+	return nil
 }
 
 func (c *conn) handleDMAUnmap(m *ownedMsg) (int, error) {
