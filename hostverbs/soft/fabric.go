@@ -1,0 +1,297 @@
+package soft
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
+)
+
+// Config parameterises a Fabric.
+type Config struct {
+	// Wire carries traffic to GIDs that no device of this fabric owns. Nil
+	// means an in-process fabric: only its own devices are reachable.
+	Wire Wire
+	// Clock drives retransmission and RNR timers; nil means RealClock.
+	Clock Clock
+	// DefaultTOS is the IP TOS (DSCP << 2 | ECN) of packets whose address
+	// vector has traffic class 0: the seeds' default_roce_tos.
+	DefaultTOS uint8
+	// LinkMTU is the IP MTU of the network the Wire uses; the ports'
+	// active MTU is the largest IB MTU whose packets fit (as rxe derives
+	// it from its netdev). 0 means 1500 with a Wire and no limit (4096)
+	// without one.
+	LinkMTU int
+	// DisableLocalDelivery sends traffic between this fabric's own devices
+	// through the Wire too (the kernel path), instead of copying it in
+	// process. For tests and benchmarks of the wire path.
+	DisableLocalDelivery bool
+	// Window caps the PSNs a requester may have unacknowledged; 0 means 256.
+	Window int
+	// Logger is the fabric's logger; nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// Fabric is a software RoCE v2 switch: the hostverbs.Provider whose
+// devices (one per VM) reach each other in process, and everything else
+// through a Wire. Inbound packets are demultiplexed by destination GID to
+// a device, then by destination QPN to a QP; every device has its own QPN
+// and key spaces.
+type Fabric struct {
+	cfg       Config
+	log       *slog.Logger
+	clock     Clock
+	wire      Wire
+	activeMTU hostverbs.MTU
+	window    uint32
+
+	mu      sync.Mutex // guards devices and writers of gids
+	devices map[*device]struct{}
+	gids    atomic.Pointer[map[hostverbs.GID]*device]
+
+	ipID   atomic.Uint32
+	ctrs   counters
+	txPool sync.Pool
+
+	cancel context.CancelFunc
+	rxDone chan struct{}
+	closed atomic.Bool
+}
+
+// New creates a fabric and, if cfg.Wire is set, starts receiving from it.
+func New(cfg Config) (*Fabric, error) {
+	f := &Fabric{
+		cfg:     cfg,
+		log:     cfg.Logger,
+		clock:   cfg.Clock,
+		wire:    cfg.Wire,
+		devices: make(map[*device]struct{}),
+		window:  uint32(cfg.Window),
+	}
+	if f.log == nil {
+		f.log = slog.Default()
+	}
+	if f.clock == nil {
+		f.clock = RealClock{}
+	}
+	if f.window == 0 {
+		f.window = 256
+	}
+	if f.window > 1<<22 {
+		return nil, fmt.Errorf("soft fabric: window %d too large: %w", cfg.Window, hostverbs.ErrInvalid)
+	}
+	f.activeMTU = hostverbs.MTU4096
+	if f.wire != nil || cfg.LinkMTU != 0 {
+		link := cfg.LinkMTU
+		if link == 0 {
+			link = 1500
+		}
+		f.activeMTU = mtuForLink(link)
+		if f.activeMTU == 0 {
+			return nil, fmt.Errorf("soft fabric: link MTU %d is below the smallest RoCE MTU: %w", link, hostverbs.ErrInvalid)
+		}
+	}
+	empty := map[hostverbs.GID]*device{}
+	f.gids.Store(&empty)
+	f.ipID.Store(uint32(time.Now().UnixNano()))
+	f.txPool.New = func() any { return newTxBatch(f) }
+	if f.wire != nil {
+		ctx, cancel := context.WithCancel(context.Background())
+		f.cancel = cancel
+		f.rxDone = make(chan struct{})
+		go f.receiveLoop(ctx)
+	}
+	return f, nil
+}
+
+// headerAllowance is what rxe subtracts from the netdev MTU for the
+// headers of a RoCE packet (RXE_MAX_HDR_LENGTH).
+const headerAllowance = 80
+
+func mtuForLink(link int) hostverbs.MTU {
+	for m := hostverbs.MTU4096; m >= hostverbs.MTU256; m-- {
+		if m.Bytes() <= link-headerAllowance {
+			return m
+		}
+	}
+	return 0
+}
+
+// ActiveMTU is the path MTU the fabric's ports report as active.
+func (f *Fabric) ActiveMTU() hostverbs.MTU { return f.activeMTU }
+
+// Open creates a device for one VM.
+func (f *Fabric) Open(cfg hostverbs.DeviceConfig) (hostverbs.Device, error) {
+	if f.closed.Load() {
+		return nil, fmt.Errorf("open device %q: %w", cfg.Name, hostverbs.ErrClosed)
+	}
+	if cfg.Memory == nil {
+		return nil, fmt.Errorf("open device %q: no guest memory: %w", cfg.Name, hostverbs.ErrInvalid)
+	}
+	d := newDevice(f, cfg)
+	f.mu.Lock()
+	f.devices[d] = struct{}{}
+	f.mu.Unlock()
+	return d, nil
+}
+
+// Close stops the fabric. Its devices must have been closed.
+func (f *Fabric) Close() error {
+	f.mu.Lock()
+	n := len(f.devices)
+	f.mu.Unlock()
+	if n > 0 {
+		return fmt.Errorf("close fabric: %d devices still open: %w", n, hostverbs.ErrBusy)
+	}
+	if !f.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	if f.wire != nil {
+		f.cancel()
+		err := f.wire.Close()
+		<-f.rxDone
+		if err != nil {
+			return fmt.Errorf("close fabric wire: %w", err)
+		}
+	}
+	return nil
+}
+
+// Counters returns the fabric's statistics summed with its devices'.
+func (f *Fabric) Counters() map[string]uint64 {
+	m := make(map[string]uint64, numCounters)
+	f.ctrs.addTo(m)
+	f.mu.Lock()
+	for d := range f.devices {
+		d.ctrs.addTo(m)
+	}
+	f.mu.Unlock()
+	return m
+}
+
+// lookupGID returns the device owning g, or nil.
+func (f *Fabric) lookupGID(g hostverbs.GID) *device { return (*f.gids.Load())[g] }
+
+// bindGID makes d the owner of g; it fails if another device owns it.
+func (f *Fabric) bindGID(g hostverbs.GID, d *device) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	old := *f.gids.Load()
+	if o, ok := old[g]; ok {
+		if o == d {
+			return nil
+		}
+		return fmt.Errorf("gid %v is bound by device %q: %w", g, o.cfg.Name, hostverbs.ErrBusy)
+	}
+	next := make(map[hostverbs.GID]*device, len(old)+1)
+	for k, v := range old {
+		next[k] = v
+	}
+	next[g] = d
+	f.gids.Store(&next)
+	return nil
+}
+
+// unbindGID drops g if d owns it.
+func (f *Fabric) unbindGID(g hostverbs.GID, d *device) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	old := *f.gids.Load()
+	if old[g] != d {
+		return
+	}
+	next := make(map[hostverbs.GID]*device, len(old))
+	for k, v := range old {
+		if k != g {
+			next[k] = v
+		}
+	}
+	f.gids.Store(&next)
+}
+
+func (f *Fabric) removeDevice(d *device) {
+	f.mu.Lock()
+	delete(f.devices, d)
+	f.mu.Unlock()
+}
+
+// nextIPID returns a non-zero IPv4 identification: rxe sends DF packets
+// with incrementing non-zero IDs, and a raw socket would replace a zero.
+func (f *Fabric) nextIPID() uint16 {
+	for {
+		if id := uint16(f.ipID.Add(1)); id != 0 {
+			return id
+		}
+	}
+}
+
+func (f *Fabric) getTx() *txBatch  { return f.txPool.Get().(*txBatch) }
+func (f *Fabric) putTx(t *txBatch) { f.txPool.Put(t) }
+
+// rxBatch is how many datagrams one Receive call may return.
+const rxBatch = 64
+
+// receiveLoop reads datagrams from the wire and processes each batch on
+// this goroutine; what the batch provokes (ACKs, read responses, more
+// requests) is transmitted at the end of the batch.
+func (f *Fabric) receiveLoop(ctx context.Context) {
+	defer close(f.rxDone)
+	bufs := make([][]byte, rxBatch)
+	backing := make([]byte, rxBatch*MaxDatagram)
+	for i := range bufs {
+		bufs[i] = backing[i*MaxDatagram : (i+1)*MaxDatagram : (i+1)*MaxDatagram]
+	}
+	lens := make([]int, rxBatch)
+	tx := newTxBatch(f)
+	var rp roce.Packet
+	var p packet
+	for {
+		n, err := f.wire.Receive(ctx, bufs, lens)
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, hostverbs.ErrClosed) {
+				return
+			}
+			f.log.Warn("soft fabric: receive", "err", err)
+			f.ctrs.inc(cntTxErrors)
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+			continue
+		}
+		for i := range n {
+			f.receiveDatagram(tx, bufs[i][:lens[i]], &rp, &p)
+		}
+		tx.flush()
+	}
+}
+
+// receiveDatagram runs the stateless gate on one datagram from the wire
+// and hands it to the device owning its destination GID.
+func (f *Fabric) receiveDatagram(tx *txBatch, d []byte, rp *roce.Packet, p *packet) {
+	f.ctrs.inc(cntRxPackets)
+	f.ctrs.add(cntRxBytes, uint64(len(d)))
+	if err := rp.Parse(d); err != nil {
+		f.ctrs.inc(parseDropCounter(err))
+		return
+	}
+	if !rp.ICRCValid() {
+		f.ctrs.inc(cntDropICRC)
+		return
+	}
+	dst := hostverbs.GID(rp.DstGID())
+	dev := f.lookupGID(dst)
+	if dev == nil {
+		f.ctrs.inc(cntDropUnknownGID)
+		return
+	}
+	p.fromWire(rp)
+	dev.deliver(tx, p)
+}

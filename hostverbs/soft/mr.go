@@ -1,0 +1,226 @@
+package soft
+
+import (
+	"errors"
+	"fmt"
+	"sync/atomic"
+
+	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+)
+
+// Memory regions. An MR maps an IOVA range onto guest pages of its
+// device's memory. Its lkey and rkey are the same 32-bit key: a table
+// index in the upper 24 bits and an 8-bit generation in the lower, so a
+// key freed and reused quickly does not resolve to the new MR. Keys are
+// per device: an rkey arriving in a packet is resolved in the device the
+// packet is addressed to.
+
+// errAccess is returned (wrapped) when a key, PD, access right or range
+// check fails.
+var errAccess = errors.New("memory access violation")
+
+type mr struct {
+	dev    *device
+	pd     *pd
+	key    uint32
+	access hostverbs.Access
+	pages  guestmem.PageList
+	mem    *guestmem.Memory
+}
+
+func (m *mr) LKey() uint32 { return m.key }
+
+func (m *mr) RKey() uint32 {
+	if m.access&(hostverbs.AccessRemoteWrite|hostverbs.AccessRemoteRead|hostverbs.AccessRemoteAtomic) == 0 {
+		return 0
+	}
+	return m.key
+}
+
+func (m *mr) Dereg() error {
+	d := m.dev
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !d.keys.remove(m.key, m) {
+		return fmt.Errorf("dereg mr %#x: %w", m.key, hostverbs.ErrNotFound)
+	}
+	d.nMR--
+	d.mrBytes -= m.pages.Length
+	m.pd.refs.Add(-1)
+	return nil
+}
+
+// check verifies that [iova, iova+n) lies in the MR and that the MR grants
+// want (local read is always granted).
+func (m *mr) check(iova, n uint64, want hostverbs.Access) error {
+	if m.access&want != want {
+		return fmt.Errorf("key %#x lacks access %#x: %w", m.key, uint32(want), errAccess)
+	}
+	if !m.pages.Contains(iova, n) {
+		return fmt.Errorf("key %#x: %#x+%#x outside the region: %w", m.key, iova, n, errAccess)
+	}
+	return nil
+}
+
+// keyTable maps keys to MRs. Lookups are lock-free; inserts and removals
+// are serialised by the device lock.
+type keyTable struct {
+	slots []atomic.Pointer[mr]
+	gen   []uint8
+	free  []uint32
+	next  uint32
+}
+
+func newKeyTable(max int) keyTable {
+	return keyTable{slots: make([]atomic.Pointer[mr], max+1), gen: make([]uint8, max+1), next: 1}
+}
+
+// alloc reserves a key; the caller stores the MR with set.
+func (t *keyTable) alloc() (uint32, bool) {
+	var idx uint32
+	switch {
+	case len(t.free) > 0:
+		idx = t.free[0]
+		t.free = t.free[1:]
+	case int(t.next) < len(t.slots):
+		idx = t.next
+		t.next++
+	default:
+		return 0, false
+	}
+	t.gen[idx]++
+	return idx<<8 | uint32(t.gen[idx]), true
+}
+
+func (t *keyTable) set(key uint32, m *mr) { t.slots[key>>8].Store(m) }
+
+func (t *keyTable) lookup(key uint32) *mr {
+	idx := key >> 8
+	if idx == 0 || int(idx) >= len(t.slots) {
+		return nil
+	}
+	m := t.slots[idx].Load()
+	if m == nil || m.key != key {
+		return nil
+	}
+	return m
+}
+
+func (t *keyTable) remove(key uint32, m *mr) bool {
+	idx := key >> 8
+	if idx == 0 || int(idx) >= len(t.slots) || !t.slots[idx].CompareAndSwap(m, nil) {
+		return false
+	}
+	// Recycle indices FIFO so a stale key's index is reused late.
+	t.free = append(t.free, idx)
+	return true
+}
+
+// seg is one resolved piece of a scatter/gather list: n bytes at iova in
+// mr.
+type seg struct {
+	mr   *mr
+	iova uint64
+	n    uint64
+}
+
+// resolveSGL checks an SGL against the QP's PD and the access a direction
+// needs and appends the segments to dst. Zero-length SGEs are skipped.
+func resolveSGL(dev *device, p *pd, sgl []hostverbs.SGE, want hostverbs.Access, dst []seg) ([]seg, uint64, error) {
+	var total uint64
+	for i := range sgl {
+		s := &sgl[i]
+		if s.Length == 0 {
+			continue
+		}
+		m := dev.keys.lookup(s.LKey)
+		if m == nil {
+			return dst, 0, fmt.Errorf("sge %d: lkey %#x: %w", i, s.LKey, errAccess)
+		}
+		if m.pd != p {
+			return dst, 0, fmt.Errorf("sge %d: lkey %#x belongs to another PD: %w", i, s.LKey, errAccess)
+		}
+		if err := m.check(s.Addr, uint64(s.Length), want); err != nil {
+			return dst, 0, fmt.Errorf("sge %d: %w", i, err)
+		}
+		dst = append(dst, seg{mr: m, iova: s.Addr, n: uint64(s.Length)})
+		total += uint64(s.Length)
+	}
+	return dst, total, nil
+}
+
+// walkSegs calls fn for each piece of [off, off+n) of the message the
+// segments describe. It fails if the segments are shorter.
+func walkSegs(segs []seg, off, n uint64, fn func(s *seg, iova, cnt uint64) error) error {
+	for i := range segs {
+		if n == 0 {
+			return nil
+		}
+		s := &segs[i]
+		if off >= s.n {
+			off -= s.n
+			continue
+		}
+		cnt := min(s.n-off, n)
+		if err := fn(s, s.iova+off, cnt); err != nil {
+			return err
+		}
+		n -= cnt
+		off = 0
+	}
+	if n != 0 {
+		return fmt.Errorf("scatter/gather list too short by %d bytes: %w", n, errLength)
+	}
+	return nil
+}
+
+var errLength = errors.New("length exceeds the buffer")
+
+// gather copies len(dst) bytes at message offset off of segs into dst.
+func gather(dst []byte, segs []seg, off uint64) error {
+	done := uint64(0)
+	return walkSegs(segs, off, uint64(len(dst)), func(s *seg, iova, cnt uint64) error {
+		err := s.mr.pages.ReadAt(s.mr.mem, dst[done:done+cnt], iova)
+		done += cnt
+		return err
+	})
+}
+
+// scatter copies src to message offset off of segs.
+func scatter(segs []seg, off uint64, src []byte) error {
+	done := uint64(0)
+	return walkSegs(segs, off, uint64(len(src)), func(s *seg, iova, cnt uint64) error {
+		err := s.mr.pages.WriteAt(s.mr.mem, src[done:done+cnt], iova)
+		done += cnt
+		return err
+	})
+}
+
+// copySegs copies n bytes from offset srcOff of src to offset dstOff of
+// dst, guest memory to guest memory: the single copy of the same-host path.
+func copySegs(dst []seg, dstOff uint64, src []seg, srcOff, n uint64) error {
+	return walkSegs(src, srcOff, n, func(ss *seg, siova, scnt uint64) error {
+		err := walkSegs(dst, dstOff, scnt, func(ds *seg, diova, dcnt uint64) error {
+			err := copyRange(ds.mr, diova, ss.mr, siova, dcnt)
+			siova += dcnt
+			return err
+		})
+		dstOff += scnt
+		return err
+	})
+}
+
+// copyRange copies n bytes between the IOVA ranges of two MRs, one
+// physically contiguous run at a time.
+func copyRange(dm *mr, diova uint64, sm *mr, siova, n uint64) error {
+	return sm.pages.Chunks(siova, n, func(sgpa guestmem.GPA, c1 uint64) error {
+		err := dm.pages.Chunks(diova, c1, func(dgpa guestmem.GPA, c2 uint64) error {
+			err := guestmem.Copy(dm.mem, dgpa, sm.mem, sgpa, c2)
+			sgpa += guestmem.GPA(c2)
+			return err
+		})
+		diova += c1
+		return err
+	})
+}

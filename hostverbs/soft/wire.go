@@ -1,0 +1,37 @@
+package soft
+
+import "context"
+
+// Wire carries RoCE v2 datagrams between a Fabric and the network. The
+// kernel implementation (NewKernelWire) sends and receives UDP 4791
+// through the host's IP stack; MemNet connects fabrics in memory with
+// injectable loss, reordering and duplication for deterministic tests.
+type Wire interface {
+	// Transmit sends the datagrams, in order, and returns how many were
+	// accepted. A datagram the network refuses (too large for the path,
+	// no route) is skipped and reported through the error; Transmit does
+	// not retain the slices.
+	Transmit(pkts []Datagram) (int, error)
+	// Receive blocks until at least one datagram arrives, fills bufs (each
+	// a buffer of MaxDatagram bytes) and returns how many it filled; the
+	// datagrams are bufs[i][:lens[i]]. It returns an error once the wire is
+	// closed or ctx is done.
+	Receive(ctx context.Context, bufs [][]byte, lens []int) (int, error)
+	// Close releases the wire and unblocks Receive.
+	Close() error
+}
+
+// Datagram is one outgoing RoCE v2 packet.
+type Datagram struct {
+	// Packet is an IPv4 or IPv6 datagram carrying UDP port 4791, ICRC
+	// included.
+	Packet []byte
+	// SrcMAC and DstMAC are the link addresses of the sending device and
+	// of the AV's destination, for wires that build Ethernet frames; IP
+	// wires ignore them.
+	SrcMAC, DstMAC [6]byte
+}
+
+// MaxDatagram bounds every datagram a Fabric sends or accepts: a 4096-byte
+// path MTU plus the largest header set.
+const MaxDatagram = 4096 + 128
