@@ -174,6 +174,14 @@ func (c *conn) serve() error {
 func (c *conn) handle() (fatal error) {
 	m := &c.cur
 	c.stats.messages.Add(1)
+	if m.hdr.Type() != FlagCommand {
+		// Neither a command nor a reply (those went to waiting requests):
+		// there is nobody to answer.
+		c.stats.errors.Add(1)
+		closeFDs(m.fds)
+		c.log.Debug("dropped message of unknown type", "hdr", m.hdr)
+		return nil
+	}
 	if m.hdr.NoReply() {
 		c.stats.posted.Add(1)
 	}
@@ -252,7 +260,7 @@ func wrongDirection(c *conn, m *ownedMsg) (int, error) {
 // and returns its length.
 func (c *conn) dispatch(m *ownedMsg) (int, error) {
 	h := m.hdr
-	if h.Type() != FlagCommand || h.Flags&^knownFlags != 0 || h.Flags&FlagError != 0 {
+	if h.Flags&^knownFlags != 0 || h.Flags&FlagError != 0 {
 		return 0, fmt.Errorf("flags %#x on a command: %w", h.Flags, ErrInvalid)
 	}
 	var info cmdInfo

@@ -287,12 +287,18 @@ func TestBadHeaders(t *testing.T) {
 	})
 	t.Run("flags", func(t *testing.T) {
 		c, _ := connect(t, srv, devs)
-		for _, flags := range []uint32{vfiouser.FlagError, 2, 0x40, 0x80000000} {
+		for _, flags := range []uint32{vfiouser.FlagError, 0x40, 0x80000000} {
 			id, err := c.Send(vfiouser.CmdDeviceReset, flags, nil)
 			require.NoError(t, err)
 			_, err = c.Expect(id, vfiouser.CmdDeviceReset)
 			assert.ErrorIs(t, err, syscall.EINVAL, "flags %#x", flags)
 		}
+		// A message of unknown type (neither command nor reply) is dropped.
+		_, err := c.Send(vfiouser.CmdDeviceReset, 2, nil)
+		require.NoError(t, err)
+		require.NoError(t, c.ExpectSilence(50*time.Millisecond))
+		_, err = c.DeviceInfo()
+		require.NoError(t, err)
 	})
 	t.Run("size below header", func(t *testing.T) {
 		c, _ := connect(t, srv, devs)

@@ -186,6 +186,18 @@ func (s *Server) ServeConn(uc *net.UnixConn, name string) error {
 	return s.serveTransport(t, name)
 }
 
+// ServeStream serves one connection whose client side is the scripted
+// byte stream segs (bytes, and descriptors sent with the first byte of
+// each segment; the server owns them from then on) and returns the
+// messages the server wrote, in order. It runs the same pipeline as a
+// socket connection: for fuzzing, one-step tests and replaying captured
+// traffic. The connection ends at the end of the script.
+func (s *Server) ServeStream(segs []Segment) ([][]byte, error) {
+	t := newMemTransport(append([]Segment(nil), segs...), oobFDs)
+	err := s.serveTransport(t, "stream")
+	return t.Written(), err
+}
+
 // ServeFD serves an inherited descriptor: a listening unix socket is
 // served like Serve, a connected one like ServeConn. The descriptor is
 // owned by the server from then on.
