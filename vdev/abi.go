@@ -11,9 +11,9 @@ import "encoding/binary"
 // Decode and Encode index the slice up front (b[Size-1]) and never read or
 // write outside it; callers pass slices of at least the struct's size.
 
-func u16(b []byte, off int) uint16     { return binary.LittleEndian.Uint16(b[off:]) }
-func u32(b []byte, off int) uint32     { return binary.LittleEndian.Uint32(b[off:]) }
-func u64(b []byte, off int) uint64     { return binary.LittleEndian.Uint64(b[off:]) }
+func u16(b []byte, off int) uint16      { return binary.LittleEndian.Uint16(b[off:]) }
+func u32(b []byte, off int) uint32      { return binary.LittleEndian.Uint32(b[off:]) }
+func u64(b []byte, off int) uint64      { return binary.LittleEndian.Uint64(b[off:]) }
 func put16(b []byte, off int, v uint16) { binary.LittleEndian.PutUint16(b[off:], v) }
 func put32(b []byte, off int, v uint32) { binary.LittleEndian.PutUint32(b[off:], v) }
 func put64(b []byte, off int, v uint64) { binary.LittleEndian.PutUint64(b[off:], v) }

@@ -19,7 +19,7 @@ const (
 	maxHandles      = 1 << 24
 	maxQueueDepth   = 1 << 15
 	maxGIDTableLen  = 255
-	firmwareVersion = 1<<32 | 0<<16 | 0 // reported as 1.0.0 when the provider has none
+	firmwareVersion = 1 << 32 // reported as 1.0.0 when the provider has none
 )
 
 // computeCaps derives the capabilities reported to the guest: the smallest

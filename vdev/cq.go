@@ -158,6 +158,14 @@ func (d *Device) cq(h uint32) (*cq, error) {
 	return c, nil
 }
 
+// quiesce waits until no completion handler is inside the CQ: one that
+// looked a QP up before it left the live table has finished writing.
+func (c *cq) quiesce() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	_ = c.dead // the lock is the point: a barrier against Complete
+}
+
 // arm requests a notification for the next completion (or the next
 // solicited or unsuccessful one).
 func (c *cq) arm(level uint8) {
@@ -208,7 +216,7 @@ func (c *cq) Complete(wc *hostverbs.WorkCompletion) {
 		e.PortNum = portNum
 	}
 	e.Encode(c.buf[:])
-	if err := d.mem.WriteAt(c.buf[:], gpa); err == nil {
+	if err = d.mem.WriteAt(c.buf[:], gpa); err == nil {
 		err = c.ring.Commit()
 	}
 	notify := false

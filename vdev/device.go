@@ -103,31 +103,31 @@ var (
 
 // Stats are the device's counters.
 type Stats struct {
-	Commands, CommandErrors             uint64
-	Doorbells, PollDoorbells            uint64
-	BadDoorbells                        uint64
-	SendWQEs, RecvWQEs, BadWQEs         uint64
-	FlushedWQEs, StalledPosts           uint64
-	Completions, StaleCompletions       uint64
-	CQOverflows                         uint64
-	CQNotifications, NotifyDropped      uint64
-	AsyncEvents, AsyncDropped           uint64
-	Interrupts, MaskedInterrupts        uint64
-	BadBARAccesses                      uint64
+	Commands, CommandErrors        uint64
+	Doorbells, PollDoorbells       uint64
+	BadDoorbells                   uint64
+	SendWQEs, RecvWQEs, BadWQEs    uint64
+	FlushedWQEs, StalledPosts      uint64
+	Completions, StaleCompletions  uint64
+	CQOverflows                    uint64
+	CQNotifications, NotifyDropped uint64
+	AsyncEvents, AsyncDropped      uint64
+	Interrupts, MaskedInterrupts   uint64
+	BadBARAccesses                 uint64
 }
 
 type counters struct {
-	commands, commandErrors          atomic.Uint64
-	doorbells, pollDoorbells         atomic.Uint64
-	badDoorbells                     atomic.Uint64
-	sendWQEs, recvWQEs, badWQEs      atomic.Uint64
-	flushedWQEs, stalledPosts        atomic.Uint64
-	completions, staleCompletions    atomic.Uint64
-	cqOverflows                      atomic.Uint64
-	cqNotifications, notifyDropped   atomic.Uint64
-	asyncEvents, asyncDropped        atomic.Uint64
-	interrupts, maskedInterrupts     atomic.Uint64
-	badBARAccesses                   atomic.Uint64
+	commands, commandErrors        atomic.Uint64
+	doorbells, pollDoorbells       atomic.Uint64
+	badDoorbells                   atomic.Uint64
+	sendWQEs, recvWQEs, badWQEs    atomic.Uint64
+	flushedWQEs, stalledPosts      atomic.Uint64
+	completions, staleCompletions  atomic.Uint64
+	cqOverflows                    atomic.Uint64
+	cqNotifications, notifyDropped atomic.Uint64
+	asyncEvents, asyncDropped      atomic.Uint64
+	interrupts, maskedInterrupts   atomic.Uint64
+	badBARAccesses                 atomic.Uint64
 }
 
 // Device is one PVRDMA function serving one VM.
@@ -187,13 +187,13 @@ type Device struct {
 
 	// Scratch space for the BAR goroutine (guarded by mu): command slots
 	// and one WQE at a time.
-	req      [CmdReqSize]byte
-	resp     [CmdRespSize]byte
-	wqe      [SQWQEHdrSize + SGESize*maxSGELimit]byte
-	sgl      [maxSGELimit]hostverbs.SGE
-	swr      hostverbs.SendWR
-	rwr      hostverbs.RecvWR
-	wc       hostverbs.WorkCompletion
+	req  [CmdReqSize]byte
+	resp [CmdRespSize]byte
+	wqe  [SQWQEHdrSize + SGESize*maxSGELimit]byte
+	sgl  [maxSGELimit]hostverbs.SGE
+	swr  hostverbs.SendWR
+	rwr  hostverbs.RecvWR
+	wc   hostverbs.WorkCompletion
 }
 
 type gidSlot struct {

@@ -3,6 +3,8 @@ package vdev
 import (
 	"encoding/binary"
 	"errors"
+	"io"
+	"log/slog"
 	"syscall"
 	"testing"
 
@@ -146,8 +148,8 @@ func TestCommandsBeforeDSR(t *testing.T) {
 	assert.EqualValues(t, 1, g.irq.count(VectorResponse), "the interrupt the driver waits for still comes")
 	require.NoError(t, g.writeReg(RegCtl, CtlActivate))
 	assert.NotZero(t, g.readReg(RegErr), "ACTIVATE without a DSR fails")
-	g.doorbell(0, UARQPOffset, UARQPSend|0)
-	g.doorbell(0, UARCQOffset, UARCQPoll|0)
+	g.doorbell(0, UARQPOffset, UARQPSend)
+	g.doorbell(0, UARCQOffset, UARCQPoll)
 	assert.EqualValues(t, 2, g.dev.Stats().BadDoorbells)
 	require.NoError(t, g.writeReg(RegCtl, 7))
 	assert.EqualValues(t, syscall.EINVAL, g.readReg(RegErr))
@@ -429,7 +431,7 @@ func TestNotSharedMemoryIsRefused(t *testing.T) {
 	mem := guestmem.New()
 	require.NoError(t, mem.Add(guestmem.RegionSpec{Base: 0, Size: 1 << 20, Prot: guestmem.ProtRead | guestmem.ProtWrite, FD: -1}))
 	irq := &fakeIRQ{}
-	d, err := New(Config{Memory: mem, Verbs: newFakeVerbs(), IRQ: irq})
+	d, err := New(Config{Memory: mem, Verbs: newFakeVerbs(), IRQ: irq, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	require.NoError(t, err)
 	var b [4]byte
 	binary.LittleEndian.PutUint32(b[:], 0x1000)

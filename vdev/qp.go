@@ -370,10 +370,8 @@ func (d *Device) cmdDestroyQP(req, resp []byte) error {
 func (d *Device) destroyQP(q *qp) error {
 	d.live[q.handle].Store(nil)
 	err := q.hv.Destroy()
-	for _, c := range []*cq{q.scq, q.rcq} {
-		c.mu.Lock()
-		c.mu.Unlock() //nolint:staticcheck // an empty critical section is the point: a barrier
-	}
+	q.scq.quiesce()
+	q.rcq.quiesce()
 	d.unstall(q)
 	d.qps.free(q.handle)
 	q.pd.refs--
@@ -396,9 +394,6 @@ func (d *Device) destroyQP(q *qp) error {
 // bad WQE, a corrupt ring): the provider flushes what it holds, the device
 // flushes what is left in the rings.
 func (d *Device) errorQP(q *qp) {
-	if q.State() == hostverbs.QPStateErr {
-		return
-	}
 	q.state.Store(uint32(hostverbs.QPStateErr))
 	attr := hostverbs.QPAttr{State: hostverbs.QPStateErr}
 	if err := q.hv.Modify(&attr, hostverbs.AttrState); err != nil {

@@ -70,9 +70,6 @@ func (t *table[T]) each(fn func(h uint32, v T)) {
 	}
 }
 
-// clear drops every object.
-func (t *table[T]) clear() { t.items, t.n = nil, 0 }
-
 // set stores v under the specific handle h; false if h is out of range
 // or taken.
 func (t *table[T]) set(h uint32, v T) bool {
