@@ -519,11 +519,11 @@ func TestModifyQPValidation(t *testing.T) {
 		mask hostverbs.AttrMask
 		a    QPAttr
 	}{
-		{0x1, QPAttr{State: 3}},                        // RESET -> RTS
-		{0x39, QPAttr{State: 1, PortNum: 2}},           // port 2
-		{0x39, QPAttr{State: 9, PortNum: 1}},           // no such state
-		{1 << 25, QPAttr{}},                            // unknown mask bit
-		{0x1, QPAttr{State: 1}},                        // INIT without required attrs
+		{0x1, QPAttr{State: 3}},              // RESET -> RTS
+		{0x39, QPAttr{State: 1, PortNum: 2}}, // port 2
+		{0x39, QPAttr{State: 9, PortNum: 1}}, // no such state
+		{1 << 25, QPAttr{}},                  // unknown mask bit
+		{0x1, QPAttr{State: 1}},              // INIT without required attrs
 	} {
 		errReg, h := q.modify(c.mask, c.a)
 		assert.NotZero(t, errReg, "%#x %+v", c.mask, c.a)
