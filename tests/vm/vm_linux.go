@@ -550,21 +550,43 @@ func StartAll(ctx context.Context, t TB, img *Image, nw *Network, cfgs ...Config
 }
 
 // WaitAll waits for all guests concurrently. The error joins every guest's Wait error and
-// non-zero exit status (with their output).
+// non-zero exit status (with their output). Once one guest has failed, the others get
+// FailGrace to finish (their peer is usually gone) before they are killed.
 func WaitAll(ctx context.Context, vms ...*VM) ([]Result, error) {
 	res := make([]Result, len(vms))
 	errs := make([]error, len(vms))
+	failed := make(chan struct{})
+	var failOnce sync.Once
 	var wg sync.WaitGroup
 	for i, v := range vms {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			res[i], errs[i] = v.WaitOK(ctx)
+			if errs[i] != nil {
+				failOnce.Do(func() { close(failed) })
+			}
 		}()
 	}
-	wg.Wait()
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-failed:
+		select {
+		case <-done:
+		case <-time.After(FailGrace):
+			for _, v := range vms {
+				v.Kill()
+			}
+			<-done
+		}
+	}
 	return res, errors.Join(errs...)
 }
+
+// FailGrace is how long WaitAll lets the other guests run after one has failed.
+const FailGrace = 10 * time.Second
 
 func randomHex(n int) string {
 	b := make([]byte, n)

@@ -12,8 +12,8 @@ pvt_retry() {
 	shift
 	_i=0
 	while :; do
-		"$@" >/tmp/pvt_retry.out 2>&1
-		_rc=$?
+		# (in an if, so that the scenario's set -e does not end the shell)
+		if "$@" >/tmp/pvt_retry.out 2>&1; then _rc=0; else _rc=$?; fi
 		if [ $_rc -eq 0 ] || [ $_i -ge "$_n" ] ||
 			! grep -qiE "couldn't connect|connection refused|unable to init the socket connection|failed to connect" /tmp/pvt_retry.out; then
 			cat /tmp/pvt_retry.out
