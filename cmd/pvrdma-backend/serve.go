@@ -2,10 +2,89 @@ package main
 
 import (
 	"context"
-	"errors"
+	"fmt"
 	"io"
+	"log/slog"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 )
 
+// vmList collects repeated --vm NAME[=MAC] flags.
+type vmList []backend.VMRequest
+
+func (l *vmList) String() string { return fmt.Sprint(*l) }
+
+func (l *vmList) Set(v string) error {
+	name, mac, _ := strings.Cut(v, "=")
+	if err := backend.CheckVMName(name); err != nil {
+		return err
+	}
+	*l = append(*l, backend.VMRequest{Name: name, MAC: mac})
+	return nil
+}
+
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	return errors.New("the daemon is not assembled yet")
+	fs := newFlags("serve", "[flags]", stderr)
+	socketDir := fs.String("socket-dir", defaultSocketDir, "directory for the per-VM vfio-user sockets and control.sock")
+	netdev := fs.String("fabric-netdev", "", "IP mode: add bound guest GIDs as addresses on this netdev and use UDP 4791 through it")
+	tos := fs.Uint("default-tos", 0, "IP TOS of RoCE packets whose traffic class is 0 (default_roce_tos)")
+	transport := fs.String("transport", "soft", "host verbs provider: soft (pure-Go RoCE v2)")
+	var vms vmList
+	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC (repeatable)")
+	lim := vdev.DefaultLimits()
+	fs.IntVar(&lim.MaxQP, "max-qp", lim.MaxQP, "QPs per VM")
+	fs.IntVar(&lim.MaxCQ, "max-cq", lim.MaxCQ, "CQs per VM")
+	fs.IntVar(&lim.MaxMR, "max-mr", lim.MaxMR, "MRs per VM")
+	fs.IntVar(&lim.MaxPD, "max-pd", lim.MaxPD, "PDs per VM")
+	fs.IntVar(&lim.MaxSRQ, "max-srq", lim.MaxSRQ, "SRQs per VM")
+	fs.Uint64Var(&lim.MaxMRBytes, "max-mr-bytes", lim.MaxMRBytes, "registered memory bytes per VM")
+	level := fs.String("log-level", "info", "debug, info, warn or error")
+	jsonLogs := fs.Bool("log-json", false, "log JSON instead of text")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if *transport != "soft" {
+		return fmt.Errorf("--transport %s: this build has only the soft transport (build with -tags ibverbs for ibverbs)", *transport)
+	}
+	if *tos > 255 {
+		return fmt.Errorf("--default-tos %d: must be 0..255", *tos)
+	}
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(*level)); err != nil {
+		return fmt.Errorf("--log-level: %w", err)
+	}
+	hopts := &slog.HandlerOptions{Level: lvl}
+	var h slog.Handler = slog.NewTextHandler(stderr, hopts)
+	if *jsonLogs {
+		h = slog.NewJSONHandler(stderr, hopts)
+	}
+	log := slog.New(h)
+	raiseMemlock(log)
+	d, err := backend.New(backend.Config{
+		SocketDir: *socketDir,
+		Fabric:    backend.FabricConfig{Netdev: *netdev, DefaultTOS: uint8(*tos)},
+		Limits:    lim,
+		VMs:       vms,
+		Logger:    log,
+	})
+	if err != nil {
+		return err
+	}
+	return d.Run(ctx)
+}
+
+// raiseMemlock lifts RLIMIT_MEMLOCK so guest RAM can be locked. Without
+// CAP_SYS_RESOURCE this fails; CAP_IPC_LOCK then still allows mlock, and
+// without either, DMA_MAP reports the mlock failure to the VM's QEMU.
+func raiseMemlock(log *slog.Logger) {
+	inf := unix.Rlimit{Cur: unix.RLIM_INFINITY, Max: unix.RLIM_INFINITY}
+	if err := unix.Setrlimit(unix.RLIMIT_MEMLOCK, &inf); err != nil {
+		var cur unix.Rlimit
+		_ = unix.Getrlimit(unix.RLIMIT_MEMLOCK, &cur)
+		log.Debug("RLIMIT_MEMLOCK unchanged (CAP_IPC_LOCK still allows locking guest RAM)", "err", err, "cur", cur.Cur)
+	}
 }

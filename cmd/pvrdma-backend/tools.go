@@ -186,7 +186,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		enc.SetIndent("", "  ")
 		return enc.Encode(st)
 	}
-	fmt.Fprintf(stdout, "transport %s, fabric %s %s, sockets in %s\n", st.Transport, st.Fabric.Mode, st.Fabric.Netdev, st.SocketDir)
+	fmt.Fprintf(stdout, "transport %s, fabric %s%s, sockets in %s\n", st.Transport, st.Fabric.Mode, strings.TrimSuffix(" "+st.Fabric.Netdev, " "), st.SocketDir)
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "VM\tCONNECTED\tMAC\tGIDS\tQPS\tMRS\tLOCKED")
 	for _, vm := range st.VMs {

@@ -1,0 +1,258 @@
+package backend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
+)
+
+// Config parameterises the daemon.
+type Config struct {
+	// SocketDir holds one vfio-user socket per VM (<name>.sock) and the
+	// control socket (control.sock). Created if missing.
+	SocketDir string
+	// Fabric selects how devices reach the network.
+	Fabric FabricConfig
+	// Limits are the per-VM resource quotas.
+	Limits vdev.Limits
+	// VMs are registered at start.
+	VMs []VMRequest
+	// Logger; nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// Daemon serves PVRDMA devices to VMs: one vfio-user socket per VM, one
+// device per connected QEMU, all on one fabric.
+type Daemon struct {
+	cfg    Config
+	log    *slog.Logger
+	fabric *fabric
+
+	mu     sync.Mutex
+	vms    map[string]*vmSession
+	closed bool
+}
+
+// New prepares a daemon: it creates the socket directory and the fabric and
+// registers cfg.VMs. Run serves it.
+func New(cfg Config) (*Daemon, error) {
+	if cfg.SocketDir == "" {
+		return nil, errors.New("socket directory required")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if err := os.MkdirAll(cfg.SocketDir, 0o755); err != nil {
+		return nil, fmt.Errorf("socket directory: %w", err)
+	}
+	fab, err := newFabric(cfg.Fabric, cfg.Logger)
+	if err != nil {
+		return nil, err
+	}
+	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{}}
+	for _, vm := range cfg.VMs {
+		if _, err := d.AddVM(vm); err != nil {
+			d.close()
+			return nil, err
+		}
+	}
+	return d, nil
+}
+
+// Run serves the control socket until ctx ends, then shuts everything down:
+// VMs' connections are closed (their QEMUs see EOF), sockets removed,
+// GID addresses withdrawn.
+func (d *Daemon) Run(ctx context.Context) error {
+	ln, err := ListenControl(controlSocket(d.cfg.SocketDir))
+	if err != nil {
+		d.close()
+		return err
+	}
+	srv := &http.Server{Handler: ControlHandler(d), ReadHeaderTimeout: 5 * time.Second}
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	d.log.Info("serving", "socket_dir", d.cfg.SocketDir, "fabric", d.fabric.status().Mode, "vms", len(d.cfg.VMs))
+	select {
+	case <-ctx.Done():
+	case err = <-errc:
+		err = fmt.Errorf("control socket: %w", err)
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = srv.Shutdown(sctx)
+	_ = os.Remove(controlSocket(d.cfg.SocketDir))
+	d.close()
+	d.log.Info("stopped")
+	return err
+}
+
+func controlSocket(dir string) string { return dir + "/control.sock" }
+
+func (d *Daemon) close() {
+	d.mu.Lock()
+	d.closed = true
+	vms := make([]*vmSession, 0, len(d.vms))
+	for _, s := range d.vms {
+		vms = append(vms, s)
+	}
+	d.vms = map[string]*vmSession{}
+	d.mu.Unlock()
+	for _, s := range vms {
+		s.stop()
+	}
+	if err := d.fabric.close(); err != nil {
+		d.log.Warn("closing fabric", "err", err)
+	}
+}
+
+// AddVM registers a VM: it creates the VM's socket and starts serving it.
+func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
+	if err := CheckVMName(req.Name); err != nil {
+		return VMStatus{}, err
+	}
+	mac := DefaultMAC(req.Name)
+	if req.MAC != "" {
+		m, err := net.ParseMAC(req.MAC)
+		if err != nil || len(m) != 6 {
+			return VMStatus{}, fmt.Errorf("VM %s: MAC %q: not a 48-bit MAC", req.Name, req.MAC)
+		}
+		mac = m
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return VMStatus{}, errors.New("daemon is shutting down")
+	}
+	if _, ok := d.vms[req.Name]; ok {
+		return VMStatus{}, fmt.Errorf("VM %s: %w", req.Name, ErrVMExists)
+	}
+	s, err := startVM(d, req.Name, mac)
+	if err != nil {
+		return VMStatus{}, err
+	}
+	d.vms[req.Name] = s
+	return s.status(), nil
+}
+
+// RemoveVM unregisters a VM, disconnecting its QEMU if connected.
+func (d *Daemon) RemoveVM(name string) error {
+	d.mu.Lock()
+	s, ok := d.vms[name]
+	delete(d.vms, name)
+	d.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("VM %s: %w", name, ErrNoVM)
+	}
+	s.stop()
+	return nil
+}
+
+// Status reports the daemon's state.
+func (d *Daemon) Status() Status {
+	d.mu.Lock()
+	vms := make([]*vmSession, 0, len(d.vms))
+	for _, s := range d.vms {
+		vms = append(vms, s)
+	}
+	d.mu.Unlock()
+	sort.Slice(vms, func(i, j int) bool { return vms[i].name < vms[j].name })
+	st := Status{Transport: "soft", SocketDir: d.cfg.SocketDir, Fabric: d.fabric.status(), Counters: d.fabric.counters()}
+	for _, s := range vms {
+		st.VMs = append(st.VMs, s.status())
+	}
+	return st
+}
+
+// SocketPath returns the vfio-user socket of a registered VM.
+func (d *Daemon) SocketPath(name string) string { return SocketPath(d.cfg.SocketDir, name) }
+
+// fabric is the daemon's soft RoCE fabric plus its host attachment.
+type fabric struct {
+	cfg   FabricConfig
+	soft  *soft.Fabric
+	addrs *AddrManager // IP mode: bound GIDs as host addresses
+}
+
+// FabricConfig selects the fabric attachment.
+type FabricConfig struct {
+	// Netdev (IP mode) is a host network device on which bound guest GIDs
+	// are added as addresses, so RoCE v2 traffic from other hosts reaches
+	// this daemon's UDP port 4791. Empty: devices reach only each other.
+	Netdev string
+	// DefaultTOS is the IP TOS of RoCE packets whose traffic class is 0.
+	DefaultTOS uint8
+}
+
+func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
+	f := &fabric{cfg: cfg}
+	scfg := soft.Config{DefaultTOS: cfg.DefaultTOS, Logger: log.With("component", "fabric")}
+	if cfg.Netdev != "" {
+		am, err := NewAddrManager(cfg.Netdev)
+		if err != nil {
+			return nil, err
+		}
+		f.addrs = am
+		w, mtu, err := newKernelWire(cfg.Netdev)
+		if err != nil {
+			am.Close()
+			return nil, err
+		}
+		scfg.Wire, scfg.LinkMTU = w, mtu
+	}
+	sf, err := soft.New(scfg)
+	if err != nil {
+		if f.addrs != nil {
+			f.addrs.Close()
+		}
+		return nil, fmt.Errorf("fabric: %w", err)
+	}
+	f.soft = sf
+	return f, nil
+}
+
+func (f *fabric) status() FabricStatus {
+	if f.cfg.Netdev != "" {
+		return FabricStatus{Mode: "ip", Netdev: f.cfg.Netdev}
+	}
+	return FabricStatus{Mode: "local"}
+}
+
+func (f *fabric) counters() map[string]uint64 { return f.soft.Counters() }
+
+func (f *fabric) gidBound(e hostverbs.GIDEntry, bound bool) error {
+	if f.addrs == nil {
+		return nil
+	}
+	if bound {
+		return f.addrs.Add(e.GID.Addr())
+	}
+	return f.addrs.Remove(e.GID.Addr())
+}
+
+func (f *fabric) close() error {
+	err := f.soft.Close()
+	if f.addrs != nil {
+		if aerr := f.addrs.Close(); err == nil {
+			err = aerr
+		}
+	}
+	return err
+}
+
+// vfioServer returns a vfio-user server whose connections get devices from
+// newDevice.
+func vfioServer(newDevice vfiouser.NewDeviceFunc, log *slog.Logger) (*vfiouser.Server, error) {
+	return vfiouser.NewServer(vfiouser.Config{NewDevice: newDevice, Logger: log})
+}

@@ -1,0 +1,104 @@
+package backend
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser/vfiousertest"
+)
+
+func testDaemon(t *testing.T) (*Daemon, string, context.CancelFunc) {
+	t.Helper()
+	dir := t.TempDir()
+	d, err := New(Config{SocketDir: dir, VMs: []VMRequest{{Name: "vm1"}},
+		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(filepath.Join(dir, "control.sock"))
+		return err == nil
+	}, 2*time.Second, 10*time.Millisecond)
+	return d, dir, cancel
+}
+
+func dialVM(t *testing.T, path string) *vfiousertest.Client {
+	t.Helper()
+	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
+	require.NoError(t, err)
+	c := vfiousertest.NewClient(conn)
+	_, err = c.Negotiate(vfiousertest.QEMUCaps)
+	require.NoError(t, err)
+	return c
+}
+
+func TestDaemonServesAPVRDMAFunctionPerVM(t *testing.T) {
+	d, dir, _ := testDaemon(t)
+	ctx := context.Background()
+	ctl := NewControlClient(filepath.Join(dir, "control.sock"))
+	_, err := ctl.AddVM(ctx, VMRequest{Name: "vm2", MAC: "52:54:00:77:00:02"})
+	require.NoError(t, err)
+
+	c := dialVM(t, d.SocketPath("vm1"))
+	fd, _, err := vfiousertest.Memfd(64 << 20)
+	require.NoError(t, err)
+	require.NoError(t, c.DMAMap(0, 64<<20, vfiouser.DMAFlagRead|vfiouser.DMAFlagWrite, fd, 0))
+	id, err := c.Read32(vfiouser.RegionConfig, 0)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(0x0820_15ad), id, "PCI 15ad:0820")
+	class, err := c.Read32(vfiouser.RegionConfig, 8)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(0x028000), class>>8, "class network-other")
+	require.NoError(t, c.Write32(vfiouser.RegionConfig, 4, 0x0006)) // memory decode + bus master, as firmware does
+	ver, err := c.Read32(1, 0) // BAR1 VERSION
+	require.NoError(t, err)
+	assert.Equal(t, uint32(20), ver)
+
+	// A second QEMU on the same VM socket is refused while the first is connected.
+	conn2, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: d.SocketPath("vm1"), Net: "unix"})
+	require.NoError(t, err)
+	c2 := vfiousertest.NewClient(conn2)
+	_, err = c2.Negotiate(vfiousertest.QEMUCaps)
+	assert.Error(t, err)
+	c2.Close()
+
+	st, err := ctl.Status(ctx)
+	require.NoError(t, err)
+	require.Len(t, st.VMs, 2)
+	assert.True(t, st.VMs[0].Connected)
+	assert.Equal(t, uint64(64<<20), st.VMs[0].LockedBytes)
+	assert.False(t, st.VMs[1].Connected)
+	assert.Equal(t, "52:54:00:77:00:02", st.VMs[1].MAC)
+
+	require.NoError(t, c.Close())
+	require.Eventually(t, func() bool { return !d.Status().VMs[0].Connected }, 2*time.Second, 10*time.Millisecond,
+		"EOF tears the device down")
+	// The VM socket serves the next QEMU (a restarted VM).
+	c3 := dialVM(t, d.SocketPath("vm1"))
+	v, err := c3.Read32(1, 0)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(0xffffffff), v, "memory decode is off again on a new connection")
+	require.NoError(t, c3.Write32(vfiouser.RegionConfig, 4, 0x0002))
+	v, err = c3.Read32(1, 0)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(20), v)
+	c3.Close()
+
+	require.NoError(t, ctl.RemoveVM(ctx, "vm2"))
+	_, err = os.Stat(d.SocketPath("vm2"))
+	assert.ErrorIs(t, err, os.ErrNotExist)
+}

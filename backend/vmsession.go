@@ -1,0 +1,250 @@
+package backend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/pcidev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
+)
+
+// vmSession is one registered VM: its socket, and the device of the QEMU
+// connected to it (at most one at a time).
+type vmSession struct {
+	d      *Daemon
+	name   string
+	mac    net.HardwareAddr
+	socket string
+	log    *slog.Logger
+	srv    *vfiouser.Server
+	done   chan struct{} // closed when Serve returns
+
+	mu   sync.Mutex
+	conn *vmConn // the connected QEMU, if any
+}
+
+// vmConn is the device stack of one QEMU connection.
+type vmConn struct {
+	since time.Time
+	mem   *guestmem.Memory
+	verbs hostverbs.Device
+	dev   *vdev.Device
+	fn    *pcidev.Function
+
+	gmu  sync.Mutex
+	gids map[int]hostverbs.GIDEntry
+}
+
+func startVM(d *Daemon, name string, mac net.HardwareAddr) (*vmSession, error) {
+	s := &vmSession{d: d, name: name, mac: mac, socket: SocketPath(d.cfg.SocketDir, name),
+		log: d.log.With("vm", name), done: make(chan struct{})}
+	srv, err := vfioServer(s.newDevice, s.log)
+	if err != nil {
+		return nil, fmt.Errorf("VM %s: %w", name, err)
+	}
+	ln, err := vfiouser.Listen(s.socket)
+	if err != nil {
+		return nil, fmt.Errorf("VM %s: %w", name, err)
+	}
+	s.srv = srv
+	go func() {
+		defer close(s.done)
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, vfiouser.ErrServerClosed) && !errors.Is(err, net.ErrClosed) {
+			s.log.Error("vfio-user server stopped", "err", err)
+		}
+	}()
+	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String())
+	return s, nil
+}
+
+// stop closes the socket and any connection; the connection's device is
+// torn down by its Close callback.
+func (s *vmSession) stop() {
+	_ = s.srv.Close()
+	<-s.done
+	_ = os.Remove(s.socket)
+	s.log.Info("VM unregistered")
+}
+
+// newDevice builds the device stack for a new QEMU connection: a provider
+// device on the fabric, the PVRDMA model over it, and the PCI function that
+// presents it to vfio-user.
+func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.Device, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.conn != nil {
+		return nil, fmt.Errorf("VM %s already has a connected QEMU (since %s)", s.name, s.conn.since.Format(time.RFC3339))
+	}
+	c := &vmConn{since: time.Now(), mem: h.Memory, gids: map[int]hostverbs.GIDEntry{}}
+	var mac [6]byte
+	copy(mac[:], s.mac)
+	var events eventRelay
+	verbs, err := s.d.fabric.soft.Open(hostverbs.DeviceConfig{
+		Name: s.name, Memory: h.Memory, NodeGUID: NodeGUID(s.mac), MAC: mac,
+		Events: events.deliver, Logger: h.Logger,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("VM %s: open fabric device: %w", s.name, err)
+	}
+	irq := &fnIRQ{}
+	dev, err := vdev.New(vdev.Config{
+		Memory: h.Memory, Verbs: verbs, IRQ: irq, MAC: mac, Limits: s.d.cfg.Limits, Logger: h.Logger,
+		OnGID: func(index int, e hostverbs.GIDEntry, bound bool) { s.gidChanged(c, index, e, bound) },
+	})
+	if err != nil {
+		verbs.Close()
+		return nil, fmt.Errorf("VM %s: %w", s.name, err)
+	}
+	events.set(dev)
+	fn, err := pcidev.New(h, pciConfig(dev, func() error { return s.disconnected(c) }))
+	if err != nil {
+		dev.Close()
+		verbs.Close()
+		return nil, fmt.Errorf("VM %s: %w", s.name, err)
+	}
+	irq.fn.Store(fn)
+	c.verbs, c.dev, c.fn = verbs, dev, fn
+	s.conn = c
+	s.log.Info("QEMU connected", "conn", h.Name)
+	return fn, nil
+}
+
+// disconnected tears down a connection's device stack (pcidev Close
+// callback, after the last access).
+func (s *vmSession) disconnected(c *vmConn) error {
+	err := c.dev.Close()
+	c.gmu.Lock()
+	for i, e := range c.gids {
+		if gerr := s.d.fabric.gidBound(e, false); gerr != nil {
+			s.log.Warn("withdraw GID", "index", i, "gid", e.GID, "err", gerr)
+		}
+	}
+	c.gids = nil
+	c.gmu.Unlock()
+	if verr := c.verbs.Close(); err == nil {
+		err = verr
+	}
+	s.mu.Lock()
+	if s.conn == c {
+		s.conn = nil
+	}
+	s.mu.Unlock()
+	s.log.Info("QEMU disconnected", "stats", fmt.Sprintf("%+v", c.dev.Stats()))
+	return err
+}
+
+// gidChanged mirrors the guest's GID table onto the fabric attachment.
+func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound bool) {
+	c.gmu.Lock()
+	defer c.gmu.Unlock()
+	if c.gids == nil {
+		return
+	}
+	if bound {
+		if old, ok := c.gids[index]; ok {
+			_ = s.d.fabric.gidBound(old, false)
+		}
+		c.gids[index] = e
+	} else {
+		delete(c.gids, index)
+	}
+	if err := s.d.fabric.gidBound(e, bound); err != nil {
+		s.log.Warn("GID on fabric netdev", "index", index, "gid", e.GID, "bound", bound, "err", err)
+		return
+	}
+	s.log.Info("GID", "index", index, "gid", e.GID, "type", e.Type, "bound", bound)
+}
+
+func (s *vmSession) status() VMStatus {
+	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String()}
+	s.mu.Lock()
+	c := s.conn
+	s.mu.Unlock()
+	if c == nil {
+		return st
+	}
+	st.Connected, st.Since, st.LockedBytes = true, c.since, c.mem.LockedBytes()
+	for i, e := range c.dev.GIDs() {
+		if !e.GID.IsZero() {
+			st.GIDs = append(st.GIDs, GIDStatus{Index: i, GID: e.GID.String(), Type: e.Type.String()})
+		}
+	}
+	ds := c.dev.Stats()
+	st.Counters = map[string]uint64{
+		"commands": ds.Commands, "command_errors": ds.CommandErrors,
+		"doorbells": ds.Doorbells, "poll_doorbells": ds.PollDoorbells, "bad_doorbells": ds.BadDoorbells,
+		"send_wqes": ds.SendWQEs, "recv_wqes": ds.RecvWQEs, "bad_wqes": ds.BadWQEs,
+		"flushed_wqes": ds.FlushedWQEs, "completions": ds.Completions, "cq_overflows": ds.CQOverflows,
+		"cq_notifications": ds.CQNotifications, "async_events": ds.AsyncEvents,
+		"interrupts": ds.Interrupts, "bad_bar_accesses": ds.BadBARAccesses,
+	}
+	return st
+}
+
+// pciConfig presents a PVRDMA device as a PCI function.
+func pciConfig(dev *vdev.Device, onClose func() error) pcidev.Config {
+	info := vdev.PCI()
+	cfg := pcidev.Config{
+		VendorID: info.VendorID, DeviceID: info.DeviceID,
+		SubVendorID: info.SubVendorID, SubDeviceID: info.SubDeviceID,
+		Revision: info.Revision, ClassCode: info.ClassCode, IntPin: info.IntPin,
+		MSIX: &pcidev.MSIX{Vectors: info.MSIX.Vectors, BAR: info.MSIX.BAR,
+			TableOffset: uint32(info.MSIX.TableOffset), PBAOffset: uint32(info.MSIX.PBAOffset)},
+		RequireSharedMemory: true,
+		Reset:               func(vfiouser.ResetReason) { dev.Reset() },
+		Close:               onClose,
+	}
+	for i, b := range info.BARs {
+		if b.Size == 0 {
+			continue
+		}
+		bar := i
+		cfg.BARs[i] = pcidev.BAR{
+			Size: b.Size, Type: pcidev.BARMem32, Prefetchable: b.Prefetchable,
+			Read:  func(off uint64, p []byte) error { return dev.ReadBAR(bar, off, p) },
+			Write: func(off uint64, p []byte) error { return dev.WriteBAR(bar, off, p) },
+		}
+		if b.Is64Bit {
+			cfg.BARs[i].Type = pcidev.BARMem64
+		}
+	}
+	return cfg
+}
+
+// fnIRQ raises a device's interrupts through its PCI function (MSI-X, or
+// INTx when the guest runs without MSI-X). The function is set once it
+// exists; provider goroutines may trigger concurrently.
+type fnIRQ struct{ fn atomic.Pointer[pcidev.Function] }
+
+func (i *fnIRQ) Trigger(vector int) {
+	if fn := i.fn.Load(); fn != nil {
+		fn.Trigger(vector)
+	}
+}
+
+// eventRelay forwards provider async events to the device once it exists.
+type eventRelay struct {
+	mu  sync.Mutex
+	dev *vdev.Device
+}
+
+func (r *eventRelay) set(d *vdev.Device) { r.mu.Lock(); r.dev = d; r.mu.Unlock() }
+
+func (r *eventRelay) deliver(ev hostverbs.AsyncEvent) {
+	r.mu.Lock()
+	d := r.dev
+	r.mu.Unlock()
+	if d != nil {
+		d.HandleEvent(ev)
+	}
+}
