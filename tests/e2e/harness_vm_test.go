@@ -1,0 +1,79 @@
+//go:build vm
+
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
+)
+
+func image(t *testing.T) *vm.Image {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+	img, err := vm.EnsureImage(ctx, t.Logf)
+	require.NoError(t, err)
+	return img
+}
+
+// daemon starts a backend in this process with the named VMs registered.
+func daemon(t *testing.T, cfg backend.Config, names ...string) *backend.Daemon {
+	t.Helper()
+	if cfg.SocketDir == "" {
+		cfg.SocketDir = t.TempDir()
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	}
+	for _, n := range names {
+		cfg.VMs = append(cfg.VMs, backend.VMRequest{Name: n})
+	}
+	d, err := backend.New(cfg)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("daemon: %v", err)
+		}
+	})
+	return d
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(p []byte) (int, error) {
+	w.t.Logf("%s", p)
+	return len(p), nil
+}
+
+// pvrdmaGuest is a guest config with vmxnet3 at 05.0 (MAC as the backend
+// derives it for name) and our device at 05.1.
+func pvrdmaGuest(d *backend.Daemon, name, ip, scenario string) vm.Config {
+	dev, _ := json.Marshal(map[string]any{
+		"driver": "vfio-user-pci", "addr": "05.1", "x-no-posted-writes": true,
+		"socket": map[string]any{"type": "unix", "path": d.SocketPath(name)},
+	})
+	return vm.Config{
+		Name:      name,
+		NICs:      []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: backend.DefaultMAC(name).String(), IP: ip}},
+		ExtraArgs: []string{"-device", string(dev)},
+		Scenario:  scenario,
+	}
+}
+
+func logf(t *testing.T, format string, args ...any) { t.Helper(); t.Log(fmt.Sprintf(format, args...)) }
+
+var _ = os.Getenv
