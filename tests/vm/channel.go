@@ -73,7 +73,7 @@ func parseFrame(line, nonce string) (frame, bool) {
 		return frame{}, false
 	}
 	secs, err := strconv.ParseFloat(up, 64)
-	if err != nil || secs < 0 || secs > 1e7 {
+	if err != nil || !(secs >= 0 && secs <= 1e7) { // also rejects NaN
 		return frame{}, false
 	}
 	fr.uptime = time.Duration(secs * float64(time.Second))

@@ -98,10 +98,7 @@ func (c *cpioWriter) mkdirAll(name string, perm uint32) {
 	if c.dirs[name] {
 		return
 	}
-	c.mkdirAll(path.Dir(name), 0o755)
-	if path.Dir(name) == "." {
-		c.mkdirAll("", 0o755)
-	}
+	c.mkdirAll(path.Dir(name), 0o755) // "." for top-level names, which is the root
 	c.dirs[name] = true
 	c.header(name, modeDir|perm&0o7777, 0, 0, 0)
 }

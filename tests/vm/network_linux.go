@@ -294,7 +294,12 @@ var sweepOnce sync.Once
 // sweepStale removes namespaces and run directories of earlier runs whose process is
 // gone (crashed, killed by a test timeout). It runs once per process.
 func sweepStale(logf func(string, ...any)) {
-	sweepOnce.Do(func() {
+	sweepOnce.Do(func() { sweep(logf) })
+}
+
+// sweep removes dead runs' namespaces and run directories.
+func sweep(logf func(string, ...any)) {
+	{
 		if ents, err := os.ReadDir(netnsDir); err == nil {
 			for _, e := range ents {
 				if strings.HasPrefix(e.Name(), namePrefix) && !ownerAlive(e.Name()) {
@@ -313,5 +318,5 @@ func sweepStale(logf func(string, ...any)) {
 				}
 			}
 		}
-	})
+	}
 }

@@ -259,6 +259,8 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 		"-object", fmt.Sprintf("memory-backend-memfd,id=ram,size=%dM,share=on", v.cfg.MemMiB),
 		"-overcommit", "mem-lock=on",
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+		// qboot reaches the PVH kernel ~1.5 s sooner than SeaBIOS under TCG.
+		"-bios", "qboot.rom",
 		"-kernel", img.Kernel,
 		"-initrd", initrd,
 		"-append", strings.TrimSpace("console=ttyS0 quiet loglevel=3 panic=-1 rdinit=/init " + v.cfg.KernelArgs),
