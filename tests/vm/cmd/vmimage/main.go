@@ -1,7 +1,7 @@
 // Command vmimage builds or loads the VM test bed's image cache and prints its paths and
 // how long that took. A warm cache is used without network access.
 //
-//	go run ./tests/vm/cmd/vmimage [-refresh] [-cache DIR] [-json]
+//	go run ./tests/vm/cmd/vmimage [-refresh] [-cache DIR] [-json] [-print-dir]
 package main
 
 import (
@@ -22,7 +22,16 @@ func main() {
 	refresh := flag.Bool("refresh", false, "fetch the package indices again and rebuild what changed")
 	cache := flag.String("cache", "", "cache directory (default: "+vm.DefaultCacheDir()+")")
 	asJSON := flag.Bool("json", false, "print the image as JSON")
+	printDir := flag.Bool("print-dir", false, "print the cache directory and exit")
 	flag.Parse()
+	if *printDir {
+		if *cache != "" {
+			fmt.Println(*cache)
+		} else {
+			fmt.Println(vm.DefaultCacheDir())
+		}
+		return
+	}
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()

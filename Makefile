@@ -1,0 +1,47 @@
+# pvrdma-backend: build, check, test and demo.
+# Prerequisite: Go >= 1.26 (at /usr/local/go). Everything else is installed by `make deps`
+# (Debian bookworm packages) and `make image` (the VM test bed's cache). Run as root: the
+# VM tests create network namespaces, bridges and taps.
+
+export PATH := /usr/local/go/bin:$(HOME)/go/bin:$(PATH)
+GO ?= go
+# Unit tests; then every package's VM tests (build tag vm), one package at a time since
+# the guests run under TCG on 2 cores.
+UNIT_TIMEOUT ?= 20m
+VM_TIMEOUT ?= 40m
+
+.PHONY: all build deps image test unit vmtest demo check clean-cache
+
+all: build
+
+build:
+	$(GO) build ./...
+
+deps:
+	./scripts/deps.sh
+
+image: deps
+	$(GO) run ./tests/vm/cmd/vmimage
+
+unit:
+	$(GO) test -timeout $(UNIT_TIMEOUT) ./...
+
+vmtest: image
+	$(GO) test -tags vm -count=1 -p 1 -timeout $(VM_TIMEOUT) ./...
+
+test: deps image unit vmtest
+
+demo: deps
+	$(GO) run ./tests/vm/cmd/vmdemo
+
+check:
+	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt -l:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+	$(GO) vet -tags vm ./...
+	@command -v staticcheck >/dev/null || $(GO) install honnef.co/go/tools/cmd/staticcheck@latest
+	staticcheck ./...
+	staticcheck -tags vm ./...
+
+# Removes the VM image cache (the next `make image` rebuilds it).
+clean-cache:
+	$(GO) run ./tests/vm/cmd/vmimage -print-dir | xargs -r rm -rf
