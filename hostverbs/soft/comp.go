@@ -170,6 +170,10 @@ func (q *qp) compAck(tx *txBatch, p *packet, w *sendWQE) {
 		}
 	case roce.SyndromeRNRNAK:
 		q.dev.ctrs.inc(cntRxRNRNAK)
+		if p.psn.After(q.comp.psn) {
+			// Everything before the NAKed request arrived: progress.
+			q.progress(p.psn)
+		}
 		if q.comp.rnrRetry == 0 {
 			q.dev.ctrs.inc(cntRNRRetryExceeded)
 			q.failHead(w, hostverbs.WCRNRRetryExcErr)
@@ -177,9 +181,6 @@ func (q *qp) compAck(tx *txBatch, p *packet, w *sendWQE) {
 		}
 		if q.comp.rnrRetry != infiniteRNRRetry {
 			q.comp.rnrRetry--
-		}
-		if p.psn.After(q.comp.psn) {
-			q.comp.psn = p.psn
 		}
 		q.req.waitRNR = true
 		q.req.rnrPSN = p.psn
@@ -191,7 +192,9 @@ func (q *qp) compAck(tx *txBatch, p *packet, w *sendWQE) {
 		case roce.NAKPSNSequenceError:
 			q.dev.ctrs.inc(cntRxNAKSeq)
 			if p.psn.After(q.comp.psn) {
-				q.comp.psn = p.psn
+				// The NAK acknowledges everything before its PSN: that
+				// is progress, and a new gap deserves its own retry.
+				q.progress(p.psn)
 			}
 			q.retry(tx, p.psn, false)
 		case roce.NAKInvalidRequest:

@@ -129,3 +129,35 @@ func TestInProcessAllOps(t *testing.T) {
 	assert.Zero(t, c["tx_packets"], "in-process traffic never touches a wire")
 	assert.NotZero(t, c["local_packets"])
 }
+
+// newMemNetPair puts a and b on two fabrics joined by a MemNet.
+func newMemNetPair(t *testing.T, o rcOpts, clock Clock, seed uint64) (pair, *MemNet) {
+	net := NewMemNet(seed)
+	t.Cleanup(net.Close)
+	mk := func() *Fabric {
+		f, err := New(Config{Wire: net.Attach(), Clock: clock, LinkMTU: 9000})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = f.Close() })
+		return f
+	}
+	fa, fb := mk(), mk()
+	a := newEndpoint(t, fa, "a", "10.0.0.1", bufSize+1<<20)
+	b := newEndpoint(t, fb, "b", "10.0.0.2", bufSize+1<<20)
+	qa, qb := connectRC(t, a, b, o)
+	return pair{a, b, qa, qb}, net
+}
+
+func TestMemNetAllOps(t *testing.T) {
+	for _, mtu := range []hostverbs.MTU{hostverbs.MTU1024, hostverbs.MTU4096} {
+		t.Run(fmt.Sprint(mtu.Bytes()), func(t *testing.T) {
+			o := defaultRC()
+			o.mtu = mtu
+			p, _ := newMemNetPair(t, o, nil, 1)
+			runAllOps(t, p, opSizes, 20*time.Second)
+			c := p.a.dev.(*device).f.Counters()
+			assert.NotZero(t, c["tx_packets"])
+			assert.Zero(t, c["drop_bad_icrc"])
+			assert.Zero(t, c["local_packets"])
+		})
+	}
+}

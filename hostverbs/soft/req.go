@@ -110,6 +110,11 @@ func (q *qp) reqStart(w *sendWQE) bool {
 	if !q.isUD() && !w.isAtomic() && w.length > w.mtu {
 		w.npkts = uint32((w.length + w.mtu - 1) / w.mtu)
 	}
+	if !q.isUD() && !q.outstanding() {
+		// Nothing was in flight: the local ACK timeout counts from now,
+		// not from the last progress.
+		q.comp.deadline = q.dev.f.clock.Now().Add(roce.LocalACKTimeout(q.attr.Timeout))
+	}
 	w.firstPSN = q.req.psn
 	w.lastPSN = q.req.psn.Add(w.npkts - 1)
 	q.req.psn = q.req.psn.Add(w.npkts)
@@ -130,10 +135,15 @@ func (q *qp) reqSend(tx *txBatch, w *sendWQE) bool {
 			return false
 		}
 		q.reqPacket(tx, w, w.nextPkt)
+		high := psn
+		if w.wr.Opcode == hostverbs.WRRDMARead {
+			high = w.lastPSN // the request stands for all its response PSNs
+		}
 		if psn.Before(q.req.sentHigh) {
 			q.dev.ctrs.inc(cntRetransmitPackets)
-		} else {
-			q.req.sentHigh = psn.Add(1)
+		}
+		if !high.Before(q.req.sentHigh) {
+			q.req.sentHigh = high.Add(1)
 		}
 		if w.wr.Opcode == hostverbs.WRRDMARead {
 			w.nextPkt = w.npkts // one request asks for every response

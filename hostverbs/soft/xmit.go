@@ -53,6 +53,7 @@ func (t *txBatch) emit(p *packet) {
 	f := t.f
 	if f.isLocal(p.dst) {
 		p.local = true
+		p.v4 = p.dst.IsV4()
 		if p.n > 0 && p.segs != nil {
 			p.arenaOff = len(t.arena)
 			t.arena = append(t.arena, p.segs...)
