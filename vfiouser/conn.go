@@ -19,8 +19,9 @@ import (
 // socket's read side is a token (tok): the serve loop holds it while it
 // waits for the next message; a goroutine waiting for the reply to a
 // server-to-client DMA request takes it when the serve loop is busy,
-// delivers replies and queues client commands in the backlog for the serve
-// loop, which handles them in order.
+// delivers replies and queues client commands in the backlog; the serve
+// loop handles them in order, at once, even while the waiter keeps the
+// token (the client may need those replies before it answers the DMA).
 type conn struct {
 	name  string
 	log   *slog.Logger
@@ -29,10 +30,11 @@ type conn struct {
 	t     transport
 	rd    *reader
 
-	tok      chan struct{}
-	backlogM sync.Mutex
-	backlog  []*ownedMsg
-	backlogN atomic.Int32
+	tok          chan struct{}
+	backlogReady chan struct{} // signalled when a waiter queues a command
+	backlogM     sync.Mutex
+	backlog      []*ownedMsg
+	backlogN     atomic.Int32
 
 	wmu sync.Mutex // one message at a time on the socket
 
@@ -96,7 +98,15 @@ func (c *conn) next() error {
 		if c.popBacklog() {
 			return nil
 		}
-		<-c.tok
+		select {
+		case <-c.tok:
+		case <-c.backlogReady:
+			// A DMA waiter holds the token and queued a command: serve it
+			// now. The client may be waiting for its reply before it
+			// answers the waiter (QEMU's vCPU holds its big lock while it
+			// waits for an MMIO reply).
+			continue
+		}
 		if c.backlogN.Load() > 0 {
 			c.tok <- struct{}{}
 			continue
@@ -142,6 +152,10 @@ func (c *conn) pushBacklog(m *rawMsg) {
 	c.backlog = append(c.backlog, o)
 	c.backlogN.Add(1)
 	c.backlogM.Unlock()
+	select {
+	case c.backlogReady <- struct{}{}:
+	default:
+	}
 }
 
 // serve runs the connection until the client goes away or the server

@@ -235,26 +235,26 @@ func TestQEMUSequence(t *testing.T) {
 
 	// DMA into the memfd RAM: the device writes guest memory in place.
 	writeRegs(t, c, map[uint64]uint32{testdev.RegDMALo: 0x3000, testdev.RegDMAHi: 0, testdev.RegDMALen: 5000, testdev.RegDMASeed: 7})
-	require.NoError(t, c.Write32(bar1, testdev.RegDMACmd, testdev.DMAFill))
+	runDMA(t, c, testdev.DMAFill)
 	assert.Zero(t, reg(t, c, testdev.RegDMAErr))
 	assert.Equal(t, testdev.Pattern(7, 5000), ram[0x3000:0x3000+5000])
-	require.NoError(t, c.Write32(bar1, testdev.RegDMACmd, testdev.DMACheck))
+	runDMA(t, c, testdev.DMACheck)
 	assert.Equal(t, crc32.ChecksumIEEE(ram[0x3000:0x3000+5000]), reg(t, c, testdev.RegDMARes))
 
 	// DMA from the fd-less ROM goes through server-to-client DMA_READ,
-	// issued from inside the REGION_WRITE handler.
+	// issued by the device's DMA goroutine while the client polls.
 	writeRegs(t, c, map[uint64]uint32{testdev.RegDMALo: 0xfffc0100, testdev.RegDMALen: 0x3f000})
-	require.NoError(t, c.Write32(bar1, testdev.RegDMACmd, testdev.DMACheck))
+	runDMA(t, c, testdev.DMACheck)
 	require.Zero(t, reg(t, c, testdev.RegDMAErr))
 	assert.Equal(t, crc32.ChecksumIEEE(rom[0x100:0x100+0x3f000]), reg(t, c, testdev.RegDMARes))
 	assert.Equal(t, 1, c.DMARequests(), "252 KiB in one request (max_data_xfer_size 1 MiB)")
 	// Writing the read-only ROM is refused by the server before any message.
-	require.NoError(t, c.Write32(bar1, testdev.RegDMACmd, testdev.DMAFill))
+	runDMA(t, c, testdev.DMAFill)
 	assert.Equal(t, uint32(syscall.EPERM), reg(t, c, testdev.RegDMAErr))
 
 	// Bus master off: no DMA.
 	cfgWrite(t, c, 0x04, 0x03, 0x01)
-	require.NoError(t, c.Write32(bar1, testdev.RegDMACmd, testdev.DMACheck))
+	runDMA(t, c, testdev.DMACheck)
 	assert.Equal(t, uint32(syscall.EPERM), reg(t, c, testdev.RegDMAErr))
 
 	// DEVICE_RESET twice (QEMU on system_reset): registers and config back
@@ -282,5 +282,16 @@ func writeRegs(t testing.TB, c *vfiousertest.Client, regs map[uint64]uint32) {
 	t.Helper()
 	for off, v := range regs {
 		require.NoError(t, c.Write32(bar1, off, v))
+	}
+}
+
+// runDMA starts a DMA command and polls DMA_BUSY until it finished (the
+// client answers the server's DMA requests while it waits for replies).
+func runDMA(t testing.TB, c *vfiousertest.Client, cmd uint32) {
+	t.Helper()
+	require.NoError(t, c.Write32(bar1, testdev.RegDMACmd, cmd))
+	deadline := time.Now().Add(5 * time.Second)
+	for reg(t, c, testdev.RegDMABusy) != 0 {
+		require.True(t, time.Now().Before(deadline), "DMA did not finish")
 	}
 }

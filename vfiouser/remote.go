@@ -117,20 +117,19 @@ func (c *conn) checkReply(cl *call, m *rawMsg) error {
 	if cl.cmd == CmdDMAWrite {
 		// QEMU answers with a bare header; the spec echoes address and count.
 		if len(m.body) >= DMAAccessSize {
-			if a, n := c.cfg.DMAWire.decodeDMAAccess(m.body); a != cl.addr || n != cl.count {
-				return fmt.Errorf("DMA_WRITE reply for %#x+%#x, asked %#x+%#x: %w", a, n, cl.addr, cl.count, ErrInvalid)
+			if a := DecodeDMAAccess(m.body); a.Address != cl.addr || a.Count != cl.count {
+				return fmt.Errorf("DMA_WRITE reply for %#x+%#x, asked %#x+%#x: %w", a.Address, a.Count, cl.addr, cl.count, ErrInvalid)
 			}
 		}
 		return nil
 	}
-	off := c.cfg.DMAWire.dataOffset()
-	if len(m.body) < DMAAccessSize || len(m.body) < off+int(cl.count) {
+	if uint64(len(m.body)) != DMAAccessSize+cl.count {
 		return fmt.Errorf("DMA_READ reply of %d bytes for %d: %w", len(m.body), cl.count, ErrInvalid)
 	}
-	if a, n := c.cfg.DMAWire.decodeDMAAccess(m.body); a != cl.addr || n != cl.count {
-		return fmt.Errorf("DMA_READ reply for %#x+%#x, asked %#x+%#x: %w", a, n, cl.addr, cl.count, ErrInvalid)
+	if a := DecodeDMAAccess(m.body); a.Address != cl.addr || a.Count != cl.count {
+		return fmt.Errorf("DMA_READ reply for %#x+%#x, asked %#x+%#x: %w", a.Address, a.Count, cl.addr, cl.count, ErrInvalid)
 	}
-	copy(cl.data, m.body[off:off+int(cl.count)])
+	copy(cl.data, m.body[DMAAccessSize:DMAAccessSize+int(cl.count)])
 	return nil
 }
 
@@ -233,7 +232,7 @@ func (c *conn) ReadAt(p []byte, gpa guestmem.GPA) error {
 	for len(p) > 0 {
 		n := min(uint64(len(p)), chunk)
 		req := make([]byte, HeaderSize+DMAAccessSize)
-		c.cfg.DMAWire.encodeDMAAccess(req[HeaderSize:], uint64(gpa), n)
+		DMAAccess{Address: uint64(gpa), Count: n}.Encode(req[HeaderSize:])
 		cl := &call{cmd: CmdDMARead, addr: uint64(gpa), data: p[:n], count: n}
 		if err := c.roundTrip(cl, req); err != nil {
 			return err
@@ -247,14 +246,11 @@ func (c *conn) ReadAt(p []byte, gpa guestmem.GPA) error {
 // WriteAt implements guestmem.Remote with DMA_WRITE requests.
 func (c *conn) WriteAt(p []byte, gpa guestmem.GPA) error {
 	chunk := c.dmaChunk()
-	off := c.cfg.DMAWire.dataOffset()
 	for len(p) > 0 {
 		n := min(uint64(len(p)), chunk)
-		// Both layouts have a payload of 16+n bytes (QEMU checks
-		// count <= size - 32, so its layout carries 4 bytes of padding).
 		req := make([]byte, HeaderSize+DMAAccessSize+int(n))
-		c.cfg.DMAWire.encodeDMAAccess(req[HeaderSize:], uint64(gpa), n)
-		copy(req[HeaderSize+off:], p[:n])
+		DMAAccess{Address: uint64(gpa), Count: n}.Encode(req[HeaderSize:])
+		copy(req[HeaderSize+DMAAccessSize:], p[:n])
 		cl := &call{cmd: CmdDMAWrite, addr: uint64(gpa), count: n}
 		if err := c.roundTrip(cl, req); err != nil {
 			return err

@@ -46,63 +46,60 @@ func hostServer(t testing.TB, mod func(*vfiouser.Config)) (*vfiouser.Server, cha
 // client commands; the serve loop delivers their replies. Replies from the
 // client and its commands interleave.
 func TestRemoteDMAFromOtherGoroutines(t *testing.T) {
-	for _, wire := range []vfiouser.DMAWire{vfiouser.DMAWireQEMU, vfiouser.DMAWireSpec} {
-		srv, hosts := hostServer(t, func(c *vfiouser.Config) { c.DMAWire = wire })
-		c := vfiousertest.Pair(t, srv)
-		c.Wire = wire
-		_, err := c.Negotiate(`{"capabilities":{"max_data_xfer_size":65536}}`)
-		require.NoError(t, err)
-		h := <-hosts
-		ram := make([]byte, 1<<20)
-		c.ServeMemory(0x100000, ram)
-		require.NoError(t, c.DMAMap(0x100000, 1<<20, rw, -1, 0))
+	srv, hosts := hostServer(t, nil)
+	c := vfiousertest.Pair(t, srv)
+	_, err := c.Negotiate(`{"capabilities":{"max_data_xfer_size":65536}}`)
+	require.NoError(t, err)
+	h := <-hosts
+	ram := make([]byte, 1<<20)
+	c.ServeMemory(0x100000, ram)
+	require.NoError(t, c.DMAMap(0x100000, 1<<20, rw, -1, 0))
 
-		const workers = 4
-		var wg sync.WaitGroup
-		var failed atomic.Int32
-		for w := 0; w < workers; w++ {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				base := guestmem.GPA(0x100000 + w*0x40000)
-				data := testdev.Pattern(uint32(w*31), 0x30000) // several 64 KiB requests
-				if err := h.Memory.WriteAt(data, base+0x100); err != nil {
-					t.Errorf("worker %d write: %v", w, err)
-					failed.Add(1)
-					return
-				}
-				got := make([]byte, len(data))
-				if err := h.Memory.ReadAt(got, base+0x100); err != nil {
-					t.Errorf("worker %d read: %v", w, err)
-					failed.Add(1)
-					return
-				}
-				if string(got) != string(data) {
-					t.Errorf("worker %d read back different bytes", w)
-					failed.Add(1)
-				}
-			}()
-		}
-		done := make(chan struct{})
-		go func() { wg.Wait(); close(done) }()
-		// The client keeps issuing commands; Recv answers DMA requests.
-		polls := 0
-	loop:
-		for {
-			select {
-			case <-done:
-				break loop
-			default:
+	const workers = 4
+	var wg sync.WaitGroup
+	var failed atomic.Int32
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			base := guestmem.GPA(0x100000 + w*0x40000)
+			data := testdev.Pattern(uint32(w*31), 0x30000) // several 64 KiB requests
+			if err := h.Memory.WriteAt(data, base+0x100); err != nil {
+				t.Errorf("worker %d write: %v", w, err)
+				failed.Add(1)
+				return
 			}
-			_, err := c.DeviceInfo()
-			require.NoError(t, err)
-			polls++
-		}
-		require.Zero(t, failed.Load())
-		assert.Equal(t, testdev.Pattern(31, 0x30000), ram[0x40100:0x70100], "wire %v", wire)
-		assert.GreaterOrEqual(t, c.DMARequests(), workers*2*3, "64 KiB chunks (client max_data_xfer_size)")
-		t.Logf("wire %v: %d DMA requests answered during %d client commands", wire, c.DMARequests(), polls)
+			got := make([]byte, len(data))
+			if err := h.Memory.ReadAt(got, base+0x100); err != nil {
+				t.Errorf("worker %d read: %v", w, err)
+				failed.Add(1)
+				return
+			}
+			if string(got) != string(data) {
+				t.Errorf("worker %d read back different bytes", w)
+				failed.Add(1)
+			}
+		}()
 	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	// The client keeps issuing commands; Recv answers DMA requests.
+	polls := 0
+	loop:
+	for {
+		select {
+		case <-done:
+			break loop
+		default:
+		}
+		_, err := c.DeviceInfo()
+		require.NoError(t, err)
+		polls++
+	}
+	require.Zero(t, failed.Load())
+	assert.Equal(t, testdev.Pattern(31, 0x30000), ram[0x40100:0x70100])
+	assert.GreaterOrEqual(t, c.DMARequests(), workers*2*3, "64 KiB chunks (client max_data_xfer_size)")
+	t.Logf("%d DMA requests answered during %d client commands", c.DMARequests(), polls)
 }
 
 // TestRemoteDMATimeout: a client that does not answer makes the request

@@ -35,9 +35,6 @@ type Config struct {
 	// DMATimeout bounds a server-to-client DMA_READ/DMA_WRITE round trip.
 	// Default 5 s (QEMU's own reply timeout).
 	DMATimeout time.Duration
-	// DMAWire is the layout of DMA_READ/DMA_WRITE messages; the default
-	// is QEMU's.
-	DMAWire DMAWire
 }
 
 func (c *Config) setDefaults() error {
@@ -271,17 +268,18 @@ func (s *Server) newConn(t transport, name string) (*conn, error) {
 	log := s.log.With("vfio_user", name)
 	ctx, cancel := context.WithCancel(context.Background())
 	c := &conn{
-		name:   name,
-		log:    log,
-		trace:  log.Enabled(ctx, slog.LevelDebug),
-		cfg:    &s.cfg,
-		t:      t,
-		rd:     newReader(t, s.cfg.maxMessage()),
-		tok:    make(chan struct{}, 1),
-		out:    make([]byte, HeaderSize, 4096),
-		ctx:    ctx,
-		cancel: cancel,
-		closed: make(chan struct{}),
+		name:         name,
+		log:          log,
+		trace:        log.Enabled(ctx, slog.LevelDebug),
+		cfg:          &s.cfg,
+		t:            t,
+		rd:           newReader(t, s.cfg.maxMessage()),
+		tok:          make(chan struct{}, 1),
+		backlogReady: make(chan struct{}, 1),
+		out:          make([]byte, HeaderSize, 4096),
+		ctx:          ctx,
+		cancel:       cancel,
+		closed:       make(chan struct{}),
 	}
 	c.tok <- struct{}{}
 	c.mem = guestmem.New(guestmem.WithRemote(c))

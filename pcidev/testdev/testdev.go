@@ -15,13 +15,18 @@
 //	0x18 DMA_LEN   RW  length, at most 1 MiB
 //	0x1c DMA_CMD   WO  1: fill [addr, addr+len) with the pattern byte
 //	                   (seed + i) & 0xff; 2: read it and store its CRC-32
-//	                   (IEEE) in DMA_RESULT
+//	                   (IEEE) in DMA_RESULT. The DMA runs after the write
+//	                   returns (on its own goroutine), like a real engine:
+//	                   poll DMA_BUSY. (Server-to-client DMA from inside
+//	                   the write would deadlock QEMU, whose vCPU waits for
+//	                   our reply while QEMU serves DMA on its main loop.)
 //	0x20 DMA_SEED  RW  pattern seed
 //	0x24 DMA_RES   RO  CRC-32 of the last read
 //	0x28 DMA_ERR   RO  0 after a good DMA, else an errno (14 EFAULT:
 //	                   guest memory not reachable, 1 EPERM: bus master
 //	                   off or read-only memory)
 //	0x2c LEVEL     RW  INTx level the device holds (1 asserts)
+//	0x30 DMA_BUSY  RO  1 while a DMA runs (DMA_CMD is then refused, EBUSY)
 package testdev
 
 import (
@@ -58,7 +63,8 @@ const (
 	RegDMARes  = 0x24
 	RegDMAErr  = 0x28
 	RegLevel   = 0x2c
-	numRegs    = 12
+	RegDMABusy = 0x30
+	numRegs    = 13
 )
 
 // DMA commands.
@@ -84,11 +90,12 @@ type Device struct {
 
 	mu   sync.Mutex
 	regs [numRegs]uint32
+	dmas sync.WaitGroup // DMA goroutines in flight
 	// Accesses counts every BAR1 access (tests read it directly).
 	accesses uint64
 }
 
-// Config returns the device's PCI description with its callbacks bound
+// config returns the device's PCI description with its callbacks bound
 // to d.
 func (d *Device) config() pcidev.Config {
 	return pcidev.Config{
@@ -101,7 +108,8 @@ func (d *Device) config() pcidev.Config {
 		},
 		MSIX:      &pcidev.MSIX{Vectors: Vectors, BAR: 0, TableOffset: 0, PBAOffset: PBAOffset},
 		INTxLevel: func() bool { return d.reg(RegLevel) != 0 },
-		Reset:     func(vfiouser.ResetReason) { d.reset() },
+		Reset:     func(vfiouser.ResetReason) { d.dmas.Wait(); d.reset() },
+		Close:     func() error { d.dmas.Wait(); return nil },
 	}
 }
 
@@ -190,7 +198,7 @@ func (d *Device) write(off uint64, p []byte) error {
 	v := binary.LittleEndian.Uint32(p)
 	reg := int(off)
 	switch reg {
-	case RegMagic, RegDMARes, RegDMAErr:
+	case RegMagic, RegDMARes, RegDMAErr, RegDMABusy:
 		d.regs[RegCounter/4]++
 	case RegCounter:
 		d.regs[RegCounter/4] += v
@@ -201,8 +209,15 @@ func (d *Device) write(off uint64, p []byte) error {
 		return nil
 	case RegDMACmd:
 		d.regs[RegCounter/4]++
+		if d.regs[RegDMABusy/4] != 0 {
+			d.regs[RegDMAErr/4] = uint32(syscall.EBUSY)
+			d.mu.Unlock()
+			return nil
+		}
+		d.regs[RegDMABusy/4] = 1
+		d.dmas.Add(1)
 		d.mu.Unlock()
-		d.dma(v)
+		go d.dma(v)
 		return nil
 	default:
 		d.regs[RegCounter/4]++
@@ -219,6 +234,7 @@ func (d *Device) write(off uint64, p []byte) error {
 
 // dma runs a DMA command against guest memory (only with bus mastering).
 func (d *Device) dma(cmd uint32) {
+	defer d.dmas.Done()
 	d.mu.Lock()
 	addr := guestmem.GPA(uint64(d.regs[RegDMAHi/4])<<32 | uint64(d.regs[RegDMALo/4]))
 	n := min(d.regs[RegDMALen/4], maxDMABytes)
@@ -248,6 +264,7 @@ func (d *Device) dma(cmd uint32) {
 	d.mu.Lock()
 	d.regs[RegDMARes/4] = res
 	d.regs[RegDMAErr/4] = errno
+	d.regs[RegDMABusy/4] = 0
 	d.mu.Unlock()
 }
 

@@ -47,9 +47,7 @@ type Msg struct {
 // Client is the client end of one connection. Its methods are not safe for
 // concurrent use, except Close.
 type Client struct {
-	conn *net.UnixConn
-	// Wire is the layout used to answer DMA requests (QEMU's by default).
-	Wire   vfiouser.DMAWire
+	conn   *net.UnixConn
 	nextID uint16
 
 	mu      sync.Mutex
@@ -232,22 +230,23 @@ func (c *Client) answerDMA(m Msg) error {
 	if len(m.Body) < vfiouser.DMAAccessSize {
 		return c.replyError(m.Hdr, syscall.EINVAL)
 	}
-	addr, count, off := c.Wire.DecodeDMAAccess(m.Body)
+	a := vfiouser.DecodeDMAAccess(m.Body)
+	addr, count := a.Address, a.Count
 	mem := c.find(addr, count)
 	if mem == nil {
 		return c.replyError(m.Hdr, syscall.EFAULT)
 	}
 	if m.Hdr.Command == vfiouser.CmdDMAWrite {
-		if uint64(len(m.Body)) < uint64(off)+count {
+		if uint64(len(m.Body)) != vfiouser.DMAAccessSize+count {
 			return c.replyError(m.Hdr, syscall.EINVAL)
 		}
-		copy(mem, m.Body[off:off+int(count)])
+		copy(mem, m.Body[vfiouser.DMAAccessSize:])
 		// QEMU's answer: a bare header.
 		return c.reply(m.Hdr, nil)
 	}
 	p := make([]byte, vfiouser.DMAAccessSize+int(count))
-	doff := c.Wire.EncodeDMAAccess(p, addr, count)
-	copy(p[doff:], mem)
+	a.Encode(p)
+	copy(p[vfiouser.DMAAccessSize:], mem)
 	return c.reply(m.Hdr, p)
 }
 
