@@ -87,7 +87,6 @@ type configSpace struct {
 func (s *configSpace) put16(off int, v uint16) { binary.LittleEndian.PutUint16(s.b[off:], v) }
 func (s *configSpace) put32(off int, v uint32) { binary.LittleEndian.PutUint32(s.b[off:], v) }
 func (s *configSpace) u16(off int) uint16      { return binary.LittleEndian.Uint16(s.b[off:]) }
-func (s *configSpace) u32(off int) uint32      { return binary.LittleEndian.Uint32(s.b[off:]) }
 
 func (s *configSpace) mask16(off int, m uint16) { binary.LittleEndian.PutUint16(s.wmask[off:], m) }
 func (s *configSpace) mask32(off int, m uint32) { binary.LittleEndian.PutUint32(s.wmask[off:], m) }

@@ -236,16 +236,3 @@ func (q *IRQs) closeAll() {
 		q.deassign(IRQIndex(i), 0, uint32(len(q.sets[i].slots)))
 	}
 }
-
-// assignedCount counts assigned eventfds (tests and stats).
-func (q *IRQs) assignedCount() int {
-	n := 0
-	for i := 0; i < int(q.n.Load()); i++ {
-		for j := range q.sets[i].slots {
-			if q.sets[i].slots[j].efd.Load() != nil {
-				n++
-			}
-		}
-	}
-	return n
-}

@@ -3,6 +3,7 @@ package vfiouser_test
 import (
 	"context"
 	"errors"
+	"hash/crc32"
 	"runtime"
 	"strings"
 	"sync"
@@ -85,7 +86,7 @@ func TestRemoteDMAFromOtherGoroutines(t *testing.T) {
 	go func() { wg.Wait(); close(done) }()
 	// The client keeps issuing commands; Recv answers DMA requests.
 	polls := 0
-	loop:
+loop:
 	for {
 		select {
 		case <-done:
@@ -239,4 +240,58 @@ func TestTriggerRacesSetIRQs(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, uint64(1), n)
 	}
+}
+
+// syncDMADev reads guest memory from inside its region write callback: the
+// serve goroutine itself waits for the client's DMA reply, reading the
+// socket (and queueing client commands) until it arrives. Clients that
+// serve DMA concurrently with their MMIO (unlike QEMU) allow this.
+type syncDMADev struct {
+	h   *vfiouser.Host
+	sum uint32
+	err error
+}
+
+func (d *syncDMADev) Describe() vfiouser.Description {
+	return vfiouser.Description{Regions: []vfiouser.Region{{Size: 0x10000, Read: true, Write: true}}}
+}
+
+func (d *syncDMADev) ReadRegion(_ uint32, _ uint64, p []byte) error {
+	le32 := []byte{byte(d.sum), byte(d.sum >> 8), byte(d.sum >> 16), byte(d.sum >> 24)}
+	copy(p, le32)
+	return nil
+}
+
+func (d *syncDMADev) WriteRegion(_ uint32, off uint64, p []byte) error {
+	buf := make([]byte, 0x3000)
+	d.err = d.h.Memory.ReadAt(buf, guestmem.GPA(0x200000+off))
+	d.sum = crc32.ChecksumIEEE(buf)
+	return d.err
+}
+func (d *syncDMADev) Reset(vfiouser.ResetReason) error { return nil }
+func (d *syncDMADev) Close() error                     { return nil }
+
+func TestRemoteDMAInsideHandler(t *testing.T) {
+	devs := make(chan *syncDMADev, 1)
+	srv, err := vfiouser.NewServer(vfiouser.Config{Logger: testLogger(t),
+		NewDevice: func(ctx context.Context, h *vfiouser.Host) (vfiouser.Device, error) {
+			d := &syncDMADev{h: h}
+			devs <- d
+			return d, nil
+		}})
+	require.NoError(t, err)
+	defer srv.Close()
+	c := vfiousertest.Pair(t, srv)
+	_, err = c.Negotiate(`{"capabilities":{"max_data_xfer_size":4096}}`)
+	require.NoError(t, err)
+	ram := testdev.Pattern(5, 0x10000)
+	c.ServeMemory(0x200000, ram)
+	require.NoError(t, c.DMAMap(0x200000, 0x10000, rw, -1, 0))
+	for _, off := range []uint64{0, 0x1000, 0x2345} {
+		require.NoError(t, c.RegionWrite(0, off, []byte{1}, false))
+		v, err := c.Read32(0, 0)
+		require.NoError(t, err)
+		assert.Equal(t, crc32.ChecksumIEEE(ram[off:off+0x3000]), v)
+	}
+	assert.Equal(t, 9, c.DMARequests(), "three 4 KiB requests per write")
 }

@@ -95,12 +95,6 @@ func (t *memTransport) read(p []byte, fds []int) (int, []int, bool, error) {
 	return n, fds, trunc, nil
 }
 
-func (t *memTransport) push(s Segment) {
-	t.mu.Lock()
-	t.segs = append(t.segs, s)
-	t.mu.Unlock()
-}
-
 func (t *memTransport) write(p []byte, fds []int) error {
 	t.mu.Lock()
 	if t.closed {
