@@ -125,7 +125,10 @@ func (q *qp) compReadResponse(tx *txBatch, p *packet, w *sendWQE) {
 	}
 	want := min(w.mtu, w.length-off)
 	last := off+want == w.length
-	if uint64(p.n) != want || info.Has(roce.MaskEnd) != last || idx != w.readNext {
+	// A READ may have been requested in parts (window-sized requests, or
+	// a retry of the rest): a part ends with a full-MTU LAST packet, the
+	// data's true end must be a LAST or ONLY packet.
+	if uint64(p.n) != want || (last && !info.Has(roce.MaskEnd)) || idx != w.readNext {
 		q.failHead(w, hostverbs.WCBadRespErr)
 		return
 	}

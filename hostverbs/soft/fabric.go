@@ -60,7 +60,7 @@ type Fabric struct {
 	txPool sync.Pool
 
 	cancel context.CancelFunc
-	rxDone chan struct{}
+	rxDone sync.WaitGroup
 	closed atomic.Bool
 }
 
@@ -104,8 +104,10 @@ func New(cfg Config) (*Fabric, error) {
 	if f.wire != nil {
 		ctx, cancel := context.WithCancel(context.Background())
 		f.cancel = cancel
-		f.rxDone = make(chan struct{})
-		go f.receiveLoop(ctx)
+		for q := range f.wire.Queues() {
+			f.rxDone.Add(1)
+			go f.receiveLoop(ctx, q)
+		}
 	}
 	return f, nil
 }
@@ -155,7 +157,7 @@ func (f *Fabric) Close() error {
 	if f.wire != nil {
 		f.cancel()
 		err := f.wire.Close()
-		<-f.rxDone
+		f.rxDone.Wait()
 		if err != nil {
 			return fmt.Errorf("close fabric wire: %w", err)
 		}
@@ -240,8 +242,8 @@ const rxBatch = 64
 // receiveLoop reads datagrams from the wire and processes each batch on
 // this goroutine; what the batch provokes (ACKs, read responses, more
 // requests) is transmitted at the end of the batch.
-func (f *Fabric) receiveLoop(ctx context.Context) {
-	defer close(f.rxDone)
+func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
+	defer f.rxDone.Done()
 	bufs := make([][]byte, rxBatch)
 	backing := make([]byte, rxBatch*MaxDatagram)
 	for i := range bufs {
@@ -252,7 +254,7 @@ func (f *Fabric) receiveLoop(ctx context.Context) {
 	var rp roce.Packet
 	var p packet
 	for {
-		n, err := f.wire.Receive(ctx, bufs, lens)
+		n, err := f.wire.Receive(ctx, queue, bufs, lens)
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, hostverbs.ErrClosed) {
 				return

@@ -195,7 +195,9 @@ func (p *memPort) Transmit(pkts []Datagram) (int, error) {
 	return len(pkts), nil
 }
 
-func (p *memPort) Receive(ctx context.Context, bufs [][]byte, lens []int) (int, error) {
+func (p *memPort) Queues() int { return 1 }
+
+func (p *memPort) Receive(ctx context.Context, _ int, bufs [][]byte, lens []int) (int, error) {
 	var first []byte
 	select {
 	case first = <-p.q:

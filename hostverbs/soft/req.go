@@ -28,6 +28,24 @@ const ackEvery = 64
 // localMTU is the segment size of in-process messages: they travel whole.
 const localMTU = 1 << 40
 
+// readChunk is how many response packets the next READ request of w asks
+// for: a large READ is requested a window at a time, so the responses to
+// one request never exceed what the window lets through and the next
+// request goes out as the responses arrive (IBA allows a requester to
+// issue several RDMA READ requests for one work request's data; each is a
+// complete READ of its own).
+//
+// Parts start at fixed multiples of the window from the WQE's first PSN, so
+// a retry of the rest of a part asks for a subset of what the responder
+// saw (a duplicate it can replay); and a part goes out only once the
+// previous one is answered, so one READ never holds more than one of the
+// responder's max_dest_rd_atomic resources.
+func (q *qp) readChunk(w *sendWQE) uint32 {
+	win := q.dev.f.window
+	end := min(w.npkts, (w.nextPkt/win+1)*win)
+	return end - w.nextPkt
+}
+
 // reqRun transmits what the send queue and the window allow.
 func (q *qp) reqRun(tx *txBatch) {
 	if q.state != hostverbs.QPStateRTS && q.state != hostverbs.QPStateSQD {
@@ -130,6 +148,9 @@ func (q *qp) reqStart(w *sendWQE) bool {
 // reqSend transmits w's remaining packets; false if the window is full.
 func (q *qp) reqSend(tx *txBatch, w *sendWQE) bool {
 	for w.nextPkt < w.npkts {
+		if w.wr.Opcode == hostverbs.WRRDMARead && w.nextPkt > w.readNext {
+			return false // the previous part is still being answered
+		}
 		psn := w.firstPSN.Add(w.nextPkt)
 		if !q.isUD() && psn.Distance(q.comp.psn) >= q.dev.f.window {
 			return false
@@ -137,7 +158,8 @@ func (q *qp) reqSend(tx *txBatch, w *sendWQE) bool {
 		q.reqPacket(tx, w, w.nextPkt)
 		high := psn
 		if w.wr.Opcode == hostverbs.WRRDMARead {
-			high = w.lastPSN // the request stands for all its response PSNs
+			// The request stands for all its response PSNs.
+			high = psn.Add(q.readChunk(w) - 1)
 		}
 		if psn.Before(q.req.sentHigh) {
 			q.dev.ctrs.inc(cntRetransmitPackets)
@@ -146,7 +168,7 @@ func (q *qp) reqSend(tx *txBatch, w *sendWQE) bool {
 			q.req.sentHigh = high.Add(1)
 		}
 		if w.wr.Opcode == hostverbs.WRRDMARead {
-			w.nextPkt = w.npkts // one request asks for every response
+			w.nextPkt += q.readChunk(w)
 		} else {
 			w.nextPkt++
 		}
@@ -219,8 +241,9 @@ func (q *qp) reqPacket(tx *txBatch, w *sendWQE, i uint32) {
 		p.segs, p.dataOff, p.n = w.segs, off, uint32(n)
 	case hostverbs.WRRDMARead:
 		p.op = roce.RCReadRequest
-		p.va, p.rkey, p.dmaLen = wr.RemoteAddr+off, wr.RKey, uint32(w.length-min(off, w.length))
-		last = true
+		n = min(uint64(q.readChunk(w))*w.mtu, w.length-min(off, w.length))
+		p.va, p.rkey, p.dmaLen = wr.RemoteAddr+off, wr.RKey, uint32(n)
+		n = 0
 	case hostverbs.WRAtomicCmpAndSwp:
 		p.op = roce.RCCompareSwap
 		p.va, p.rkey, p.swapAdd, p.compare = wr.RemoteAddr, wr.RKey, wr.Swap, wr.CompareAdd

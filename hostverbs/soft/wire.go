@@ -12,11 +12,15 @@ type Wire interface {
 	// no route) is skipped and reported through the error; Transmit does
 	// not retain the slices.
 	Transmit(pkts []Datagram) (int, error)
-	// Receive blocks until at least one datagram arrives, fills bufs (each
-	// a buffer of MaxDatagram bytes) and returns how many it filled; the
-	// datagrams are bufs[i][:lens[i]]. It returns an error once the wire is
-	// closed or ctx is done.
-	Receive(ctx context.Context, bufs [][]byte, lens []int) (int, error)
+	// Queues is the number of independent receive queues (sockets); the
+	// fabric runs one receive goroutine per queue.
+	Queues() int
+	// Receive blocks until at least one datagram arrives on queue, fills
+	// bufs (each a buffer of MaxDatagram bytes) and returns how many it
+	// filled; the datagrams are bufs[i][:lens[i]], each a whole IP datagram.
+	// It returns an error once the wire is closed or ctx is done. Each
+	// queue has at most one caller at a time.
+	Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error)
 	// Close releases the wire and unblocks Receive.
 	Close() error
 }

@@ -1,0 +1,52 @@
+//go:build linux
+
+package soft
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// newKernelFabric opens a fabric on a kernel wire inside ns.
+func newKernelFabric(t testing.TB, ns *netns, cfg Config) *Fabric {
+	t.Helper()
+	var w *KernelWire
+	var err error
+	ns.do(t, func() { w, err = NewKernelWire(KernelWireConfig{}) })
+	require.NoError(t, err)
+	cfg.Wire = w
+	f, err := New(cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.Close() })
+	return f
+}
+
+// Two devices of one fabric over the kernel's loopback, local delivery
+// off: the real kernel path (raw sockets out, raw sockets in, ICRC
+// checked), IPv4 and IPv6.
+func TestKernelLoopbackAllOps(t *testing.T) {
+	needRoot(t)
+	for _, fam := range [][2]string{{"127.0.0.1", "127.0.0.2"}, {"fd00::1", "fd00::2"}} {
+		t.Run(fam[0], func(t *testing.T) {
+			ns := newNetns(t, "lo")
+			ns.ip(t, "addr", "add", "fd00::1/128", "dev", "lo")
+			ns.ip(t, "addr", "add", "fd00::2/128", "dev", "lo")
+			f := newKernelFabric(t, ns, Config{DisableLocalDelivery: true, LinkMTU: 65536})
+			icmp0 := ns.snmp(t, "Icmp", "OutDestUnreachs")
+			a := newEndpoint(t, f, "a", fam[0], bufSize+1<<20)
+			b := newEndpoint(t, f, "b", fam[1], bufSize+1<<20)
+			qa, qb := connectRC(t, a, b, defaultRC())
+			runAllOps(t, pair{a, b, qa, qb}, opSizes, 20*time.Second)
+			c := f.Counters()
+			t.Logf("counters: tx %d rx %d retransmitted %d timeouts %d bad_icrc %d", c["tx_packets"], c["rx_packets"],
+				c["retransmitted_packets"], c["retransmit_timeouts"], c["drop_bad_icrc"])
+			assert.NotZero(t, c["tx_packets"])
+			assert.Zero(t, c["local_packets"])
+			assert.Zero(t, c["drop_bad_icrc"])
+			assert.Equal(t, icmp0, ns.snmp(t, "Icmp", "OutDestUnreachs"), "no ICMP port unreachable for RoCE")
+		})
+	}
+}

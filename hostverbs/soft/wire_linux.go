@@ -1,0 +1,414 @@
+//go:build linux
+
+package soft
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"syscall"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
+	"golang.org/x/sys/unix"
+)
+
+// KernelWire carries RoCE v2 through the host kernel's IP stack, in the
+// network namespace of the thread that creates it.
+//
+// Sending: raw IP sockets with the header included (IPPROTO_RAW), so each
+// packet carries the source address of its GID, the UDP source port of
+// its QP pair, the TOS of its traffic class, DF and a non-zero IPv4 ID
+// that the ICRC was computed over (an ordinary UDP socket can set none of
+// these per packet, and an unconnected one sends ID 0). The source
+// addresses must be local addresses of the host (the daemon adds bound
+// GIDs to its fabric netdev) for replies to come back.
+//
+// Receiving: raw IPPROTO_UDP sockets with a BPF filter for destination
+// port 4791 (IPv4 raw sockets deliver the IP header, which the ICRC
+// covers; IPv6 ones do not, so the header is rebuilt from the addresses,
+// hop limit and traffic class the kernel reports, every other field being
+// fixed or masked), plus UDP sockets bound to port 4791 whose filter drops
+// everything: they keep the kernel from answering ICMP port unreachable.
+// Batches use sendmmsg and recvmmsg on non-blocking sockets polled by the
+// Go runtime.
+type KernelWire struct {
+	tx4, tx6   *rawSock
+	rx         []*rawSock // one receive queue per family
+	sinks      []int
+	closeOnce  sync.Once
+	scratch    sync.Pool
+	closedFlag chan struct{}
+}
+
+// KernelWireConfig parameterises NewKernelWire.
+type KernelWireConfig struct {
+	// DisableIPv6 skips the IPv6 sockets (for hosts without IPv6).
+	DisableIPv6 bool
+	// SocketBuffer is the receive and send buffer size per socket
+	// (default 8 MiB; forced past the sysctl limits when permitted).
+	SocketBuffer int
+}
+
+type rawSock struct {
+	fd   int
+	file *os.File
+	rc   syscall.RawConn
+	v6   bool
+	// Receive scratch (one reader per queue).
+	hdrs  []unix.Mmsghdr
+	iovs  []unix.Iovec
+	names []unix.RawSockaddrInet6
+	oob   []byte
+}
+
+// oobPerMsg holds the IPv6 ancillary data: pktinfo, hop limit, tclass.
+var oobPerMsg = unix.CmsgSpace(unix.SizeofInet6Pktinfo) + 2*unix.CmsgSpace(4)
+
+// NewKernelWire opens the sockets. It needs CAP_NET_RAW and port 4791 free
+// (no kernel rxe device in this network namespace).
+func NewKernelWire(cfg KernelWireConfig) (w *KernelWire, err error) {
+	if cfg.SocketBuffer == 0 {
+		cfg.SocketBuffer = 8 << 20
+	}
+	w = &KernelWire{closedFlag: make(chan struct{})}
+	defer func() {
+		if err != nil {
+			_ = w.Close()
+		}
+	}()
+	if w.tx4, err = openRaw(unix.AF_INET, unix.IPPROTO_RAW, cfg.SocketBuffer); err != nil {
+		return nil, fmt.Errorf("kernel wire: ipv4 send socket: %w", err)
+	}
+	rx4, err := openRaw(unix.AF_INET, unix.IPPROTO_UDP, cfg.SocketBuffer)
+	if err != nil {
+		return nil, fmt.Errorf("kernel wire: ipv4 receive socket: %w", err)
+	}
+	w.rx = append(w.rx, rx4)
+	if err := attachFilter(rx4.fd, filterIPv4RoCE()); err != nil {
+		return nil, fmt.Errorf("kernel wire: ipv4 filter: %w", err)
+	}
+	if err := w.sink(unix.AF_INET); err != nil {
+		return nil, err
+	}
+	if !cfg.DisableIPv6 {
+		if w.tx6, err = openRaw(unix.AF_INET6, unix.IPPROTO_RAW, cfg.SocketBuffer); err != nil {
+			return nil, fmt.Errorf("kernel wire: ipv6 send socket: %w", err)
+		}
+		rx6, err := openRaw(unix.AF_INET6, unix.IPPROTO_UDP, cfg.SocketBuffer)
+		if err != nil {
+			return nil, fmt.Errorf("kernel wire: ipv6 receive socket: %w", err)
+		}
+		w.rx = append(w.rx, rx6)
+		if err := attachFilter(rx6.fd, filterIPv6RoCE()); err != nil {
+			return nil, fmt.Errorf("kernel wire: ipv6 filter: %w", err)
+		}
+		for _, opt := range []int{unix.IPV6_RECVPKTINFO, unix.IPV6_RECVHOPLIMIT, unix.IPV6_RECVTCLASS} {
+			if err := unix.SetsockoptInt(rx6.fd, unix.IPPROTO_IPV6, opt, 1); err != nil {
+				return nil, fmt.Errorf("kernel wire: ipv6 receive option %d: %w", opt, err)
+			}
+		}
+		if err := w.sink(unix.AF_INET6); err != nil {
+			return nil, err
+		}
+	}
+	for _, r := range w.rx {
+		r.initRecv(rxBatch)
+	}
+	w.scratch.New = func() any { return newTxScratch() }
+	return w, nil
+}
+
+func openRaw(family, proto, buf int) (*rawSock, error) {
+	fd, err := unix.Socket(family, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, proto)
+	if err != nil {
+		return nil, err
+	}
+	setBuffers(fd, buf)
+	f := os.NewFile(uintptr(fd), fmt.Sprintf("roce-raw-%d-%d", family, proto))
+	rc, err := f.SyscallConn()
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return &rawSock{fd: fd, file: f, rc: rc, v6: family == unix.AF_INET6}, nil
+}
+
+func setBuffers(fd, n int) {
+	for _, o := range [][2]int{{unix.SO_RCVBUFFORCE, unix.SO_RCVBUF}, {unix.SO_SNDBUFFORCE, unix.SO_SNDBUF}} {
+		if unix.SetsockoptInt(fd, unix.SOL_SOCKET, o[0], n) != nil {
+			_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, o[1], n)
+		}
+	}
+}
+
+// sink binds a UDP socket to port 4791 that drops everything it gets.
+func (w *KernelWire) sink(family int) error {
+	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_UDP)
+	if err != nil {
+		return fmt.Errorf("kernel wire: udp %d socket: %w", roce.UDPPort, err)
+	}
+	w.sinks = append(w.sinks, fd)
+	if err := attachFilter(fd, []unix.SockFilter{{Code: unix.BPF_RET | unix.BPF_K, K: 0}}); err != nil {
+		return fmt.Errorf("kernel wire: udp %d drop filter: %w", roce.UDPPort, err)
+	}
+	var sa unix.Sockaddr = &unix.SockaddrInet4{Port: roce.UDPPort}
+	if family == unix.AF_INET6 {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1); err != nil {
+			return fmt.Errorf("kernel wire: v6only: %w", err)
+		}
+		sa = &unix.SockaddrInet6{Port: roce.UDPPort}
+	}
+	if err := unix.Bind(fd, sa); err != nil {
+		return fmt.Errorf("kernel wire: bind udp %d (is a kernel rxe device or another fabric using it?): %w", roce.UDPPort, err)
+	}
+	return nil
+}
+
+// filterIPv4RoCE accepts unfragmented IPv4 datagrams to UDP port 4791
+// (raw IPv4 sockets see the packet from the IP header on).
+func filterIPv4RoCE() []unix.SockFilter {
+	return []unix.SockFilter{
+		{Code: unix.BPF_LD | unix.BPF_H | unix.BPF_ABS, K: 6},               // flags + fragment offset
+		{Code: unix.BPF_JMP | unix.BPF_JSET | unix.BPF_K, Jt: 4, K: 0x3fff}, // MF or offset: drop
+		{Code: unix.BPF_LDX | unix.BPF_B | unix.BPF_MSH, K: 0},              // X = IHL*4
+		{Code: unix.BPF_LD | unix.BPF_H | unix.BPF_IND, K: 2},               // UDP dst port
+		{Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jf: 1, K: roce.UDPPort},
+		{Code: unix.BPF_RET | unix.BPF_K, K: 0xffffffff},
+		{Code: unix.BPF_RET | unix.BPF_K, K: 0},
+	}
+}
+
+// filterIPv6RoCE accepts datagrams to UDP port 4791 (raw IPv6 sockets see
+// the packet from the transport header on).
+func filterIPv6RoCE() []unix.SockFilter {
+	return []unix.SockFilter{
+		{Code: unix.BPF_LD | unix.BPF_H | unix.BPF_ABS, K: 2},
+		{Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jf: 1, K: roce.UDPPort},
+		{Code: unix.BPF_RET | unix.BPF_K, K: 0xffffffff},
+		{Code: unix.BPF_RET | unix.BPF_K, K: 0},
+	}
+}
+
+// Queues returns the number of receive sockets.
+func (w *KernelWire) Queues() int { return len(w.rx) }
+
+// Close closes every socket; Receive calls return.
+func (w *KernelWire) Close() error {
+	w.closeOnce.Do(func() {
+		close(w.closedFlag)
+		for _, s := range []*rawSock{w.tx4, w.tx6} {
+			if s != nil {
+				s.file.Close()
+			}
+		}
+		for _, s := range w.rx {
+			s.file.Close()
+		}
+		for _, fd := range w.sinks {
+			unix.Close(fd)
+		}
+	})
+	return nil
+}
+
+// txScratch holds the headers of one Transmit call.
+type txScratch struct {
+	hdrs   []unix.Mmsghdr
+	iovs   []unix.Iovec
+	names4 []unix.RawSockaddrInet4
+	names6 []unix.RawSockaddrInet6
+}
+
+func newTxScratch() *txScratch {
+	return &txScratch{
+		hdrs: make([]unix.Mmsghdr, txMax), iovs: make([]unix.Iovec, txMax),
+		names4: make([]unix.RawSockaddrInet4, txMax), names6: make([]unix.RawSockaddrInet6, txMax),
+	}
+}
+
+// Transmit sends the datagrams with sendmmsg, one call per run of the
+// same IP version.
+func (w *KernelWire) Transmit(pkts []Datagram) (int, error) {
+	s := w.scratch.Get().(*txScratch)
+	defer w.scratch.Put(s)
+	sent := 0
+	for sent < len(pkts) {
+		v6 := len(pkts[sent].Packet) > 0 && pkts[sent].Packet[0]>>4 == 6
+		sock := w.tx4
+		if v6 {
+			sock = w.tx6
+		}
+		if sock == nil {
+			return sent, fmt.Errorf("kernel wire: ipv6 disabled: %w", hostverbs.ErrNotSupported)
+		}
+		// The run of datagrams of this version.
+		k := 0
+		for sent+k < len(pkts) && k < len(s.hdrs) {
+			b := pkts[sent+k].Packet
+			if len(b) < roce.IPv4HeaderSize || (b[0]>>4 == 6) != v6 || (v6 && len(b) < roce.IPv6HeaderSize) {
+				break
+			}
+			h := &s.hdrs[k].Hdr
+			*h = unix.Msghdr{}
+			setIov(&s.iovs[k], b)
+			h.Iov = &s.iovs[k]
+			h.SetIovlen(1)
+			if v6 {
+				sa := &s.names6[k]
+				*sa = unix.RawSockaddrInet6{Family: unix.AF_INET6}
+				copy(sa.Addr[:], b[24:40])
+				setName6(h, sa)
+			} else {
+				sa := &s.names4[k]
+				*sa = unix.RawSockaddrInet4{Family: unix.AF_INET}
+				copy(sa.Addr[:], b[16:20])
+				setName4(h, sa)
+			}
+			k++
+		}
+		if k == 0 {
+			return sent, fmt.Errorf("kernel wire: malformed datagram: %w", hostverbs.ErrInvalid)
+		}
+		n, err := sock.sendmmsg(s.hdrs[:k])
+		sent += n
+		if err != nil {
+			if errors.Is(err, unix.EMSGSIZE) {
+				return sent, fmt.Errorf("kernel wire: %w", errOversize)
+			}
+			return sent, fmt.Errorf("kernel wire: sendmmsg: %w", err)
+		}
+	}
+	return sent, nil
+}
+
+// sendmmsg sends hdrs, waiting for buffer space, until all are sent or an
+// error stops it.
+func (s *rawSock) sendmmsg(hdrs []unix.Mmsghdr) (int, error) {
+	sent := 0
+	var serr error
+	err := s.rc.Write(func(fd uintptr) bool {
+		for sent < len(hdrs) {
+			n, err := sendmmsg(int(fd), hdrs[sent:])
+			if err == unix.EAGAIN {
+				return false
+			}
+			if err == unix.EINTR {
+				continue
+			}
+			if err != nil {
+				serr = err
+				return true
+			}
+			sent += n
+		}
+		return true
+	})
+	if err != nil {
+		return sent, err
+	}
+	return sent, serr
+}
+
+func (s *rawSock) initRecv(n int) {
+	s.hdrs = make([]unix.Mmsghdr, n)
+	s.iovs = make([]unix.Iovec, n)
+	s.names = make([]unix.RawSockaddrInet6, n)
+	if s.v6 {
+		s.oob = make([]byte, n*oobPerMsg)
+	}
+}
+
+// Receive reads a batch from queue's socket.
+func (w *KernelWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error) {
+	if queue < 0 || queue >= len(w.rx) {
+		return 0, fmt.Errorf("kernel wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
+	}
+	s := w.rx[queue]
+	k := min(len(bufs), len(s.hdrs))
+	off := 0
+	if s.v6 {
+		off = roce.IPv6HeaderSize // room for the rebuilt IPv6 header
+	}
+	for i := range k {
+		h := &s.hdrs[i].Hdr
+		*h = unix.Msghdr{}
+		setIov(&s.iovs[i], bufs[i][off:])
+		h.Iov = &s.iovs[i]
+		h.SetIovlen(1)
+		setName6(h, &s.names[i])
+		if s.v6 {
+			oob := s.oob[i*oobPerMsg : (i+1)*oobPerMsg]
+			h.Control = &oob[0]
+			h.SetControllen(len(oob))
+		}
+	}
+	var n int
+	var rerr error
+	err := s.rc.Read(func(fd uintptr) bool {
+		for {
+			n, rerr = recvmmsg(int(fd), s.hdrs[:k])
+			if rerr == unix.EINTR {
+				continue
+			}
+			return rerr != unix.EAGAIN
+		}
+	})
+	if err != nil {
+		select {
+		case <-w.closedFlag:
+			return 0, fmt.Errorf("kernel wire: %w", hostverbs.ErrClosed)
+		default:
+		}
+		return 0, fmt.Errorf("kernel wire: receive: %w", err)
+	}
+	if rerr != nil {
+		return 0, fmt.Errorf("kernel wire: recvmmsg: %w", rerr)
+	}
+	for i := range n {
+		lens[i] = int(s.hdrs[i].Len)
+		if s.v6 {
+			lens[i] = s.rebuildIPv6(bufs[i], i, lens[i])
+		}
+	}
+	return n, nil
+}
+
+// rebuildIPv6 writes the IPv6 header of datagram i in front of its UDP
+// payload and returns the datagram length (0 if the kernel did not report
+// what the header needs).
+func (s *rawSock) rebuildIPv6(b []byte, i, n int) int {
+	h := &s.hdrs[i].Hdr
+	src := &s.names[i]
+	var dst [16]byte
+	var hop, tclass uint8
+	haveDst := false
+	cmsgs(s.oob[i*oobPerMsg:i*oobPerMsg+int(h.Controllen)], func(level, typ int32, data []byte) {
+		if level != unix.IPPROTO_IPV6 {
+			return
+		}
+		switch {
+		case typ == unix.IPV6_PKTINFO && len(data) >= unix.SizeofInet6Pktinfo:
+			copy(dst[:], data[:16])
+			haveDst = true
+		case typ == unix.IPV6_HOPLIMIT && len(data) >= 4:
+			hop = uint8(binary.NativeEndian.Uint32(data))
+		case typ == unix.IPV6_TCLASS && len(data) >= 4:
+			tclass = uint8(binary.NativeEndian.Uint32(data))
+		}
+	})
+	if !haveDst || src.Family != unix.AF_INET6 {
+		return 0
+	}
+	hdr := b[:roce.IPv6HeaderSize]
+	binary.BigEndian.PutUint32(hdr[0:], 6<<28|uint32(tclass)<<20)
+	binary.BigEndian.PutUint16(hdr[4:], uint16(n))
+	hdr[6] = unix.IPPROTO_UDP
+	hdr[7] = hop
+	copy(hdr[8:24], src.Addr[:])
+	copy(hdr[24:40], dst[:])
+	return roce.IPv6HeaderSize + n
+}
