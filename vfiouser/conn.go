@@ -35,6 +35,7 @@ type conn struct {
 	backlogM     sync.Mutex
 	backlog      []*ownedMsg
 	backlogN     atomic.Int32
+	backlogBytes atomic.Int64
 
 	wmu sync.Mutex // one message at a time on the socket
 
@@ -86,9 +87,12 @@ type connStats struct {
 	dropped  atomic.Uint64 // unexpected replies
 }
 
-// maxBacklog bounds the client commands a DMA waiter queues while the
-// serve loop is busy.
-const maxBacklog = 1024
+// maxBacklog and maxBacklogBytes bound the client commands a DMA waiter
+// queues while the serve loop is busy.
+const (
+	maxBacklog      = 1024
+	maxBacklogBytes = 4 << 20
+)
 
 // next makes the next client command current: from the backlog, else from
 // the socket (delivering replies to waiting DMA requests on the way).
@@ -139,6 +143,7 @@ func (c *conn) popBacklog() bool {
 	m := c.backlog[0]
 	c.backlog = c.backlog[1:]
 	c.backlogN.Add(-1)
+	c.backlogBytes.Add(-int64(len(m.body)))
 	c.cur.hdr, c.cur.truncated = m.hdr, m.truncated
 	c.cur.body = append(c.cur.body[:0], m.body...)
 	c.cur.fds = append(c.cur.fds[:0], m.fds...)
@@ -151,6 +156,7 @@ func (c *conn) pushBacklog(m *rawMsg) {
 	c.backlogM.Lock()
 	c.backlog = append(c.backlog, o)
 	c.backlogN.Add(1)
+	c.backlogBytes.Add(int64(len(o.body)))
 	c.backlogM.Unlock()
 	select {
 	case c.backlogReady <- struct{}{}:

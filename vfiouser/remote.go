@@ -202,7 +202,7 @@ func (c *conn) pump(cl *call, deadline time.Time) error {
 			return nil
 		default:
 		}
-		if c.backlogN.Load() >= maxBacklog {
+		if c.backlogN.Load() >= maxBacklog || c.backlogBytes.Load() >= maxBacklogBytes {
 			return nil
 		}
 		if err := c.rd.next(&m); err != nil {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/pcidev/testdev"
@@ -294,4 +295,34 @@ func TestRemoteDMAInsideHandler(t *testing.T) {
 		assert.Equal(t, crc32.ChecksumIEEE(ram[off:off+0x3000]), v)
 	}
 	assert.Equal(t, 9, c.DMARequests(), "three 4 KiB requests per write")
+}
+
+// TestUnmapWaitsForInFlight: DMA_UNMAP replies only after the device has
+// stopped using the region (vfio-user spec: the server must release all
+// references before replying).
+func TestUnmapWaitsForInFlight(t *testing.T) {
+	srv, hosts := hostServer(t, nil)
+	c := vfiousertest.Pair(t, srv)
+	_, err := c.Negotiate(vfiousertest.QEMUCaps)
+	require.NoError(t, err)
+	h := <-hosts
+	fd, mem, err := vfiousertest.Memfd(0x10000)
+	require.NoError(t, err)
+	defer unix.Munmap(mem)
+	defer unix.Close(fd)
+	require.NoError(t, c.DMAMap(0x40000, 0x10000, rw, fd, 0))
+	b, pin, err := h.Memory.Slice(0x41000, 0x100, true) // a device access in flight
+	require.NoError(t, err)
+	copy(b, "in place")
+	assert.Equal(t, "in place", string(mem[0x1000:0x1008]))
+
+	id, err := c.Send(vfiouser.CmdDMAUnmap, 0, dmaUnmap(0, 0x40000, 0x10000))
+	require.NoError(t, err)
+	require.NoError(t, c.ExpectSilence(100*time.Millisecond), "no reply while the region is in use")
+	pin.Release()
+	_, err = c.Expect(id, vfiouser.CmdDMAUnmap)
+	require.NoError(t, err)
+	_, _, err = h.Memory.Slice(0x41000, 0x100, false)
+	assert.ErrorIs(t, err, guestmem.ErrUnmapped)
+	assert.Zero(t, srv.Stats().LockedBytes)
 }

@@ -1,0 +1,60 @@
+package guestmem
+
+import (
+	"errors"
+	"fmt"
+)
+
+// ErrNotContiguous: a Slice range crosses from one region into another, so
+// it has no single host mapping (use ReadAt/WriteAt, which span regions).
+var ErrNotContiguous = errors.New("guest range spans regions")
+
+// Pin keeps a region mapped while a Slice of it is in use: a removal of
+// the region (DMA_UNMAP) waits until the pin is released. The zero Pin is
+// released already.
+type Pin struct{ r *region }
+
+// Release ends the pin; calling it again does nothing.
+func (p *Pin) Release() {
+	if p.r != nil {
+		p.r.exit()
+		p.r = nil
+	}
+}
+
+// Slice returns the host mapping of [gpa, gpa+n) for access in place
+// (zero-copy I/O from or into guest memory), and a Pin that keeps the
+// region mapped until Release. The range must lie inside one mapped region
+// (ErrNotContiguous otherwise) that allows the access (write: ErrReadOnly;
+// a region without a mapping: ErrNotShared). The slice must not be used
+// after Release; hold pins briefly, since a DMA_UNMAP waits for them.
+func (m *Memory) Slice(gpa GPA, n uint64, write bool) ([]byte, Pin, error) {
+	if _, ok := gpa.Add(n); !ok {
+		return nil, Pin{}, fmt.Errorf("slice %v+%#x: %w", gpa, n, ErrRange)
+	}
+	r := m.find(gpa)
+	if r == nil {
+		return nil, Pin{}, fmt.Errorf("slice %v+%#x: %w", gpa, n, ErrUnmapped)
+	}
+	off := uint64(gpa) - uint64(r.Base)
+	var err error
+	switch {
+	case n > r.Size-off:
+		err = ErrUnmapped
+		if next := m.find(r.Base + GPA(r.Size)); next != nil { // r.end() cannot overflow
+			next.exit()
+			err = ErrNotContiguous
+		}
+	case r.Prot&ProtRead == 0 && !write:
+		err = ErrUnmapped
+	case write && r.Prot&ProtWrite == 0:
+		err = ErrReadOnly
+	case r.Data == nil:
+		err = ErrNotShared
+	}
+	if err != nil {
+		r.exit()
+		return nil, Pin{}, fmt.Errorf("slice %v+%#x: %w", gpa, n, err)
+	}
+	return r.Data[off : off+n : off+n], Pin{r: r}, nil
+}
