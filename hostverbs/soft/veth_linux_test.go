@@ -1,0 +1,269 @@
+//go:build linux
+
+package soft
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os/exec"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// The kernel path between two network namespaces. tc netem would impair
+// the veth, but this kernel is built without sch_netem
+// (CONFIG_NET_SCH_NETEM is not set), so a third namespace in the middle
+// forwards Ethernet frames between two veths through AF_PACKET sockets and
+// impairs the RoCE ones (loss, duplication, reordering) with a seeded
+// generator: both endpoints still run the real kernel path (routing, ARP,
+// raw sockets, socket buffers).
+//
+//	ns A: a0 10.99.0.1 fd99::1 ==veth== ma [ns M: impairer] mb ==veth== b0 10.99.0.2 fd99::2 :ns B
+
+type l2Impairer struct {
+	imp     Impairment
+	mu      sync.Mutex
+	rng     *rand.Rand
+	fds     [2]int
+	stop    atomic.Bool
+	wg      sync.WaitGroup
+	lost    atomic.Int64
+	dups    atomic.Int64
+	reorder atomic.Int64
+	// first is the first RoCE frame seen (for header checks).
+	first atomic.Pointer[[]byte]
+}
+
+type topo struct {
+	a, b, m *netns
+	imp     *l2Impairer
+}
+
+func newTopo(t *testing.T, imp Impairment, seed uint64) *topo {
+	needRoot(t)
+	tp := &topo{a: newNetns(t, "a"), b: newNetns(t, "b"), m: newNetns(t, "m")}
+	run(t, "ip", "link", "add", "a0", "netns", tp.a.name, "type", "veth", "peer", "name", "ma", "netns", tp.m.name)
+	run(t, "ip", "link", "add", "b0", "netns", tp.b.name, "type", "veth", "peer", "name", "mb", "netns", tp.m.name)
+	for _, x := range []struct {
+		ns       *netns
+		dev, ip4 string
+		ip6      string
+	}{{tp.a, "a0", "10.99.0.1/24", "fd99::1/64"}, {tp.b, "b0", "10.99.0.2/24", "fd99::2/64"}} {
+		x.ns.ip(t, "link", "set", "dev", x.dev, "mtu", "9000", "up")
+		x.ns.ip(t, "addr", "add", x.ip4, "dev", x.dev)
+		x.ns.ip(t, "addr", "add", x.ip6, "dev", x.dev, "nodad")
+	}
+	for _, dev := range []string{"ma", "mb"} {
+		tp.m.ip(t, "link", "set", "dev", dev, "mtu", "9000", "up")
+	}
+	tp.imp = &l2Impairer{imp: imp, rng: rand.New(rand.NewPCG(seed, 99))}
+	if tp.imp.imp.ReorderDepth == 0 {
+		tp.imp.imp.ReorderDepth = 3
+	}
+	tp.m.do(t, func() {
+		for i, dev := range []string{"ma", "mb"} {
+			ifi, err := net.InterfaceByName(dev)
+			require.NoError(t, err)
+			fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))
+			require.NoError(t, err)
+			require.NoError(t, unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifi.Index}))
+			require.NoError(t, unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Usec: 20000}))
+			setBuffers(fd, 16<<20)
+			tp.imp.fds[i] = fd
+		}
+	})
+	tp.imp.wg.Add(2)
+	go tp.imp.forward(0, 1)
+	go tp.imp.forward(1, 0)
+	t.Cleanup(func() {
+		tp.imp.stop.Store(true)
+		tp.imp.wg.Wait()
+		unix.Close(tp.imp.fds[0])
+		unix.Close(tp.imp.fds[1])
+	})
+	return tp
+}
+
+func htons(v uint16) uint16 { return v<<8 | v>>8 }
+
+// roceFrame reports whether an Ethernet frame carries UDP to port 4791.
+func roceFrame(f []byte) bool {
+	if len(f) < 14 {
+		return false
+	}
+	ip := f[14:]
+	switch binary.BigEndian.Uint16(f[12:]) {
+	case 0x0800:
+		if len(ip) < 28 || ip[9] != 17 {
+			return false
+		}
+		ihl := int(ip[0]&0xf) * 4
+		return len(ip) >= ihl+8 && binary.BigEndian.Uint16(ip[ihl+2:]) == roce.UDPPort
+	case 0x86dd:
+		return len(ip) >= 48 && ip[6] == 17 && binary.BigEndian.Uint16(ip[42:]) == roce.UDPPort
+	}
+	return false
+}
+
+type heldFrame struct {
+	b     []byte
+	after int
+	at    time.Time
+}
+
+func (l *l2Impairer) forward(from, to int) {
+	defer l.wg.Done()
+	buf := make([]byte, 65536)
+	var held []heldFrame
+	send := func(b []byte) { _ = unix.Send(l.fds[to], b, 0) }
+	for !l.stop.Load() {
+		n, sa, err := unix.Recvfrom(l.fds[from], buf, 0)
+		now := time.Now()
+		// Held frames go out after enough others or after 2 ms.
+		kept := held[:0]
+		for _, h := range held {
+			if h.after <= 0 || now.Sub(h.at) > 2*time.Millisecond {
+				send(h.b)
+			} else {
+				kept = append(kept, h)
+			}
+		}
+		held = kept
+		if err != nil {
+			continue
+		}
+		if ll, ok := sa.(*unix.SockaddrLinklayer); ok && ll.Pkttype == unix.PACKET_OUTGOING {
+			continue
+		}
+		f := buf[:n]
+		if !roceFrame(f) {
+			send(f)
+			continue
+		}
+		if l.first.Load() == nil {
+			c := append([]byte(nil), f...)
+			l.first.CompareAndSwap(nil, &c)
+		}
+		l.mu.Lock()
+		lose := l.imp.Loss > 0 && l.rng.Float64() < l.imp.Loss
+		dup := l.imp.Duplicate > 0 && l.rng.Float64() < l.imp.Duplicate
+		hold := l.imp.Reorder > 0 && l.rng.Float64() < l.imp.Reorder
+		l.mu.Unlock()
+		for i := range held {
+			held[i].after--
+		}
+		switch {
+		case lose:
+			l.lost.Add(1)
+		case hold:
+			l.reorder.Add(1)
+			held = append(held, heldFrame{b: append([]byte(nil), f...), after: l.imp.ReorderDepth, at: now})
+		default:
+			send(f)
+			if dup {
+				l.dups.Add(1)
+				send(f)
+			}
+		}
+	}
+}
+
+func netemAvailable(t *testing.T, ns *netns) bool {
+	out, err := exec.Command("ip", "netns", "exec", ns.name, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "loss", "0%").CombinedOutput()
+	if err == nil {
+		_ = exec.Command("ip", "netns", "exec", ns.name, "tc", "qdisc", "del", "dev", "lo", "root").Run()
+		return true
+	}
+	t.Logf("tc netem unavailable (%s): impairing in user space instead", bytesTrim(out))
+	return false
+}
+
+func bytesTrim(b []byte) string {
+	s := string(b)
+	for len(s) > 0 && (s[len(s)-1] == '\n' || s[len(s)-1] == ' ') {
+		s = s[:len(s)-1]
+	}
+	return s
+}
+
+func TestVethNetnsImpaired(t *testing.T) {
+	needRoot(t)
+	for _, tc := range []struct {
+		name string
+		imp  Impairment
+	}{
+		{"clean", Impairment{}},
+		{"loss1", Impairment{Loss: 0.01}},
+		{"loss5", Impairment{Loss: 0.05}},
+		{"reorder", Impairment{Reorder: 0.03, ReorderDepth: 4}},
+		{"duplicate", Impairment{Duplicate: 0.03}},
+	} {
+		for _, v6 := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/ipv6=%v", tc.name, v6), func(t *testing.T) {
+				tp := newTopo(t, tc.imp, 11)
+				if tc.name == "clean" && !v6 {
+					netemAvailable(t, tp.m)
+				}
+				fa := newKernelFabric(t, tp.a, Config{LinkMTU: 9000, DefaultTOS: 0x48})
+				fb := newKernelFabric(t, tp.b, Config{LinkMTU: 9000, DefaultTOS: 0x48})
+				ipa, ipb := "10.99.0.1", "10.99.0.2"
+				if v6 {
+					ipa, ipb = "fd99::1", "fd99::2"
+				}
+				a := newEndpoint(t, fa, "a", ipa, 16<<20)
+				b := newEndpoint(t, fb, "b", ipb, 16<<20)
+				o := defaultRC()
+				o.timeout = 13
+				qa, qb := connectRC(t, a, b, o)
+				p := pair{a, b, qa, qb}
+				icmp0 := tp.b.snmp(t, "Icmp", "OutDestUnreachs")
+				streamCheck(t, p, 300, 60*time.Second)
+				bulkCheck(t, p, 60*time.Second)
+				ca, cb := fa.Counters(), fb.Counters()
+				t.Logf("impairer: lost %d dup %d reordered %d; a: tx %d retransmitted %d timeouts %d nak_seq %d; b: dup_req %d out_of_seq %d bad_icrc %d",
+					tp.imp.lost.Load(), tp.imp.dups.Load(), tp.imp.reorder.Load(), ca["tx_packets"],
+					ca["retransmitted_packets"], ca["retransmit_timeouts"], ca["rx_nak_psn_sequence"],
+					cb["rx_duplicate_requests"], cb["rx_out_of_sequence"], cb["drop_bad_icrc"])
+				assert.Zero(t, ca["drop_bad_icrc"]+cb["drop_bad_icrc"])
+				assert.Equal(t, icmp0, tp.b.snmp(t, "Icmp", "OutDestUnreachs"), "no ICMP port unreachable")
+				if tc.imp.Loss > 0 {
+					assert.NotZero(t, tp.imp.lost.Load())
+					assert.NotZero(t, ca["retransmitted_packets"])
+				}
+				if tc.imp.Duplicate > 0 {
+					assert.NotZero(t, cb["rx_duplicate_requests"]+ca["drop_unexpected_response"])
+				}
+				checkWireHeaders(t, *tp.imp.first.Load(), v6)
+			})
+		}
+	}
+}
+
+// checkWireHeaders asserts what rxe puts on the wire (VM-TESTBED.md, "rxe
+// on the wire"): DF, a non-zero IPv4 ID, the TOS of the traffic class,
+// UDP checksum 0, a source port in the RoCE range, P_Key 0xFFFF, ICRC valid.
+func checkWireHeaders(t *testing.T, frame []byte, v6 bool) {
+	t.Helper()
+	ip := frame[14:]
+	var p roce.Packet
+	require.NoError(t, p.Parse(ip))
+	assert.True(t, p.ICRCValid())
+	assert.Equal(t, uint8(0x48), p.TClass(), "TOS from the fabric default")
+	assert.GreaterOrEqual(t, p.UDP.SrcPort(), uint16(roce.SourcePortMin))
+	assert.Equal(t, uint16(0), binary.BigEndian.Uint16(p.UDP[6:]), "UDP checksum 0")
+	assert.Equal(t, uint16(0xffff), p.BTH.PKey())
+	assert.Equal(t, v6, p.IPv6)
+	if !v6 {
+		assert.Equal(t, uint16(0x4000), binary.BigEndian.Uint16(ip[6:])&0x4000, "DF")
+		assert.NotZero(t, binary.BigEndian.Uint16(ip[4:]), "IPv4 ID")
+	}
+}
