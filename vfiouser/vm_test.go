@@ -86,8 +86,8 @@ func startVMServer(t *testing.T) *vmServer {
 	return s
 }
 
-func (s *vmServer) deviceArg() string {
-	return fmt.Sprintf(`{"driver":"vfio-user-pci","socket":{"type":"unix","path":%q},"addr":"05.1","x-no-posted-writes":true}`, s.sock)
+func (s *vmServer) deviceArg(noPosted bool) string {
+	return fmt.Sprintf(`{"driver":"vfio-user-pci","socket":{"type":"unix","path":%q},"addr":"05.1","x-no-posted-writes":%v}`, s.sock, noPosted)
 }
 
 // qemuMessages returns QEMU's own stderr lines from a console capture.
@@ -118,7 +118,7 @@ func TestVMGuestSeesDevice(t *testing.T) {
 	g, err := vm.Start(ctx, t, img, nil, vm.Config{
 		Name:       "vfiouser",
 		NICs:       []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: "52:54:00:77:00:01"}},
-		ExtraArgs:  []string{"-device", s.deviceArg()},
+		ExtraArgs:  []string{"-device", s.deviceArg(true)},
 		Modules:    []string{},
 		KernelArgs: fmt.Sprintf("memmap=64K$%#x", resv),
 		Timeout:    3 * time.Minute,
@@ -253,4 +253,61 @@ rd nobm B1+0x28
 	_ = host
 	t.Logf("TIMING boot-to-init=%v scenario=%v total=%v", res.Timings.BootToInit.Round(time.Millisecond),
 		res.Timings.Scenario.Round(time.Millisecond), res.Timings.Total.Round(time.Millisecond))
+}
+
+// TestVMPostedWrites runs QEMU's default posted BAR writes (No_reply
+// REGION_WRITEs, no x-no-posted-writes): the server must never answer them
+// (QEMU drops the connection on an unexpected reply), and a read after them
+// sees their effect, since messages are handled in order.
+func TestVMPostedWrites(t *testing.T) {
+	ctx := context.Background()
+	img, err := vm.EnsureImage(ctx, t.Logf)
+	require.NoError(t, err)
+	s := startVMServer(t)
+	g, err := vm.Start(ctx, t, img, nil, vm.Config{
+		Name:      "posted",
+		NICs:      []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: "52:54:00:77:00:02"}},
+		ExtraArgs: []string{"-device", s.deviceArg(false)},
+		Modules:   []string{},
+		Timeout:   3 * time.Minute,
+		Scenario: `
+D=/sys/bus/pci/devices/0000:00:05.1
+B1=$(printf '%d' "$(sed -n 2p $D/resource | cut -d' ' -f1)")
+setpci -s 05.1 COMMAND=0x0006
+i=0
+while [ $i -lt 200 ]; do devmem $((B1 + 8)) 32 1; i=$((i + 1)); done
+devmem $((B1 + 4)) 32 0x600dbeef
+echo "counter=$(devmem $((B1 + 8)) 32)"
+echo "scratch=$(devmem $((B1 + 4)) 32)"
+`,
+	})
+	require.NoError(t, err)
+	var dev *testdev.Device
+	select {
+	case <-s.hosts:
+		dev = <-s.devs
+	case <-time.After(time.Minute):
+		t.Fatal("QEMU did not connect")
+	}
+	posted := make(chan uint64, 1)
+	go func() { // sample the counter while the guest is still connected
+		var last uint64
+		for i := 0; i < 6000; i++ {
+			if st := s.srv.Stats(); st.Connections == 1 {
+				last = st.Posted
+			} else if last > 0 {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		posted <- last
+	}()
+	res, err := g.WaitOK(ctx)
+	require.NoError(t, err)
+	assert.Contains(t, res.Output, "counter=0x000000C9", "200 posted adds, then the scratch write")
+	assert.Contains(t, res.Output, "scratch=0x600DBEEF")
+	assert.GreaterOrEqual(t, <-posted, uint64(201), "the writes came posted")
+	assert.Empty(t, qemuMessages(res.Console), "no unexpected reply, no error")
+	assert.NotContains(t, s.logs.String(), "level=WARN")
+	_ = dev
 }
