@@ -36,10 +36,16 @@ const mrAccessMask = hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite |
 
 const remoteAccess = hostverbs.AccessRemoteWrite | hostverbs.AccessRemoteRead | hostverbs.AccessRemoteAtomic
 
+// mrAccessOptional is the IB core's IB_ACCESS_OPTIONAL range (bits 20-29):
+// hints such as RELAXED_ORDERING (bit 20, which perftest sets) that a device
+// may ignore. The 6.1 driver passes them through unfiltered.
+const mrAccessOptional = 0x3ff00000
+
 // validAccess checks MR access flags the way ib_check_mr_access does:
-// known bits only, and remote write or atomic require local write.
+// known bits only (optional hints dropped), and remote write or atomic
+// require local write.
 func validAccess(a uint32) (hostverbs.Access, error) {
-	acc := hostverbs.Access(a)
+	acc := hostverbs.Access(a &^ mrAccessOptional)
 	if acc&^mrAccessMask != 0 {
 		return 0, fmt.Errorf("access flags %#x: %w", a, syscall.EINVAL)
 	}
