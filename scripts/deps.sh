@@ -3,7 +3,9 @@
 # Idempotent: when everything is present it neither updates the package lists nor
 # downloads anything.
 set -eu
-pkgs="ca-certificates gcc make libc6-dev binutils kmod xz-utils apt dpkg iproute2"
+# gcc-12/make/binutils build vmw_pvrdma.ko; libelf1 and libssl3 are what the unpacked
+# linux-kbuild-6.1 tools link against; kmod gives depmod; xz-utils and dpkg unpack.
+pkgs="ca-certificates gcc gcc-12 make libc6-dev binutils bc libelf1 libssl3 kmod xz-utils apt dpkg iproute2"
 missing=""
 for p in $pkgs; do
 	if ! dpkg-query -W -f '${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then

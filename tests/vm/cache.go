@@ -116,6 +116,10 @@ func (c component) build(fn func(tmp string) error) error {
 		os.RemoveAll(tmp)
 		return fmt.Errorf("build %s %s: %w", c.kind, c.key, err)
 	}
+	if err := os.Chmod(tmp, 0o755); err != nil { // MkdirTemp made it 0700
+		os.RemoveAll(tmp)
+		return fmt.Errorf("%s: %w", c.kind, err)
+	}
 	if err := os.Rename(tmp, c.dir); err != nil {
 		os.RemoveAll(tmp)
 		return fmt.Errorf("publish %s: %w", c.kind, err)

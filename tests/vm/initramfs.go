@@ -11,13 +11,14 @@ import (
 	"path"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 )
 
 // initramfsRecipe names how the base initramfs is assembled; bump it when the selection
 // or layout below changes.
-const initramfsRecipe = "initramfs-v3"
+const initramfsRecipe = "initramfs-v4"
 
 // guestPackages are the bookworm packages the guest userspace comes from; apt resolves
 // their closure, and only the files selected below (plus their shared-library closure)
@@ -27,6 +28,7 @@ var guestPackages = []string{
 	"libibverbs1", "ibverbs-providers", "ibverbs-utils", "perftest",
 	"librdmacm1", "rdmacm-utils",
 	"iproute2", "pciutils", "pci.ids",
+	"libgcc-s1", // see dlopenedFiles
 }
 
 // skipBinaries are programs of allBinaries packages that the guest does not need.
@@ -47,6 +49,13 @@ var providerFiles = []string{
 	"etc/libibverbs.d/rxe.driver",
 	"usr/lib/x86_64-linux-gnu/libibverbs/libvmw_pvrdma-rdmav*.so",
 	"usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so",
+}
+
+// dlopenedFiles are libraries no program names in DT_NEEDED but that are loaded at run
+// time: glibc dlopens libgcc_s when a thread exits or is cancelled, and without it rping
+// (and anything whose rdma_cm threads exit) aborts at disconnect.
+var dlopenedFiles = []string{
+	"lib/x86_64-linux-gnu/libgcc_s.so.1",
 }
 
 // dataFiles are copied as they are.
@@ -133,7 +142,7 @@ func buildInitramfs(ctx context.Context, apt *aptRoot, pkgs []Package, kernelDir
 			}
 		}
 	}
-	for _, pat := range append(append([]string(nil), providerFiles...), dataFiles...) {
+	for _, pat := range slices.Concat(providerFiles, dlopenedFiles, dataFiles) {
 		matches, _ := filepath.Glob(filepath.Join(root, pat))
 		if len(matches) != 1 {
 			return fmt.Errorf("want one file matching %s, found %d", pat, len(matches))

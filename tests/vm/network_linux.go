@@ -299,22 +299,20 @@ func sweepStale(logf func(string, ...any)) {
 
 // sweep removes dead runs' namespaces and run directories.
 func sweep(logf func(string, ...any)) {
-	{
-		if ents, err := os.ReadDir(netnsDir); err == nil {
-			for _, e := range ents {
-				if strings.HasPrefix(e.Name(), namePrefix) && !ownerAlive(e.Name()) {
-					if err := netns.DeleteNamed(e.Name()); err == nil {
-						logf("removed stale network namespace %s", e.Name())
-					}
+	if ents, err := os.ReadDir(netnsDir); err == nil {
+		for _, e := range ents {
+			if strings.HasPrefix(e.Name(), namePrefix) && !ownerAlive(e.Name()) {
+				if err := netns.DeleteNamed(e.Name()); err == nil {
+					logf("removed stale network namespace %s", e.Name())
 				}
 			}
 		}
-		if ents, err := os.ReadDir(os.TempDir()); err == nil {
-			for _, e := range ents {
-				if e.IsDir() && strings.HasPrefix(e.Name(), namePrefix) && !ownerAlive(e.Name()) {
-					if err := os.RemoveAll(filepath.Join(os.TempDir(), e.Name())); err == nil {
-						logf("removed stale run directory %s", e.Name())
-					}
+	}
+	if ents, err := os.ReadDir(os.TempDir()); err == nil {
+		for _, e := range ents {
+			if e.IsDir() && strings.HasPrefix(e.Name(), namePrefix) && !ownerAlive(e.Name()) {
+				if err := os.RemoveAll(filepath.Join(os.TempDir(), e.Name())); err == nil {
+					logf("removed stale run directory %s", e.Name())
 				}
 			}
 		}
