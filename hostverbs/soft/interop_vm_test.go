@@ -5,11 +5,14 @@ package soft
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -249,4 +252,270 @@ echo "=== end"
 		require.Contains(t, out, "::ffff:"+hostIP, "the guest saw our GID")
 		t.Logf("INTEROP rxe ibv_rc_pingpong guest=%s %dB x %d: %.2f Mbit/s, %.2f usec/iter", side, size, iters, pp.Mbps, pp.UsecPerIter)
 	}
+}
+
+// udPingPong is ud_pingpong's data phase: like rc_pingpong, with a 40-byte
+// GRH ahead of every received payload.
+func udPingPong(t *testing.T, e *endpoint, qp hostverbs.QP, rem ppDest, client bool, size, iters int) {
+	const depth = 64
+	pattern := bytes.Repeat([]byte{0x7b}, size)
+	e.write(t, e.iova, pattern)
+	slot := uint64(size + 40)
+	recvOff := func(i int) uint64 { return uint64(size) + uint64(i%depth)*slot }
+	for i := range depth {
+		require.NoError(t, qp.PostRecv(&hostverbs.RecvWR{WRID: uint64(i), SGL: sge(e, recvOff(i), int(slot))}))
+	}
+	send := func() {
+		require.NoError(t, qp.PostSend(&hostverbs.SendWR{WRID: 1 << 40, Opcode: hostverbs.WRSend,
+			Flags: hostverbs.SendSignaled, SGL: sge(e, 0, size),
+			AV:        hostverbs.AddressVector{DGID: rem.gid, HopLimit: 64, Port: 1},
+			RemoteQPN: rem.qpn, RemoteQKey: 0x11111111}))
+	}
+	sent, recvd, pendingSend, pendingRecv := 0, 0, false, true
+	if client {
+		send()
+		pendingSend = true
+	}
+	for sent < iters || recvd < iters {
+		wc := e.ccq.wait(t, 60*time.Second)
+		require.Equal(t, hostverbs.WCSuccess, wc.Status, "completion %+v", wc)
+		if wc.WRID == 1<<40 {
+			sent++
+			pendingSend = false
+		} else {
+			require.Equal(t, uint32(40+size), wc.ByteLen)
+			require.Equal(t, rem.qpn, wc.SrcQP)
+			require.Equal(t, hostverbs.NetworkIPv4, wc.NetworkHdrType)
+			got := e.read(t, e.iova+recvOff(int(wc.WRID)), 40+size)
+			grh := got[20:40]
+			require.Equal(t, byte(0x45), grh[0], "IPv4 header in the GRH")
+			require.Equal(t, byte(17), grh[9])
+			require.Equal(t, rem.gid[12:], grh[12:16], "GRH source is the guest")
+			require.True(t, bytes.Equal(pattern, got[40:]), "message %d differs", recvd)
+			require.NoError(t, qp.PostRecv(&hostverbs.RecvWR{WRID: wc.WRID + depth, SGL: sge(e, recvOff(int(wc.WRID)), int(slot))}))
+			recvd++
+			pendingRecv = false
+		}
+		if sent < iters && !pendingSend && !pendingRecv {
+			send()
+			pendingSend, pendingRecv = true, true
+		}
+	}
+}
+
+func dialRetry(t *testing.T, nw *vm.Network, addr string) net.Conn {
+	var c net.Conn
+	deadline := time.Now().Add(3 * time.Minute)
+	for c == nil && time.Now().Before(deadline) {
+		require.NoError(t, nw.Do(func() error {
+			var err error
+			if c, err = net.DialTimeout("tcp4", addr, 2*time.Second); err != nil {
+				c = nil
+			}
+			return nil
+		}))
+		if c == nil {
+			time.Sleep(500 * time.Millisecond)
+		}
+	}
+	require.NotNil(t, c, "%s never listened", addr)
+	_ = c.SetDeadline(time.Now().Add(time.Minute))
+	return c
+}
+
+func TestInteropRxeUDPingPong(t *testing.T) {
+	env := newInteropEnv(t)
+	ctx := context.Background()
+	const iters, size = 300, 512
+	var ln net.Listener
+	require.NoError(t, env.nw.Do(func() error {
+		var err error
+		ln, err = net.Listen("tcp4", hostIP+":18515")
+		return err
+	}))
+	defer ln.Close()
+	g, err := vm.Start(ctx, t, env.img, env.nw, rxeGuest("rxeud", guestIP, fmt.Sprintf(`
+pvt_rxe eth0
+g=$(pvt_gid_index rxe0 %[1]s)
+echo "=== client"
+pvt_retry 60 ibv_ud_pingpong -d rxe0 -g $g -n %[2]d -s %[3]d %[4]s
+echo "=== server"
+ibv_ud_pingpong -d rxe0 -g $g -n %[2]d -s %[3]d -p 18516
+echo "=== end"
+`, guestIP, iters, size, hostIP)))
+	require.NoError(t, err)
+
+	newUD := func() hostverbs.QP {
+		q := udQP(t, env.ep, hostverbs.QPTypeUD, 0x11111111)
+		return q
+	}
+	// The guest is the client.
+	conn, err := ln.Accept()
+	require.NoError(t, err)
+	_ = conn.SetDeadline(time.Now().Add(2 * time.Minute))
+	buf := make([]byte, ppMsgLen)
+	_, err = io.ReadFull(conn, buf)
+	require.NoError(t, err)
+	rem, err := parsePPDest(buf)
+	require.NoError(t, err)
+	qp := newUD()
+	_, err = conn.Write(ppDest{qpn: qp.QPN(), psn: 1, gid: env.ep.gid}.encode())
+	require.NoError(t, err)
+	_, _ = conn.Read(buf)
+	conn.Close()
+	udPingPong(t, env.ep, qp, rem, false, size, iters)
+	require.NoError(t, qp.Destroy())
+
+	// The guest is the server.
+	qp2 := newUD()
+	c := dialRetry(t, env.nw, guestIP+":18516")
+	_, err = c.Write(ppDest{qpn: qp2.QPN(), psn: 2, gid: env.ep.gid}.encode())
+	require.NoError(t, err)
+	_, err = io.ReadFull(c, buf)
+	require.NoError(t, err)
+	rem2, err := parsePPDest(buf)
+	require.NoError(t, err)
+	_, _ = c.Write([]byte("done\x00"))
+	c.Close()
+	udPingPong(t, env.ep, qp2, rem2, true, size, iters)
+
+	res, err := g.WaitOK(ctx)
+	require.NoError(t, err)
+	for _, side := range []string{"client", "server"} {
+		out := vm.Section(res.Output, side)
+		pp, err := vm.ParsePingPong(out)
+		require.NoError(t, err, "%s:\n%s", side, out)
+		require.EqualValues(t, iters, pp.Iters)
+		t.Logf("INTEROP rxe ibv_ud_pingpong guest=%s %dB x %d: %.2f Mbit/s, %.2f usec/iter", side, size, iters, pp.Mbps, pp.UsecPerIter)
+	}
+}
+
+// rdmaInfo is rdmacheck's exchange record (testdata/interop/rdmacheck.c).
+type rdmaInfo struct {
+	QPN, PSN, RKey, Pad uint32
+	Addr                uint64
+	GID                 [16]byte
+}
+
+func buildRdmacheck(t *testing.T) string {
+	if _, err := exec.LookPath("gcc"); err != nil {
+		t.Skip("needs gcc and libibverbs-dev (apt-get install libibverbs-dev) to build the guest's checker")
+	}
+	out := filepath.Join(t.TempDir(), "rdmacheck")
+	b, err := exec.Command("gcc", "-O2", "-Wall", "-o", out, "testdata/interop/rdmacheck.c", "-libverbs").CombinedOutput()
+	if err != nil {
+		t.Skipf("cannot build rdmacheck (needs libibverbs-dev): %v\n%s", err, b)
+	}
+	return out
+}
+
+func patByte(seed uint32, i int) byte { return byte(uint32(i)*seed + seed/2) }
+
+// RDMA WRITE, READ and both atomics, both ways, checked by content on both
+// sides against rxe.
+func TestInteropRxeRDMAOps(t *testing.T) {
+	bin := buildRdmacheck(t)
+	env := newInteropEnv(t)
+	e := env.ep
+	ctx := context.Background()
+	const (
+		writeArea = 0
+		readArea  = 1 << 20
+		counter   = 2 << 20
+		scratch   = 3 << 20
+		msgArea   = 4<<20 - 4096
+		n         = 256 << 10
+	)
+	src := make([]byte, n)
+	for i := range src {
+		src[i] = patByte(11, i)
+	}
+	e.write(t, e.iova+readArea, src)
+	var w8 [8]byte
+	binary.LittleEndian.PutUint64(w8[:], 5000)
+	e.write(t, e.iova+counter, w8[:])
+
+	var ln net.Listener
+	require.NoError(t, env.nw.Do(func() error {
+		var err error
+		ln, err = net.Listen("tcp4", hostIP+":18520")
+		return err
+	}))
+	defer ln.Close()
+	g, err := vm.Start(ctx, t, env.img, env.nw, func() vm.Config {
+		c := rxeGuest("rxeops", guestIP, fmt.Sprintf(`
+pvt_rxe eth0
+g=$(pvt_gid_index rxe0 %[1]s)
+pvt_retry 60 /usr/bin/rdmacheck %[2]s 18520 rxe0 $g
+`, guestIP, hostIP))
+		c.HostFiles = map[string]string{"/usr/bin/rdmacheck": bin}
+		return c
+	}())
+	require.NoError(t, err)
+
+	qp := createRC(t, e, defaultRC())
+	for i := range 4 {
+		require.NoError(t, qp.PostRecv(&hostverbs.RecvWR{WRID: uint64(100 + i), SGL: sge(e, msgArea+uint64(i)*64, 64)}))
+	}
+	conn, err := ln.Accept()
+	require.NoError(t, err)
+	_ = conn.SetDeadline(time.Now().Add(2 * time.Minute))
+	var peer rdmaInfo
+	require.NoError(t, binary.Read(conn, binary.LittleEndian, &peer))
+	me := rdmaInfo{QPN: qp.QPN(), PSN: 0x4242, RKey: e.mr.RKey(), Addr: e.iova, GID: e.gid}
+	require.NoError(t, binary.Write(conn, binary.LittleEndian, &me))
+	conn.Close()
+	o := defaultRC()
+	o.mtu = hostverbs.MTU1024
+	o.rdAtomic = 4
+	rtsRC(t, qp, &endpoint{gid: hostverbs.GID(peer.GID)}, peer.QPN, peer.PSN, me.PSN, o)
+
+	// Phase A: the guest works on our memory, then says so.
+	var msgs []hostverbs.WorkCompletion
+	for len(msgs) < 2 {
+		wc := e.ccq.wait(t, 2*time.Minute)
+		require.Equal(t, hostverbs.WCSuccess, wc.Status, "%+v", wc)
+		msgs = append(msgs, wc)
+	}
+	require.Equal(t, hostverbs.WCRecvRDMAWithImm, msgs[0].Opcode, "WRITE with immediate first")
+	require.Equal(t, uint32(0x12345678), binary.BigEndian.Uint32(binary.LittleEndian.AppendUint32(nil, msgs[0].ImmData)))
+	require.Equal(t, "A-DONE", strings.TrimRight(string(e.read(t, e.iova+msgArea+64, 16)), "\x00"))
+	got := e.read(t, e.iova+writeArea, n)
+	for i := range got {
+		require.Equal(t, patByte(7, i), got[i], "byte %d written by rxe", i)
+	}
+	require.Equal(t, uint64(42), binary.LittleEndian.Uint64(e.read(t, e.iova+counter, 8)), "5000 +7 then 5007 -> 42")
+
+	// Phase B: we work on the guest's memory.
+	for i := range src {
+		src[i] = patByte(17, i)
+	}
+	e.write(t, e.iova+scratch, src)
+	post := func(wr hostverbs.SendWR) hostverbs.WorkCompletion {
+		wr.Flags |= hostverbs.SendSignaled
+		require.NoError(t, qp.PostSend(&wr))
+		wc := e.ccq.wait(t, time.Minute)
+		require.Equal(t, hostverbs.WCSuccess, wc.Status, "%+v", wc)
+		return wc
+	}
+	post(hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, SGL: sge(e, scratch, n), RemoteAddr: peer.Addr + writeArea, RKey: peer.RKey})
+	post(hostverbs.SendWR{WRID: 2, Opcode: hostverbs.WRRDMARead, SGL: sge(e, scratch+n, n), RemoteAddr: peer.Addr + readArea, RKey: peer.RKey})
+	got = e.read(t, e.iova+scratch+n, n)
+	for i := range got {
+		require.Equal(t, patByte(13, i), got[i], "byte %d read from rxe", i)
+	}
+	post(hostverbs.SendWR{WRID: 3, Opcode: hostverbs.WRAtomicFetchAndAdd, SGL: sge(e, scratch+2*n, 8), RemoteAddr: peer.Addr + counter, RKey: peer.RKey, CompareAdd: 3})
+	require.Equal(t, uint64(1000), binary.LittleEndian.Uint64(e.read(t, e.iova+scratch+2*n, 8)))
+	post(hostverbs.SendWR{WRID: 4, Opcode: hostverbs.WRAtomicCmpAndSwp, SGL: sge(e, scratch+2*n+8, 8), RemoteAddr: peer.Addr + counter, RKey: peer.RKey, CompareAdd: 1003, Swap: 77})
+	require.Equal(t, uint64(1003), binary.LittleEndian.Uint64(e.read(t, e.iova+scratch+2*n+8, 8)))
+	e.write(t, e.iova+scratch+3*n, append([]byte("B-DONE"), make([]byte, 10)...))
+	post(hostverbs.SendWR{WRID: 5, Opcode: hostverbs.WRSend, SGL: sge(e, scratch+3*n, 16)})
+	wc := e.ccq.wait(t, time.Minute)
+	require.Equal(t, hostverbs.WCSuccess, wc.Status)
+	require.Equal(t, "C-OK", strings.TrimRight(string(e.read(t, e.iova+msgArea+uint64(wc.WRID-100)*64, 16)), "\x00"), "the guest's verdict")
+
+	res, err := g.WaitOK(ctx)
+	require.NoError(t, err)
+	require.Contains(t, res.Output, "rdmacheck: ALL OK")
+	t.Logf("INTEROP rxe rdmacheck: WRITE/READ/FETCH_ADD/CMP_SWAP both ways, WRITE_WITH_IMM, SEND: ok")
 }

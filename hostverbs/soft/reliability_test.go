@@ -433,7 +433,7 @@ func TestUDAndGSI(t *testing.T) {
 
 func udQP(t *testing.T, e *endpoint, typ hostverbs.QPType, qkey uint32) hostverbs.QP {
 	q, err := e.pd.CreateQP(hostverbs.QPInitAttr{Type: typ, SendCQ: e.cq, RecvCQ: e.cq,
-		Cap: hostverbs.QPCap{MaxSendWR: 16, MaxRecvWR: 16, MaxSendSGE: 2, MaxRecvSGE: 2}})
+		Cap: hostverbs.QPCap{MaxSendWR: 128, MaxRecvWR: 128, MaxSendSGE: 2, MaxRecvSGE: 2}})
 	require.NoError(t, err)
 	mask := hostverbs.AttrState | hostverbs.AttrPKeyIndex | hostverbs.AttrQKey
 	if typ == hostverbs.QPTypeUD {
