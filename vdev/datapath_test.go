@@ -26,7 +26,7 @@ type userRC struct {
 	fq       *fakeQP
 }
 
-func newUserRC(t *testing.T) *userRC {
+func newUserRC(t testing.TB) *userRC {
 	fv := newFakeVerbs()
 	g := probedGuest(t, fv)
 	g.bindGID(0, gidA)
@@ -39,7 +39,7 @@ func newUserRC(t *testing.T) *userRC {
 	return u
 }
 
-func (u *userRC) newQP(t *testing.T) *gqp {
+func (u *userRC) newQP(t testing.TB) *gqp {
 	q := u.g.createQP(qpSpec{pd: u.pd, scq: u.scq, rcq: u.rcq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 4, recvSGE: 2, uar: 1})
 	q.toRTS(0x99, gidB, 0)
 	u.fq = u.fv.qps[len(u.fv.qps)-1]

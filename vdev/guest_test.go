@@ -67,8 +67,12 @@ var testMAC = [6]byte{0x52, 0x54, 0x00, 0x12, 0x34, 0x56}
 
 // newGuest creates guest memory and a device over verbs, without probing.
 func newGuest(t testing.TB, verbs hostverbs.Device, limits Limits) *guest {
+	return newGuestSized(t, verbs, limits, guestRAMSize)
+}
+
+func newGuestSized(t testing.TB, verbs hostverbs.Device, limits Limits, size uint64) *guest {
 	t.Helper()
-	mem, raw := guestmem.NewFlat(0, guestRAMSize)
+	mem, raw := guestmem.NewFlat(0, size)
 	g := &guest{t: t, mem: mem, raw: raw, verbs: verbs, irq: &fakeIRQ{}, next: 1 << 20}
 	dev, err := New(Config{Memory: mem, Verbs: verbs, IRQ: g.irq, MAC: testMAC, Limits: limits,
 		OnGID: func(i int, e hostverbs.GIDEntry, bound bool) { g.gotGID = append(g.gotGID, gidEvent{i, e, bound}) }})
@@ -96,7 +100,7 @@ func (g *guest) pages(n int) []uint64 {
 	g.t.Helper()
 	out := make([]uint64, n)
 	for i := range out {
-		require.Less(g.t, g.next+guestmem.PageSize, uint64(guestRAMSize), "guest out of memory")
+		require.Less(g.t, g.next+guestmem.PageSize, uint64(len(g.raw)), "guest out of memory")
 		out[i] = g.next
 		clear(g.raw[g.next : g.next+guestmem.PageSize])
 		g.next += guestmem.PageSize
