@@ -33,7 +33,9 @@ func daemon(t *testing.T, cfg backend.Config, names ...string) *backend.Daemon {
 		cfg.SocketDir = t.TempDir()
 	}
 	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+		level := slog.LevelInfo
+		_ = level.UnmarshalText([]byte(os.Getenv("E2E_LOG"))) // E2E_LOG=debug for the device's command trace
+		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: level}))
 	}
 	for _, n := range names {
 		cfg.VMs = append(cfg.VMs, backend.VMRequest{Name: n})
@@ -76,4 +78,3 @@ func pvrdmaGuest(d *backend.Daemon, name, ip, scenario string) vm.Config {
 
 func logf(t *testing.T, format string, args ...any) { t.Helper(); t.Log(fmt.Sprintf(format, args...)) }
 
-var _ = os.Getenv

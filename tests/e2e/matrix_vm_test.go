@@ -1,0 +1,122 @@
+//go:build vm
+
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
+)
+
+// step is one tool run on both guests: the server side on the first, the
+// client side (with the server's address) on the second.
+type step struct {
+	name   string
+	server string // command line; "$g" is the RoCE v2 GID index of the guest's IPv4 address
+	client string // "$peer" is the server's IPv4 address
+}
+
+// rdmaCMModules are the modules the rdma_cm tools need on top of the device.
+var rdmaCMModules = []string{"ib_core", "ib_uverbs", "vmw_pvrdma", "configfs", "iw_cm", "ib_cm", "rdma_cm", "rdma_ucm"}
+
+// matrixScenario runs the steps in order, each under a timeout, printing
+// "=== name" before and "rc=N" after, and never stopping at a failure.
+func matrixScenario(self, peer string, server bool, steps []step) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "peer=%s\ng=$(pvt_gid_index vmw_pvrdma0 %s)\n", peer, self)
+	for _, s := range steps {
+		cmd := "timeout 120 " + s.server
+		if !server {
+			cmd = "pvt_retry 60 timeout 120 " + s.client
+		}
+		fmt.Fprintf(&b, "echo '=== %s'\nif %s; then echo rc=0; else echo rc=$?; fi\n", s.name, cmd)
+	}
+	b.WriteString("echo '=== end'\n")
+	return b.String()
+}
+
+var matrix = []step{
+	{"rc_pingpong", "ibv_rc_pingpong -d vmw_pvrdma0 -g $g -n 1000 -s 4096", "ibv_rc_pingpong -d vmw_pvrdma0 -g $g -n 1000 -s 4096 $peer"},
+	{"rc_pingpong_events", "ibv_rc_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 4096 -e", "ibv_rc_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 4096 -e $peer"},
+	{"ud_pingpong", "ibv_ud_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 512", "ibv_ud_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 512 $peer"},
+	{"srq_pingpong", "ibv_srq_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 4096", "ibv_srq_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 4096 $peer"},
+	{"ib_send_bw", "ib_send_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536", "ib_send_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536 $peer"},
+	{"ib_write_bw", "ib_write_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536", "ib_write_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536 $peer"},
+	{"ib_read_bw", "ib_read_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536", "ib_read_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536 $peer"},
+	{"ib_atomic_bw", "ib_atomic_bw -d vmw_pvrdma0 -x $g -F -n 200", "ib_atomic_bw -d vmw_pvrdma0 -x $g -F -n 200 $peer"},
+	{"ib_write_lat", "ib_write_lat -d vmw_pvrdma0 -x $g -F -n 200 -s 2", "ib_write_lat -d vmw_pvrdma0 -x $g -F -n 200 -s 2 $peer"},
+	{"rping", "rping -s -a $self -C 10 -v", "rping -c -a $peer -C 10 -v"},
+	{"ucmatose", "ucmatose -b $self", "ucmatose -s $peer"},
+	{"udaddy", "udaddy -b $self", "udaddy -s $peer"},
+}
+
+// TestPairMatrix: two VMs on one backend run every tool of the issue through
+// our device: the verbs examples, perftest and the rdma_cm tools (whose CM
+// MADs the backend delivers on QP1 itself: no rdmacm-mux, no host modules).
+func TestPairMatrix(t *testing.T) {
+	steps := matrix
+	if only := os.Getenv("E2E_STEPS"); only != "" { // e.g. E2E_STEPS=ib_send_bw,rping
+		steps = nil
+		for _, s := range matrix {
+			if strings.Contains(","+only+",", ","+s.name+",") {
+				steps = append(steps, s)
+			}
+		}
+	}
+	img := image(t)
+	d := daemon(t, backend.Config{}, "mx1", "mx2")
+	ctx := context.Background()
+	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
+	require.NoError(t, err)
+	cfgs := []vm.Config{
+		pvrdmaGuest(d, "mx1", "10.77.0.1/24", "self=10.77.0.1\n"+matrixScenario("10.77.0.1", "", true, steps)),
+		pvrdmaGuest(d, "mx2", "10.77.0.2/24", "self=10.77.0.2\n"+matrixScenario("10.77.0.2", "10.77.0.1", false, steps)),
+	}
+	for i := range cfgs {
+		cfgs[i].Modules = rdmaCMModules
+		cfgs[i].NoErrExit = true
+		cfgs[i].Timeout = 12 * time.Minute
+	}
+	vms, err := vm.StartAll(ctx, t, img, nw, cfgs...)
+	require.NoError(t, err)
+	res, err := vm.WaitAll(ctx, vms...)
+	require.NoError(t, err)
+	rcRE := regexp.MustCompile(`(?m)^rc=(\d+)$`)
+	for _, r := range res {
+		require.Contains(t, r.Output, "=== end", "%s did not finish", r.VM)
+		for _, s := range steps {
+			sec := vm.Section(r.Output, s.name)
+			m := rcRE.FindAllStringSubmatch(sec, -1)
+			if assert.NotEmpty(t, m, "%s %s: no exit status", r.VM, s.name) {
+				assert.Equal(t, "0", m[len(m)-1][1], "%s %s failed:\n%s", r.VM, s.name, sec)
+			}
+		}
+	}
+	for i, r := range res {
+		for _, tool := range []string{"ib_send_bw", "ib_write_bw", "ib_read_bw"} {
+			if bw, err := vm.ParsePerftestBW(vm.Section(r.Output, tool)); err == nil && len(bw) == 1 {
+				t.Logf("PVRDMA %s 65536B vm=%s side=%s avg_MBps=%.2f", tool, r.VM, side(i), bw[0].AvgMBps)
+			}
+		}
+		if pp, err := vm.ParsePingPong(vm.Section(r.Output, "rc_pingpong")); err == nil {
+			t.Logf("PVRDMA ibv_rc_pingpong 4096B vm=%s Mbps=%.2f usec_per_iter=%.2f", r.VM, pp.Mbps, pp.UsecPerIter)
+		}
+	}
+}
+
+func side(i int) string {
+	if i == 0 {
+		return "server"
+	}
+	return "client"
+}
