@@ -77,4 +77,3 @@ func pvrdmaGuest(d *backend.Daemon, name, ip, scenario string) vm.Config {
 }
 
 func logf(t *testing.T, format string, args ...any) { t.Helper(); t.Log(fmt.Sprintf(format, args...)) }
-
