@@ -182,6 +182,7 @@ type Device struct {
 	mrBytes uint64
 	gids    []gidSlot
 	gsi     *qp
+	fault   error // why the last DSR was refused, for the operator
 	qpGen   uint32
 	stalled int // QPs with work left in a ring because the provider queue was full
 
@@ -232,6 +233,15 @@ func New(cfg Config) (*Device, error) {
 	d.mach = uint32(d.mac[4]) | uint32(d.mac[5])<<8
 	d.resetLocked()
 	return d, nil
+}
+
+// Fault returns why the device last refused the guest's device shared
+// region (for example guest RAM without an fd, whose message names the
+// QEMU options that fix it), or nil once a DSR loaded.
+func (d *Device) Fault() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.fault
 }
 
 // Caps returns the capabilities the device reports to the guest.

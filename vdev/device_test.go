@@ -444,6 +444,8 @@ func TestNotSharedMemoryIsRefused(t *testing.T) {
 	_, err = mem.Uint32(0x1000)
 	assert.ErrorIs(t, err, guestmem.ErrNotShared)
 	assert.Contains(t, err.Error(), "memory-backend-memfd", "the error names the QEMU options to fix it")
+	assert.ErrorIs(t, d.Fault(), guestmem.ErrNotShared, "the operator can ask the device why")
+	assert.Contains(t, d.Fault().Error(), "share=on")
 }
 
 func TestNewValidatesConfig(t *testing.T) {

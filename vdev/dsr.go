@@ -38,6 +38,7 @@ func (d *Device) loadDSR() {
 		d.dsrLow, d.dsrHigh = low, high
 	}
 	if err := d.loadDSRAt(gpa); err != nil {
+		d.fault = fmt.Errorf("pvrdma: device shared region at %v refused: %w", gpa, err)
 		d.errReg = errnoOf(err)
 		level := d.log.Debug
 		if errors.Is(err, guestmem.ErrNotShared) {
@@ -46,6 +47,7 @@ func (d *Device) loadDSR() {
 		level("pvrdma: refusing device shared region", "dsr", gpa, "err", err)
 		return
 	}
+	d.fault = nil
 }
 
 func (d *Device) loadDSRAt(gpa guestmem.GPA) error {

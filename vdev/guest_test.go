@@ -248,6 +248,28 @@ func (m *gmr) gpa(iova uint64) uint64 {
 	return m.pages[i] + iova&0xfff
 }
 
+// write copies data into the MR at byte offset off, page by page.
+func (m *gmr) write(g *guest, off uint64, data []byte) {
+	for len(data) > 0 {
+		iova := m.iova + off
+		n := min(uint64(len(data)), 4096-iova&0xfff)
+		copy(g.raw[m.gpa(iova):], data[:n])
+		data, off = data[n:], off+n
+	}
+}
+
+// read returns n bytes of the MR at byte offset off.
+func (m *gmr) read(g *guest, off, n uint64) []byte {
+	out := make([]byte, 0, n)
+	for n > 0 {
+		iova := m.iova + off
+		c := min(n, 4096-iova&0xfff)
+		out = append(out, g.raw[m.gpa(iova):m.gpa(iova)+c]...)
+		n, off = n-c, off+c
+	}
+	return out
+}
+
 // regMR registers length bytes at iova (a user VA, page offset kept) in pd.
 func (g *guest) regMR(pd uint32, iova, length uint64, access uint32) *gmr {
 	g.t.Helper()
@@ -279,8 +301,8 @@ func (g *guest) createCQ(ctx, n uint32) *gcq {
 	return c
 }
 
-func (c *gcq) tail() uint32 { return c.g.u32(c.pages[0] + 8) }
-func (c *gcq) head() uint32 { return c.g.u32(c.pages[0] + 12) }
+func (c *gcq) tail() uint32 { return c.g.load32(c.pages[0] + 8) }
+func (c *gcq) head() uint32 { return c.g.load32(c.pages[0] + 12) }
 
 // poll takes one CQE the way pvrdma_poll_one does; ok is false when empty.
 func (c *gcq) poll() (CQE, bool) {
@@ -294,7 +316,7 @@ func (c *gcq) poll() (CQE, bool) {
 	gpa := c.pages[1+off/guestmem.PageSize] + off%guestmem.PageSize
 	var e CQE
 	e.Decode(c.g.raw[gpa:])
-	c.g.put32(c.pages[0]+12, drvInc(head, c.n))
+	c.g.store32(c.pages[0]+12, drvInc(head, c.n))
 	return e, true
 }
 
@@ -489,7 +511,7 @@ func (g *guest) events() []EQE {
 	state := g.async[0] + 8
 	var out []EQE
 	for {
-		tail, head := g.u32(state), g.u32(state+4)
+		tail, head := g.load32(state), g.load32(state+4)
 		require.True(g.t, drvValid(tail, slots) && drvValid(head, slots))
 		if tail == head {
 			return out
@@ -499,7 +521,7 @@ func (g *guest) events() []EQE {
 		gpa := g.async[1+i/4096] + i%4096
 		e.Decode(g.raw[gpa:])
 		out = append(out, e)
-		g.put32(state+4, drvInc(head, slots))
+		g.store32(state+4, drvInc(head, slots))
 	}
 }
 
@@ -509,13 +531,25 @@ func (g *guest) notifications() []uint32 {
 	state := g.cqn[0] + 8
 	var out []uint32
 	for {
-		tail, head := g.u32(state), g.u32(state+4)
+		tail, head := g.load32(state), g.load32(state+4)
 		require.True(g.t, drvValid(tail, slots) && drvValid(head, slots), "tail %#x head %#x", tail, head)
 		if tail == head {
 			return out
 		}
 		i := uint64(head&(slots-1)) * CQNESize
 		out = append(out, g.u32(g.cqn[1+i/4096]+i%4096))
-		g.put32(state+4, drvInc(head, slots))
+		g.store32(state+4, drvInc(head, slots))
 	}
+}
+
+// load32 and store32 access ring indices the device updates concurrently
+// (completions arrive on provider goroutines), as the driver's atomic_t.
+func (g *guest) load32(gpa uint64) uint32 {
+	v, err := g.mem.LoadUint32(guestmem.GPA(gpa))
+	require.NoError(g.t, err)
+	return v
+}
+
+func (g *guest) store32(gpa uint64, v uint32) {
+	require.NoError(g.t, g.mem.StoreUint32(guestmem.GPA(gpa), v))
 }
