@@ -1,0 +1,242 @@
+package hostile
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+)
+
+// The VMs every environment registers: two the hostile cases use and two
+// that prove afterwards that the daemon still serves fresh guests.
+const (
+	vmEvil  = "evil"
+	vmPeer  = "peer"
+	vmFresh = "fresh"
+	vmOther = "other"
+)
+
+// resources is what a leak would show: goroutines, open descriptors and
+// locked memory of this process (the daemon runs in it).
+type resources struct {
+	goroutines int
+	fds        int
+	lockedKiB  int64
+}
+
+func (r resources) String() string {
+	return fmt.Sprintf("%d goroutines, %d fds, VmLck %d kB", r.goroutines, r.fds, r.lockedKiB)
+}
+
+func measure(tb testing.TB) resources {
+	tb.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	require.NoError(tb, err)
+	return resources{goroutines: runtime.NumGoroutine(), fds: len(ents), lockedKiB: vmLck(tb)}
+}
+
+// vmLck reads VmLck (kB of mlocked memory) from /proc/self/status.
+func vmLck(tb testing.TB) int64 {
+	tb.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	require.NoError(tb, err)
+	sc := bufio.NewScanner(bytes.NewReader(b))
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "VmLck:"); ok {
+			n, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			require.NoError(tb, err)
+			return n
+		}
+	}
+	tb.Fatal("no VmLck in /proc/self/status")
+	return 0
+}
+
+// settle waits (up to 10 s) until the process is back to base: no more
+// goroutines and descriptors than then, and exactly as much locked memory.
+// Goroutines of the runtime and the test framework come and go, so the
+// count may end below the baseline, never above.
+func settle(tb testing.TB, base resources, what string) {
+	tb.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	var now resources
+	for {
+		now = measure(tb)
+		if now.goroutines <= base.goroutines && now.fds <= base.fds && now.lockedKiB == base.lockedKiB {
+			return
+		}
+		if time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	tb.Fatalf("%s: resources not back to baseline: now %v, baseline %v\n%s\nopen fds:\n%s", what, now, base, buf, listFDs())
+}
+
+func listFDs() string {
+	ents, _ := os.ReadDir("/proc/self/fd")
+	var sb strings.Builder
+	for _, e := range ents {
+		target, _ := os.Readlink("/proc/self/fd/" + e.Name())
+		fmt.Fprintf(&sb, "  %s -> %s\n", e.Name(), target)
+	}
+	return sb.String()
+}
+
+// env is a daemon running in this process with the test's VMs registered.
+type env struct {
+	t    testing.TB
+	d    *backend.Daemon
+	base resources // with the daemon idle: no VM connected
+
+	mu  sync.Mutex
+	vms map[*vm]struct{} // open VMs, closed at cleanup
+}
+
+// newEnv starts a daemon with the default limits.
+func newEnv(t testing.TB) *env { return newEnvLimits(t, vdev.Limits{}) }
+
+// newEnvLimits starts a daemon whose devices have the given limits. At
+// cleanup every VM still open is closed, the resources must return to
+// the idle baseline, the daemon stops and they must return to what they
+// were before it started.
+func newEnvLimits(t testing.TB, limits vdev.Limits) *env {
+	t.Helper()
+	runtime.GC()
+	before := measure(t)
+	dir := t.TempDir()
+	cfg := backend.Config{SocketDir: dir, Limits: limits, Logger: testLogger(t)}
+	for _, n := range []string{vmEvil, vmPeer, vmFresh, vmOther} {
+		cfg.VMs = append(cfg.VMs, backend.VMRequest{Name: n})
+	}
+	d, err := backend.New(cfg)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	e := &env{t: t, d: d, vms: map[*vm]struct{}{}}
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("daemon: %v", err)
+		}
+		settle(t, before, "after the daemon stopped")
+	})
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(dir + "/control.sock")
+		return err == nil
+	}, 5*time.Second, 5*time.Millisecond, "daemon control socket")
+	e.base = measure(t)
+	t.Cleanup(func() {
+		e.closeAll()
+		e.idle()
+	})
+	return e
+}
+
+// testLogger logs the daemon's warnings and errors into the test log
+// (HOSTILE_LOG=debug for the device's command trace).
+func testLogger(t testing.TB) *slog.Logger {
+	level := slog.LevelWarn
+	_ = level.UnmarshalText([]byte(os.Getenv("HOSTILE_LOG")))
+	return slog.New(slog.NewTextHandler(tbWriter{t}, &slog.HandlerOptions{Level: level}))
+}
+
+type tbWriter struct{ t testing.TB }
+
+func (w tbWriter) Write(p []byte) (int, error) {
+	w.t.Logf("%s", bytes.TrimRight(p, "\n"))
+	return len(p), nil
+}
+
+var _ io.Writer = tbWriter{}
+
+// idle checks that no VM is connected any more and that goroutines,
+// descriptors and locked memory are back to the daemon's idle baseline.
+func (e *env) idle() {
+	e.t.Helper()
+	require.Eventually(e.t, func() bool {
+		for _, v := range e.d.Status().VMs {
+			if v.Connected {
+				return false
+			}
+		}
+		return true
+	}, 10*time.Second, 5*time.Millisecond, "every VM disconnected")
+	for _, v := range e.d.Status().VMs {
+		require.Zero(e.t, v.LockedBytes, "VM %s", v.Name)
+	}
+	settle(e.t, e.base, "with every VM gone")
+}
+
+// vmStatus returns the daemon's view of VM name.
+func (e *env) vmStatus(name string) backend.VMStatus {
+	e.t.Helper()
+	for _, v := range e.d.Status().VMs {
+		if v.Name == name {
+			return v
+		}
+	}
+	e.t.Fatalf("no VM %s", name)
+	return backend.VMStatus{}
+}
+
+// counter returns one device counter of VM name (0 when disconnected).
+func (e *env) counter(name, counter string) uint64 {
+	e.t.Helper()
+	return e.vmStatus(name).Counters[counter]
+}
+
+// healthy is the epilogue of every hostile test: every VM the test opened
+// is closed, the daemon is back to idle, a fresh pair of VMs exchanges an
+// RC SEND and an RDMA WRITE through it, and after they leave the
+// resources are back to the baseline again.
+func (e *env) healthy() {
+	e.t.Helper()
+	e.closeAll()
+	e.idle()
+	a, b := e.pair(vmFresh, vmOther)
+	exchange(e.t, a, b)
+	a.Close()
+	b.Close()
+	e.idle()
+}
+
+// closeAll closes every VM still open.
+func (e *env) closeAll() {
+	e.mu.Lock()
+	open := make([]*vm, 0, len(e.vms))
+	for v := range e.vms {
+		open = append(open, v)
+	}
+	e.mu.Unlock()
+	for _, v := range open {
+		v.Close()
+	}
+}
+
+// connected reports whether VM name has a connected device.
+func (e *env) connected(name string) bool {
+	for _, v := range e.d.Status().VMs {
+		if v.Name == name {
+			return v.Connected
+		}
+	}
+	return false
+}

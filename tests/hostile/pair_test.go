@@ -1,0 +1,62 @@
+package hostile
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+)
+
+// TestWellBehavedPair is the path every hostile test deviates from: two
+// VMs on one daemon probe, connect RC QPs, exchange SENDs and RDMA WRITEs
+// both ways, get a CQ notification on an armed CQ, and tear down the way
+// rmmod does (every object destroyed, GIDs unbound, CTL RESET).
+func TestWellBehavedPair(t *testing.T) {
+	e := newEnv(t)
+	a, b := e.pair(vmEvil, vmPeer)
+	require.EqualValues(t, vdev.DeviceVersion, a.v.reg(vdev.RegVersion))
+	require.Equal(t, hostverbs.QPStateRTS, a.qp.state())
+
+	exchange(t, a, b)
+	exchange(t, b, a)
+
+	// An armed CQ: the completion is announced on the CQ-notification
+	// ring with vector 2, once (ARM is one-shot).
+	b.v.irq(vdev.VectorCQ)
+	b.rcq.arm()
+	b.qp.postRecv(0xb100, b.mr.sge(0, 64))
+	b.qp.postRecv(0xb101, b.mr.sge(64, 64))
+	a.qp.postSend(sendWQE(0xa100), a.mr.sge(0, 8))
+	a.qp.postSend(sendWQE(0xa101), a.mr.sge(0, 8))
+	requireCQE(t, b.rcq.wait(), b.qp, 0xb100, hostverbs.WCRecv, hostverbs.WCSuccess)
+	requireCQE(t, b.rcq.wait(), b.qp, 0xb101, hostverbs.WCRecv, hostverbs.WCSuccess)
+	_, err := b.v.waitIRQ(vdev.VectorCQ, irqTimeout)
+	require.NoError(t, err)
+	require.Equal(t, []uint32{b.rcq.handle}, b.v.notifications())
+	requireCQE(t, a.scq.wait(), a.qp, 0xa100, hostverbs.WCSend, hostverbs.WCSuccess)
+	requireCQE(t, a.scq.wait(), a.qp, 0xa101, hostverbs.WCSend, hostverbs.WCSuccess)
+
+	st := e.vmStatus(vmEvil)
+	require.True(t, st.Connected)
+	require.EqualValues(t, ramSize, st.LockedBytes)
+	require.Equal(t, e.base.lockedKiB+2*ramSize/1024, vmLck(t), "both guests' RAM is mlocked by the daemon")
+	require.Zero(t, st.Counters["bad_doorbells"]+st.Counters["bad_wqes"]+st.Counters["command_errors"])
+
+	// rmmod's teardown.
+	for _, p := range []*endpoint{a, b} {
+		v := p.v
+		v.mustCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: p.qp.handle})
+		v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: p.scq.handle})
+		v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: p.rcq.handle})
+		v.mustCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: p.mr.handle})
+		v.mustCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: p.pd})
+		v.mustCmd(vdev.CmdDestroyUC, vdev.DestroyUC{CtxHandle: p.uc})
+		v.mustCmd(vdev.CmdDestroyBind, vdev.DestroyBind{Index: 0, DestGID: p.gid})
+		v.setReg(vdev.RegIMR, ^uint32(0))
+		v.setReg(vdev.RegCtl, vdev.CtlReset)
+		require.EqualValues(t, 0xFFFF, v.reg(vdev.RegErr), "ERR reads 0xFFFF again after RESET")
+	}
+	e.healthy()
+}

@@ -1,0 +1,403 @@
+package hostile
+
+import (
+	"bytes"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+)
+
+// This file is the "verbs" half of the driver: user contexts, PDs, MRs,
+// CQs and QPs laid out in guest RAM as rdma-core's vmw_pvrdma provider and
+// the kernel driver lay them out (REFERENCE.md 2.5-2.8 and OBSERVED.md
+// "Layouts actually used"), WQEs, doorbells and CQ polling.
+
+// Access flags (ib_access_flags).
+const (
+	accLocalWrite  = uint32(hostverbs.AccessLocalWrite)
+	accRemoteWrite = uint32(hostverbs.AccessRemoteWrite)
+	accRemoteRead  = uint32(hostverbs.AccessRemoteRead)
+	accRW          = accLocalWrite | accRemoteWrite | accRemoteRead
+)
+
+// createUC binds a user context to UAR page uar (CREATE_UC with its pfn).
+func (v *vm) createUC(uar uint32) uint32 {
+	v.t.Helper()
+	var r vdev.CreateUCResp
+	r.Decode(v.mustCmd(vdev.CmdCreateUC, vdev.CreateUC{PFN: uarPFN + uint64(uar)}))
+	require.Equal(v.t, uar, r.CtxHandle)
+	return r.CtxHandle
+}
+
+func (v *vm) createPD(ctx uint32) uint32 {
+	v.t.Helper()
+	var r vdev.CreatePDResp
+	r.Decode(v.mustCmd(vdev.CmdCreatePD, vdev.CreatePD{CtxHandle: ctx}))
+	return r.PDHandle
+}
+
+func (v *vm) bindGID(index uint32, gid hostverbs.GID) {
+	v.t.Helper()
+	v.mustCmd(vdev.CmdCreateBind, vdev.CreateBind{MTU: 1024, VLAN: 0xfff, Index: index, NewGID: gid, GIDType: 2})
+}
+
+// gmr is a guest memory region: the IOVA (a user VA) the guest uses and
+// the scattered pages behind it.
+type gmr struct {
+	handle, lkey, rkey uint32
+	iova, length       uint64
+	pages              []uint64
+}
+
+// gpa translates an IOVA inside the MR.
+func (m *gmr) gpa(iova uint64) uint64 { return m.pages[iova>>12-m.iova>>12] + iova&0xfff }
+
+// sge names n bytes at byte offset off of the MR.
+func (m *gmr) sge(off uint64, n uint32) vdev.SGE {
+	return vdev.SGE{Addr: m.iova + off, Length: n, LKey: m.lkey}
+}
+
+func (m *gmr) write(v *vm, off uint64, data []byte) {
+	for len(data) > 0 {
+		iova := m.iova + off
+		n := min(uint64(len(data)), 4096-iova&0xfff)
+		copy(v.ram[m.gpa(iova):], data[:n])
+		data, off = data[n:], off+n
+	}
+}
+
+func (m *gmr) read(v *vm, off, n uint64) []byte {
+	out := make([]byte, 0, n)
+	for n > 0 {
+		iova := m.iova + off
+		c := min(n, 4096-iova&0xfff)
+		out = append(out, v.ram[m.gpa(iova):m.gpa(iova)+c]...)
+		n, off = n-c, off+c
+	}
+	return out
+}
+
+// regMR registers length bytes at iova (page offset kept) in pd.
+func (v *vm) regMR(pd uint32, iova, length uint64, access uint32) *gmr {
+	v.t.Helper()
+	span := int((iova+length-1)>>12 - iova>>12 + 1)
+	m := &gmr{iova: iova, length: length, pages: v.scattered(span)}
+	var r vdev.CreateMRResp
+	r.Decode(v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: iova, Length: length, PDirDMA: v.pdir(m.pages),
+		PDHandle: pd, AccessFlags: access, NChunks: uint32(span)}))
+	m.handle, m.lkey, m.rkey = r.MRHandle, r.LKey, r.RKey
+	return m
+}
+
+// gcq is a guest CQ: ring state page (rx half: prod_tail at 8 written by
+// the device, cons_head at 12 by the guest), CQEs from page 1.
+type gcq struct {
+	v      *vm
+	handle uint32
+	n      uint32
+	uar    uint32
+	pages  []uint64
+}
+
+// cqPages is 1 + the pages n CQEs fill (pvrdma_create_cq).
+func cqPages(n uint32) int { return 1 + int((uint64(n)*vdev.CQESize+4095)/4096) }
+
+func (v *vm) createCQ(ctx, n uint32) *gcq {
+	v.t.Helper()
+	c := &gcq{v: v, n: n, uar: ctx, pages: v.pages(cqPages(n))}
+	var r vdev.CreateCQResp
+	r.Decode(v.mustCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: v.pdir(c.pages), CtxHandle: ctx, CQE: n,
+		NChunks: uint32(len(c.pages))}))
+	require.Equal(v.t, n, r.CQE)
+	c.handle = r.CQHandle
+	return c
+}
+
+// poll takes one CQE as pvrdma_poll_one does; false when empty.
+func (c *gcq) poll() (vdev.CQE, bool) {
+	c.v.t.Helper()
+	state := c.pages[0] + 8
+	tail, head := load32(c.v.ram, state), load32(c.v.ram, state+4)
+	require.True(c.v.t, ringValid(tail, c.n) && ringValid(head, c.n), "CQ %d ring state %#x/%#x", c.handle, tail, head)
+	if tail == head {
+		return vdev.CQE{}, false
+	}
+	off := uint64(head&(c.n-1)) * vdev.CQESize
+	var e vdev.CQE
+	e.Decode(c.v.ram[c.pages[1+off/4096]+off%4096:])
+	store32(c.v.ram, state+4, ringInc(head, c.n))
+	return e, true
+}
+
+// wait polls until a CQE arrives. Like rdma-core it writes a POLL
+// doorbell when it finds the CQ empty (rate-limited here).
+func (c *gcq) wait() vdev.CQE {
+	c.v.t.Helper()
+	deadline := time.Now().Add(irqTimeout)
+	var lastPoll time.Time
+	for {
+		if e, ok := c.poll(); ok {
+			return e
+		}
+		if time.Now().After(deadline) {
+			c.v.t.Fatalf("VM %s: CQ %d: no completion within %v", c.v.name, c.handle, irqTimeout)
+		}
+		if time.Since(lastPoll) > 5*time.Millisecond {
+			c.v.doorbell(c.uar, vdev.UARCQOffset, vdev.UARCQPoll|c.handle)
+			lastPoll = time.Now()
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+}
+
+// empty asserts that no CQE is pending.
+func (c *gcq) empty() {
+	c.v.t.Helper()
+	e, ok := c.poll()
+	require.False(c.v.t, ok, "CQ %d: unexpected CQE %+v", c.handle, e)
+}
+
+func (c *gcq) arm() { c.v.doorbell(c.uar, vdev.UARCQOffset, vdev.UARCQArm|c.handle) }
+
+// gqp is a guest QP laid out as rdma-core and the kernel do: one page
+// directory; page 0 ring states (SQ at 0, RQ at 8), SQ WQEs from page 1,
+// RQ WQEs from page 1+send_chunks; strides pow2(80+16*sge) and
+// pow2(16+16*sge).
+type gqp struct {
+	v                *vm
+	handle, qpn      uint32
+	pages            []uint64
+	sendWR, recvWR   uint32
+	sendSGE, recvSGE uint32
+	sstride, rstride uint32
+	sendChunks       int
+	uar              uint32
+}
+
+// qpSpec is what CREATE_QP carries.
+type qpSpec struct {
+	pd                               uint32
+	scq, rcq                         *gcq
+	typ                              hostverbs.QPType
+	sendWR, recvWR, sendSGE, recvSGE uint32
+	uar                              uint32
+}
+
+func pow2(x uint32) uint32 {
+	p := uint32(1)
+	for p < x {
+		p <<= 1
+	}
+	return p
+}
+
+// layoutQP allocates the QP's pages and returns the CREATE_QP request.
+func (v *vm) layoutQP(s qpSpec) (*gqp, vdev.CreateQP) {
+	q := &gqp{v: v, sendWR: s.sendWR, recvWR: s.recvWR, sendSGE: s.sendSGE, recvSGE: s.recvSGE, uar: s.uar}
+	q.sstride, q.rstride = pow2(80+16*s.sendSGE), pow2(16+16*s.recvSGE)
+	q.sendChunks = int((uint64(s.sendWR)*uint64(q.sstride) + 4095) / 4096)
+	recvPages := int((uint64(s.recvWR)*uint64(q.rstride) + 4095) / 4096)
+	q.pages = v.pages(1 + q.sendChunks + recvPages)
+	return q, vdev.CreateQP{PDirDMA: v.pdir(q.pages), PDHandle: s.pd, SendCQHandle: s.scq.handle, RecvCQHandle: s.rcq.handle,
+		MaxSendWR: s.sendWR, MaxRecvWR: s.recvWR, MaxSendSGE: s.sendSGE, MaxRecvSGE: s.recvSGE,
+		QPType: uint8(s.typ), AccessFlags: accLocalWrite,
+		TotalChunks: uint16(len(q.pages)), SendChunks: uint16(q.sendChunks)}
+}
+
+func (v *vm) createQP(s qpSpec) *gqp {
+	v.t.Helper()
+	q, req := v.layoutQP(s)
+	var r vdev.CreateQPResp
+	r.Decode(v.mustCmd(vdev.CmdCreateQP, req))
+	q.handle, q.qpn = r.QPHandle, r.QPN
+	return q
+}
+
+func (q *gqp) sqState() uint64 { return q.pages[0] }
+func (q *gqp) rqState() uint64 { return q.pages[0] + 8 }
+
+// sqConsumed and rqConsumed are the device's cons_head of each ring.
+func (q *gqp) sqConsumed() uint32 { return load32(q.v.ram, q.sqState()+4) }
+func (q *gqp) rqConsumed() uint32 { return load32(q.v.ram, q.rqState()+4) }
+
+func (q *gqp) sqWQE(idx uint32) uint64 {
+	off := uint64(idx&(q.sendWR-1)) * uint64(q.sstride)
+	return q.pages[1+off/4096] + off%4096
+}
+
+func (q *gqp) rqWQE(idx uint32) uint64 {
+	off := uint64(idx&(q.recvWR-1)) * uint64(q.rstride)
+	return q.pages[1+q.sendChunks+int(off/4096)] + off%4096
+}
+
+// writeSend writes a send WQE at prod_tail and advances it (no doorbell);
+// it returns the WQE's address.
+func (q *gqp) writeSend(h vdev.SQWQEHdr, sges ...vdev.SGE) uint64 {
+	ram := q.v.ram
+	tail := load32(ram, q.sqState())
+	gpa := q.sqWQE(tail)
+	h.NumSGE = uint32(len(sges))
+	h.Encode(ram[gpa:])
+	for i, s := range sges {
+		s.Encode(ram[gpa+vdev.SQWQEHdrSize+uint64(i)*vdev.SGESize:])
+	}
+	store32(ram, q.sqState(), ringInc(tail, q.sendWR))
+	return gpa
+}
+
+// ringSend and ringRecv are the provider's doorbells.
+func (q *gqp) ringSend() { q.v.doorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle) }
+func (q *gqp) ringRecv() { q.v.doorbell(q.uar, vdev.UARQPOffset, vdev.UARQPRecv|q.handle) }
+
+func (q *gqp) postSend(h vdev.SQWQEHdr, sges ...vdev.SGE) {
+	q.writeSend(h, sges...)
+	q.ringSend()
+}
+
+func (q *gqp) writeRecv(wrid uint64, sges ...vdev.SGE) uint64 {
+	ram := q.v.ram
+	tail := load32(ram, q.rqState())
+	gpa := q.rqWQE(tail)
+	vdev.RQWQEHdr{WRID: wrid, NumSGE: uint32(len(sges))}.Encode(ram[gpa:])
+	for i, s := range sges {
+		s.Encode(ram[gpa+vdev.RQWQEHdrSize+uint64(i)*vdev.SGESize:])
+	}
+	store32(ram, q.rqState(), ringInc(tail, q.recvWR))
+	return gpa
+}
+
+func (q *gqp) postRecv(wrid uint64, sges ...vdev.SGE) {
+	q.writeRecv(wrid, sges...)
+	q.ringRecv()
+}
+
+func (q *gqp) modify(mask hostverbs.AttrMask, a vdev.QPAttr) result {
+	return q.v.post(vdev.CmdModifyQP, vdev.ModifyQP{QPHandle: q.handle, AttrMask: uint32(mask), Attrs: a})
+}
+
+func (q *gqp) mustModify(mask hostverbs.AttrMask, a vdev.QPAttr) {
+	q.v.t.Helper()
+	q.v.mustCmd(vdev.CmdModifyQP, vdev.ModifyQP{QPHandle: q.handle, AttrMask: uint32(mask), Attrs: a})
+}
+
+// toRTS takes an RC QP through INIT, RTR and RTS with ibv_rc_pingpong's
+// masks (OBSERVED.md "MODIFY_QP as carried"), addressing the peer.
+func (q *gqp) toRTS(destQPN uint32, dgid hostverbs.GID) {
+	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW})
+	q.mustModify(0x129181, vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: destQPN, MaxDestRdAtomic: 1, MinRNRTimer: 12,
+		AH: vdev.AHAttr{DGID: dgid, SGIDIndex: 0, HopLimit: 64, Flags: vdev.AHFlagGRH, PortNum: 1}})
+	q.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, MaxRdAtomic: 1})
+}
+
+// state queries the QP's state (QUERY_QP).
+func (q *gqp) state() hostverbs.QPState {
+	q.v.t.Helper()
+	var r vdev.QueryQPResp
+	r.Decode(q.v.mustCmd(vdev.CmdQueryQP, vdev.QueryQP{QPHandle: q.handle, AttrMask: 1}))
+	return hostverbs.QPState(r.Attrs.State)
+}
+
+// endpoint is a booted VM with one RC QP ready to be connected: GID bound
+// at index 0, a user context on UAR page 1, a PD, send and receive CQs and
+// a 64 KiB MR with local and remote access.
+type endpoint struct {
+	v        *vm
+	gid      hostverbs.GID
+	uc, pd   uint32
+	scq, rcq *gcq
+	mr       *gmr
+	qp       *gqp
+}
+
+const (
+	mrIOVA  = 0x7f3a_1234_5000 // a user VA
+	mrBytes = 64 << 10
+	qpDepth = 32
+)
+
+func gidFor(n byte) hostverbs.GID {
+	return hostverbs.GID{10: 0xff, 11: 0xff, 12: 10, 13: 77, 14: 0, 15: n}
+}
+
+// endpoint boots VM name and creates its objects.
+func (e *env) endpoint(name string, n byte) *endpoint {
+	e.t.Helper()
+	v := e.boot(name)
+	p := &endpoint{v: v, gid: gidFor(n)}
+	v.bindGID(0, p.gid)
+	p.uc = v.createUC(1)
+	p.pd = v.createPD(p.uc)
+	p.scq, p.rcq = v.createCQ(p.uc, 64), v.createCQ(p.uc, 64)
+	p.mr = v.regMR(p.pd, mrIOVA, mrBytes, accRW)
+	p.qp = v.createQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeRC,
+		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 2, recvSGE: 2, uar: p.uc})
+	return p
+}
+
+// pair boots two endpoints and connects their QPs.
+func (e *env) pair(a, b string) (*endpoint, *endpoint) {
+	e.t.Helper()
+	pa, pb := e.endpoint(a, 1), e.endpoint(b, 2)
+	pa.qp.toRTS(pb.qp.qpn, pb.gid)
+	pb.qp.toRTS(pa.qp.qpn, pa.gid)
+	return pa, pb
+}
+
+func (p *endpoint) Close() { p.v.Close() }
+
+func pattern(n int, seed byte) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = seed + byte(i*7) + byte(i>>8)
+	}
+	return b
+}
+
+// sendWQE and writeWQE build signaled SEND and RDMA WRITE headers.
+func sendWQE(wrid uint64) vdev.SQWQEHdr {
+	return vdev.SQWQEHdr{WRID: wrid, Opcode: uint32(hostverbs.WRSend), SendFlags: uint32(hostverbs.SendSignaled)}
+}
+
+func writeWQE(wrid, raddr uint64, rkey uint32) vdev.SQWQEHdr {
+	h := vdev.SQWQEHdr{WRID: wrid, Opcode: uint32(hostverbs.WRRDMAWrite), SendFlags: uint32(hostverbs.SendSignaled)}
+	vdev.WRRDMA{RemoteAddr: raddr, RKey: rkey}.Encode(h.WR[:])
+	return h
+}
+
+// requireCQE checks a completion's identity and status.
+func requireCQE(t testing.TB, e vdev.CQE, q *gqp, wrid uint64, op hostverbs.WCOpcode, st hostverbs.WCStatus) {
+	t.Helper()
+	require.Equal(t, wrid, e.WRID, "wr_id of %+v", e)
+	require.EqualValues(t, q.handle, e.QP, "qp of %+v", e)
+	require.EqualValues(t, op, e.Opcode, "opcode of %+v", e)
+	require.EqualValues(t, st, e.Status, "status of %+v", e)
+}
+
+// exchange runs an RC SEND from a to b and an RDMA WRITE from a into b's
+// MR, checking both CQEs and the bytes that arrived.
+func exchange(t testing.TB, a, b *endpoint) {
+	t.Helper()
+	msg := pattern(3000, 0x11)
+	a.mr.write(a.v, 0x100, msg)
+	b.qp.postRecv(0xb001, b.mr.sge(0x10, 2000), b.mr.sge(0x3000, 2000))
+	a.qp.postSend(sendWQE(0xa001), a.mr.sge(0x100, uint32(len(msg))))
+	requireCQE(t, a.scq.wait(), a.qp, 0xa001, hostverbs.WCSend, hostverbs.WCSuccess)
+	rc := b.rcq.wait()
+	requireCQE(t, rc, b.qp, 0xb001, hostverbs.WCRecv, hostverbs.WCSuccess)
+	require.EqualValues(t, len(msg), rc.ByteLen)
+	require.Equal(t, a.qp.qpn, rc.SrcQP)
+	got := append(b.mr.read(b.v, 0x10, 2000), b.mr.read(b.v, 0x3000, 1000)...)
+	require.True(t, bytes.Equal(msg, got), "SEND payload differs")
+
+	data := pattern(10000, 0x5a) // spans three of b's scattered pages
+	a.mr.write(a.v, 0x2000, data)
+	a.qp.postSend(writeWQE(0xa002, b.mr.iova+0x4321, b.mr.rkey), a.mr.sge(0x2000, 6000), a.mr.sge(0x2000+6000, 4000))
+	requireCQE(t, a.scq.wait(), a.qp, 0xa002, hostverbs.WCRDMAWrite, hostverbs.WCSuccess)
+	require.True(t, bytes.Equal(data, b.mr.read(b.v, 0x4321, uint64(len(data)))), "RDMA WRITE payload differs")
+	a.scq.empty()
+	b.rcq.empty()
+}
