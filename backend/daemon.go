@@ -199,6 +199,7 @@ func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 	f := &fabric{cfg: cfg}
 	scfg := soft.Config{DefaultTOS: cfg.DefaultTOS, Logger: log.With("component", "fabric")}
 	if cfg.Netdev != "" {
+		checkARPIgnore(log)
 		am, err := NewAddrManager(cfg.Netdev)
 		if err != nil {
 			return nil, err

@@ -3,6 +3,9 @@ package backend
 import (
 	"errors"
 	"fmt"
+	"log/slog"
+	"os"
+	"strings"
 	"net"
 	"net/netip"
 	"sync"
@@ -114,4 +117,20 @@ func (m *AddrManager) Close() error {
 	}
 	m.h.Close()
 	return first
+}
+
+// checkARPIgnore warns when the host would answer ARP for guest GIDs on
+// every interface. IP mode makes each bound IPv4 GID a host address; with
+// Linux's default arp_ignore=0 the host then also claims the guest's IP on
+// the VM-facing bridge, stealing the guest's own traffic. arp_ignore=1
+// confines the replies to the fabric netdev, where the address lives.
+func checkARPIgnore(log *slog.Logger) {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/conf/all/arp_ignore")
+	if err != nil {
+		return
+	}
+	if v := strings.TrimSpace(string(b)); v == "0" {
+		log.Warn("net.ipv4.conf.all.arp_ignore is 0: the host will answer ARP for guest GIDs on every interface, " +
+			"including the VMs' own network; set it to 1 (sysctl -w net.ipv4.conf.all.arp_ignore=1)")
+	}
 }

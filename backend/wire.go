@@ -3,11 +3,22 @@ package backend
 import (
 	"fmt"
 
+	"github.com/vishvananda/netlink"
+
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft"
 )
 
-// newKernelWire opens the soft fabric's kernel UDP 4791 path on netdev and
-// reports the netdev's MTU.
+// newKernelWire opens the soft fabric's kernel UDP 4791 path (raw sockets in
+// the daemon's network namespace) and reports netdev's MTU, from which the
+// fabric derives the ports' active MTU as rxe does.
 func newKernelWire(netdev string) (soft.Wire, int, error) {
-	return nil, 0, fmt.Errorf("fabric netdev %s: the kernel wire is not available in this build", netdev)
+	link, err := netlink.LinkByName(netdev)
+	if err != nil {
+		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)
+	}
+	w, err := soft.NewKernelWire(soft.KernelWireConfig{})
+	if err != nil {
+		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)
+	}
+	return w, link.Attrs().MTU, nil
 }

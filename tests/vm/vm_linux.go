@@ -263,7 +263,9 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 		"-bios", "qboot.rom",
 		"-kernel", img.Kernel,
 		"-initrd", initrd,
-		"-append", strings.TrimSpace("console=ttyS0 quiet loglevel=3 panic=-1 rdinit=/init " + v.cfg.KernelArgs),
+		// no_timer_check: under TCG on a loaded host the kernel's IO-APIC timer
+		// check can miss its window and panic ("IO-APIC + timer doesn't work").
+		"-append", strings.TrimSpace("console=ttyS0 quiet loglevel=3 panic=-1 no_timer_check rdinit=/init " + v.cfg.KernelArgs),
 		"-chardev", "stdio,id=con,signal=off",
 		"-serial", "chardev:con",
 		"-chardev", "socket,id=res,path=" + filepath.Join(v.dir, "res.sock"),
