@@ -91,17 +91,7 @@ func TestPairMatrix(t *testing.T) {
 	require.NoError(t, err)
 	res, err := vm.WaitAll(ctx, vms...)
 	require.NoError(t, err)
-	rcRE := regexp.MustCompile(`(?m)^rc=(\d+)$`)
-	for _, r := range res {
-		require.Contains(t, r.Output, "=== end", "%s did not finish", r.VM)
-		for _, s := range steps {
-			sec := vm.Section(r.Output, s.name)
-			m := rcRE.FindAllStringSubmatch(sec, -1)
-			if assert.NotEmpty(t, m, "%s %s: no exit status", r.VM, s.name) {
-				assert.Equal(t, "0", m[len(m)-1][1], "%s %s failed:\n%s", r.VM, s.name, sec)
-			}
-		}
-	}
+	checkSteps(t, res, steps)
 	for i, r := range res {
 		for _, tool := range []string{"ib_send_bw", "ib_write_bw", "ib_read_bw"} {
 			if bw, err := vm.ParsePerftestBW(vm.Section(r.Output, tool)); err == nil && len(bw) == 1 {
@@ -119,4 +109,20 @@ func side(i int) string {
 		return "server"
 	}
 	return "client"
+}
+
+// checkSteps asserts that every step finished with status 0 on every guest.
+func checkSteps(t *testing.T, res []vm.Result, steps []step) {
+	t.Helper()
+	rcRE := regexp.MustCompile(`(?m)^rc=(\d+)$`)
+	for _, r := range res {
+		require.Contains(t, r.Output, "=== end", "%s did not finish", r.VM)
+		for _, s := range steps {
+			sec := vm.Section(r.Output, s.name)
+			m := rcRE.FindAllStringSubmatch(sec, -1)
+			if assert.NotEmpty(t, m, "%s %s: no exit status", r.VM, s.name) {
+				assert.Equal(t, "0", m[len(m)-1][1], "%s %s failed:\n%s", r.VM, s.name, sec)
+			}
+		}
+	}
 }
