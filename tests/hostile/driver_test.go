@@ -178,6 +178,9 @@ func (v *vm) pciSetup() {
 	binary.LittleEndian.PutUint16(b[:], (ctrl|msixCtrlOn)&^msixCtrlMask)
 	require.NoError(v.t, v.c.RegionWrite(vfiouser.RegionConfig, v.msix+2, b[:], false))
 	for i := range v.irqs {
+		if v.irqs[i] >= 0 {
+			_ = unix.Close(v.irqs[i]) // re-setup after a reset: the server drops the old ones
+		}
 		fd, err := vfiousertest.Eventfd()
 		require.NoError(v.t, err)
 		v.irqs[i] = fd

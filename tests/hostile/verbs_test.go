@@ -349,6 +349,21 @@ func (e *env) pair(a, b string) (*endpoint, *endpoint) {
 
 func (p *endpoint) Close() { p.v.Close() }
 
+// loopPair creates two RC QPs in p's VM connected to each other through
+// the VM's own GID (the fabric loops them back), on p's CQs.
+func (p *endpoint) loopPair() (*gqp, *gqp) { return p.loopPair2(p.scq, p.rcq) }
+
+// loopPair2 is loopPair on the given send and receive CQs.
+func (p *endpoint) loopPair2(scq, rcq *gcq) (*gqp, *gqp) {
+	p.v.t.Helper()
+	s := qpSpec{pd: p.pd, scq: scq, rcq: rcq, typ: hostverbs.QPTypeRC,
+		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 2, recvSGE: 2, uar: p.uc}
+	a, b := p.v.createQP(s), p.v.createQP(s)
+	a.toRTS(b.qpn, p.gid)
+	b.toRTS(a.qpn, p.gid)
+	return a, b
+}
+
 func pattern(n int, seed byte) []byte {
 	b := make([]byte, n)
 	for i := range b {
