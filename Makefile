@@ -6,7 +6,8 @@
 export PATH := /usr/local/go/bin:$(HOME)/go/bin:$(PATH)
 GO ?= go
 # Unit tests; then every package's VM tests (build tag vm), one package at a time since
-# the guests run under TCG on 2 cores.
+# the guests run under TCG on 2 cores, verbose so that the guests' output and the
+# BASELINE/TIMING figures are in the log.
 UNIT_TIMEOUT ?= 20m
 VM_TIMEOUT ?= 40m
 
@@ -27,7 +28,7 @@ unit:
 	$(GO) test -timeout $(UNIT_TIMEOUT) ./...
 
 vmtest: image
-	$(GO) test -tags vm -count=1 -p 1 -timeout $(VM_TIMEOUT) ./...
+	$(GO) test -tags vm -count=1 -p 1 -v -timeout $(VM_TIMEOUT) ./...
 
 test: deps image unit vmtest
 
