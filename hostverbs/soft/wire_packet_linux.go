@@ -1,0 +1,306 @@
+package soft
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
+)
+
+// PacketWire carries RoCE v2 as Ethernet frames on one network device
+// (typically the bridge the VMs' NICs are attached to), as ESXi's
+// distributed switch does for PVRDMA: frames leave with the sending VM's
+// own MAC as source and the address vector's DMAC (which the guest resolved
+// with its own ARP/ND) as destination, and every UDP 4791 frame crossing
+// the device is captured (promiscuous mode), whoever it is addressed to;
+// the fabric keeps those whose destination GID one of its devices owns.
+//
+// A bridge does not learn source MACs from frames its own device
+// transmits, so injecting with a VM's MAC leaves that MAC on the VM's port:
+// the guest's ordinary traffic is undisturbed. Nothing needs IP addresses
+// on the host.
+type PacketWire struct {
+	fd        int
+	file      *os.File
+	rc        syscall.RawConn
+	ifindex   int
+	closeOnce sync.Once
+	closed    chan struct{}
+	scratch   sync.Pool
+
+	// Receive state (one reader: queue 0).
+	rxHdrs []unix.Mmsghdr
+	rxIovs []unix.Iovec
+	rxEth  [][ethHeaderSize]byte
+	rxK    int
+	rxN    int
+	rxErr  error
+	rxFn   func(uintptr) bool
+
+	txMu   sync.Mutex
+	txHdrs []unix.Mmsghdr
+	txSent int
+	txErr  error
+	txFn   func(uintptr) bool
+}
+
+// PacketWireConfig parameterises NewPacketWire.
+type PacketWireConfig struct {
+	// Interface is the network device to attach to, e.g. the VMs' bridge.
+	Interface string
+	// SocketBuffer is the receive and send buffer size (default 8 MiB).
+	SocketBuffer int
+}
+
+const ethHeaderSize = 14
+
+// NewPacketWire opens a promiscuous packet socket on cfg.Interface. It
+// needs CAP_NET_RAW.
+func NewPacketWire(cfg PacketWireConfig) (w *PacketWire, err error) {
+	ifi, err := net.InterfaceByName(cfg.Interface)
+	if err != nil {
+		return nil, fmt.Errorf("packet wire: %w", err)
+	}
+	if cfg.SocketBuffer == 0 {
+		cfg.SocketBuffer = 8 << 20
+	}
+	// Protocol 0 receives nothing until bind, so the filter is in place
+	// before the first frame can be queued.
+	fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("packet wire: socket: %w", err)
+	}
+	w = &PacketWire{fd: fd, ifindex: ifi.Index, closed: make(chan struct{})}
+	defer func() {
+		if err != nil {
+			unix.Close(fd)
+		}
+	}()
+	setBuffers(fd, cfg.SocketBuffer)
+	if err := attachFilter(fd, filterEthRoCE()); err != nil {
+		return nil, fmt.Errorf("packet wire: filter: %w", err)
+	}
+	// Our own transmissions would otherwise come back to us as outgoing
+	// frames of the device.
+	if err := unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_IGNORE_OUTGOING, 1); err != nil {
+		return nil, fmt.Errorf("packet wire: ignore outgoing: %w", err)
+	}
+	if err := unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons16(unix.ETH_P_ALL), Ifindex: ifi.Index}); err != nil {
+		return nil, fmt.Errorf("packet wire: bind %s: %w", cfg.Interface, err)
+	}
+	mreq := unix.PacketMreq{Ifindex: int32(ifi.Index), Type: unix.PACKET_MR_PROMISC}
+	if err := unix.SetsockoptPacketMreq(fd, unix.SOL_PACKET, unix.PACKET_ADD_MEMBERSHIP, &mreq); err != nil {
+		return nil, fmt.Errorf("packet wire: promiscuous mode on %s: %w", cfg.Interface, err)
+	}
+	w.file = os.NewFile(uintptr(fd), "roce-packet-"+cfg.Interface)
+	if w.rc, err = w.file.SyscallConn(); err != nil {
+		w.file.Close()
+		return nil, fmt.Errorf("packet wire: %w", err)
+	}
+	w.rxHdrs = make([]unix.Mmsghdr, rxBatch)
+	w.rxIovs = make([]unix.Iovec, 2*rxBatch)
+	w.rxEth = make([][ethHeaderSize]byte, rxBatch)
+	w.rxFn, w.txFn = w.recvReady, w.sendReady
+	w.scratch.New = func() any { return newPacketTxScratch() }
+	return w, nil
+}
+
+func htons16(v uint16) uint16 { return v<<8 | v>>8 }
+
+// filterEthRoCE accepts untagged Ethernet frames carrying an unfragmented
+// IPv4 or an IPv6 UDP datagram to port 4791.
+func filterEthRoCE() []unix.SockFilter {
+	// Jump offsets are relative to the next instruction; to() turns the
+	// absolute targets below into them.
+	const accept, drop = 14, 15
+	to := func(pc, target int) uint8 { return uint8(target - pc - 1) }
+	return []unix.SockFilter{
+		/* 0 */ {Code: unix.BPF_LD | unix.BPF_H | unix.BPF_ABS, K: 12}, // ethertype
+		/* 1 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: to(1, 9), K: unix.ETH_P_IP},
+		/* 2 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_ABS, K: 14 + 9}, // IPv4 protocol
+		/* 3 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: to(3, drop), K: unix.IPPROTO_UDP},
+		/* 4 */ {Code: unix.BPF_LD | unix.BPF_H | unix.BPF_ABS, K: 14 + 6}, // flags + fragment offset
+		/* 5 */ {Code: unix.BPF_JMP | unix.BPF_JSET | unix.BPF_K, Jt: to(5, drop), Jf: 0, K: 0x3fff},
+		/* 6 */ {Code: unix.BPF_LDX | unix.BPF_B | unix.BPF_MSH, K: 14}, // X = IHL*4
+		/* 7 */ {Code: unix.BPF_LD | unix.BPF_H | unix.BPF_IND, K: 14 + 2}, // UDP destination port
+		/* 8 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: to(8, accept), Jf: to(8, drop), K: roce.UDPPort},
+		/* 9 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: to(9, drop), K: unix.ETH_P_IPV6},
+		/* 10 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_ABS, K: 14 + 6}, // IPv6 next header
+		/* 11 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: to(11, drop), K: unix.IPPROTO_UDP},
+		/* 12 */ {Code: unix.BPF_LD | unix.BPF_H | unix.BPF_ABS, K: 14 + 40 + 2},
+		/* 13 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: to(13, accept), Jf: to(13, drop), K: roce.UDPPort},
+		/* 14 */ {Code: unix.BPF_RET | unix.BPF_K, K: 0xffffffff},
+		/* 15 */ {Code: unix.BPF_RET | unix.BPF_K, K: 0},
+	}
+}
+
+// Queues is 1: one packet socket.
+func (w *PacketWire) Queues() int { return 1 }
+
+// Close closes the socket; Receive returns.
+func (w *PacketWire) Close() error {
+	w.closeOnce.Do(func() {
+		close(w.closed)
+		w.file.Close()
+	})
+	return nil
+}
+
+type packetTxScratch struct {
+	hdrs []unix.Mmsghdr
+	iovs []unix.Iovec
+	eth  [][ethHeaderSize]byte
+}
+
+func newPacketTxScratch() *packetTxScratch {
+	return &packetTxScratch{hdrs: make([]unix.Mmsghdr, txMax), iovs: make([]unix.Iovec, 2*txMax),
+		eth: make([][ethHeaderSize]byte, txMax)}
+}
+
+// Transmit sends each datagram as one frame: an Ethernet header built from
+// its MACs, then the IP datagram (gathered, not copied).
+func (w *PacketWire) Transmit(pkts []Datagram) (int, error) {
+	s := w.scratch.Get().(*packetTxScratch)
+	defer w.scratch.Put(s)
+	sent := 0
+	var bad error
+	for sent < len(pkts) {
+		k := 0
+		for sent+k < len(pkts) && k < len(s.hdrs) {
+			d := &pkts[sent+k]
+			if len(d.Packet) < roce.IPv4HeaderSize {
+				bad = fmt.Errorf("packet wire: malformed datagram: %w", hostverbs.ErrInvalid)
+				break
+			}
+			eth := &s.eth[k]
+			copy(eth[0:6], d.DstMAC[:])
+			copy(eth[6:12], d.SrcMAC[:])
+			et := uint16(unix.ETH_P_IP)
+			if d.Packet[0]>>4 == 6 {
+				et = unix.ETH_P_IPV6
+			}
+			binary.BigEndian.PutUint16(eth[12:], et)
+			setIov(&s.iovs[2*k], eth[:])
+			setIov(&s.iovs[2*k+1], d.Packet)
+			h := &s.hdrs[k].Hdr
+			*h = unix.Msghdr{Iov: &s.iovs[2*k]}
+			h.SetIovlen(2)
+			k++
+		}
+		if k == 0 {
+			return sent, bad
+		}
+		n, err := w.sendmmsg(s.hdrs[:k])
+		sent += n
+		if err != nil {
+			if errors.Is(err, unix.EMSGSIZE) {
+				return sent, fmt.Errorf("packet wire: %w", errOversize)
+			}
+			return sent, fmt.Errorf("packet wire: sendmmsg: %w", err)
+		}
+		if bad != nil {
+			return sent, bad
+		}
+	}
+	return sent, nil
+}
+
+func (w *PacketWire) sendmmsg(hdrs []unix.Mmsghdr) (int, error) {
+	w.txMu.Lock()
+	defer w.txMu.Unlock()
+	w.txHdrs, w.txSent, w.txErr = hdrs, 0, nil
+	err := w.rc.Write(w.txFn)
+	sent, serr := w.txSent, w.txErr
+	w.txHdrs = nil
+	if err != nil {
+		return sent, err
+	}
+	return sent, serr
+}
+
+func (w *PacketWire) sendReady(fd uintptr) bool {
+	for w.txSent < len(w.txHdrs) {
+		n, err := sendmmsg(int(fd), w.txHdrs[w.txSent:])
+		if err == unix.EAGAIN {
+			return false
+		}
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			w.txErr = err
+			return true
+		}
+		w.txSent += n
+	}
+	return true
+}
+
+func (w *PacketWire) recvReady(fd uintptr) bool {
+	for {
+		w.rxN, w.rxErr = recvmmsg(int(fd), w.rxHdrs[:w.rxK])
+		if w.rxErr == unix.EINTR {
+			continue
+		}
+		return w.rxErr != unix.EAGAIN
+	}
+}
+
+// Receive reads a batch of frames, scattering each Ethernet header aside
+// so that bufs[i] starts at the IP header.
+func (w *PacketWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error) {
+	if queue != 0 {
+		return 0, fmt.Errorf("packet wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
+	}
+	k := min(len(bufs), len(w.rxHdrs))
+	for i := range k {
+		setIov(&w.rxIovs[2*i], w.rxEth[i][:])
+		setIov(&w.rxIovs[2*i+1], bufs[i])
+		h := &w.rxHdrs[i].Hdr
+		*h = unix.Msghdr{Iov: &w.rxIovs[2*i]}
+		h.SetIovlen(2)
+	}
+	for {
+		w.rxK = k
+		err := w.rc.Read(w.rxFn)
+		n, rerr := w.rxN, w.rxErr
+		if err != nil {
+			select {
+			case <-w.closed:
+				return 0, fmt.Errorf("packet wire: %w", hostverbs.ErrClosed)
+			default:
+			}
+			return 0, fmt.Errorf("packet wire: receive: %w", err)
+		}
+		if rerr != nil {
+			return 0, fmt.Errorf("packet wire: recvmmsg: %w", rerr)
+		}
+		out := 0
+		for i := range n {
+			l := int(w.rxHdrs[i].Len) - ethHeaderSize
+			if l <= 0 || w.rxHdrs[i].Hdr.Flags&unix.MSG_TRUNC != 0 {
+				continue // runt, or larger than MaxDatagram: not ours to take
+			}
+			if out != i {
+				bufs[out], bufs[i] = bufs[i], bufs[out]
+			}
+			lens[out] = l
+			out++
+		}
+		if out > 0 {
+			return out, nil
+		}
+		if ctx.Err() != nil {
+			return 0, ctx.Err()
+		}
+	}
+}

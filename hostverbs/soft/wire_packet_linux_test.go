@@ -1,0 +1,137 @@
+//go:build linux
+
+package soft
+
+import (
+	"bytes"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+)
+
+// connectL2 connects an RC pair whose address vectors carry the peers'
+// MACs, as a guest's do (it resolves them with ARP).
+// The harness gives a device named n the MAC 52:54:00:00:00:len(n).
+func harnessMAC(name string) [6]byte { return [6]byte{0x52, 0x54, 0, 0, 0, byte(len(name))} }
+
+func connectL2(t *testing.T, a, b *endpoint, macA, macB [6]byte, o rcOpts) (qa, qb hostverbs.QP) {
+	t.Helper()
+	qa, qb = createRC(t, a, o), createRC(t, b, o)
+	for _, s := range []struct {
+		q, peer hostverbs.QP
+		remote  *endpoint
+		mac     [6]byte
+		rq, sq  uint32
+	}{{qa, qb, b, macB, o.psnB, o.psnA}, {qb, qa, a, macA, o.psnA, o.psnB}} {
+		require.NoError(t, s.q.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateRTR, PathMTU: o.mtu, DestQPN: s.peer.QPN(),
+			RQPSN: s.rq, MaxDestRdAtomic: o.rdAtomic, MinRNRTimer: o.minRNR,
+			AV: hostverbs.AddressVector{DGID: s.remote.gid, HopLimit: 64, Port: 1, DMAC: s.mac}},
+			hostverbs.AttrState|hostverbs.AttrAV|hostverbs.AttrPathMTU|hostverbs.AttrDestQPN|
+				hostverbs.AttrRQPSN|hostverbs.AttrMaxDestRdAtomic|hostverbs.AttrMinRNRTimer))
+		require.NoError(t, s.q.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateRTS, Timeout: o.timeout,
+			RetryCnt: o.retry, RNRRetry: o.rnr, SQPSN: s.sq, MaxRdAtomic: o.rdAtomic},
+			hostverbs.AttrState|hostverbs.AttrTimeout|hostverbs.AttrRetryCnt|hostverbs.AttrRNRRetry|
+				hostverbs.AttrSQPSN|hostverbs.AttrMaxQPRdAtomic))
+	}
+	return qa, qb
+}
+
+// TestPacketWireBridgedHosts: two hosts (network namespaces), each with a
+// bridge, the bridges joined by a veth: one L2 segment. A fabric on each
+// bridge reaches the other through PacketWire alone (no host IP address
+// anywhere), with frames carrying the devices' own MACs, and neither bridge
+// learns its own fabric's source MAC on the uplink.
+func TestPacketWireBridgedHosts(t *testing.T) {
+	needRoot(t)
+	x, y := newNetns(t, "x"), newNetns(t, "y")
+	x.ip(t, "link", "add", "brx", "type", "bridge")
+	y.ip(t, "link", "add", "bry", "type", "bridge")
+	run(t, "ip", "link", "add", "vx", "netns", x.name, "type", "veth", "peer", "name", "vy", "netns", y.name)
+	x.ip(t, "link", "set", "vx", "master", "brx", "up")
+	y.ip(t, "link", "set", "vy", "master", "bry", "up")
+	x.ip(t, "link", "set", "brx", "up")
+	y.ip(t, "link", "set", "bry", "up")
+	// Carrier reaches the bridges through linkwatch (up to a second).
+	require.Eventually(t, func() bool {
+		return strings.Contains(x.ip(t, "link", "show", "brx"), "state UP") &&
+			strings.Contains(y.ip(t, "link", "show", "bry"), "state UP")
+	}, 10*time.Second, 50*time.Millisecond)
+
+	fabric := func(ns *netns, dev string) *Fabric {
+		var f *Fabric
+		ns.do(t, func() {
+			w, err := NewPacketWire(PacketWireConfig{Interface: dev})
+			require.NoError(t, err)
+			f, err = New(Config{Wire: w, LinkMTU: 1500})
+			require.NoError(t, err)
+		})
+		t.Cleanup(func() { f.Close() })
+		return f
+	}
+	fx, fy := fabric(x, "brx"), fabric(y, "bry")
+	a := newEndpoint(t, fx, "a", "10.9.0.1", 1<<20)
+	b := newEndpoint(t, fy, "bb", "10.9.0.2", 1<<20)
+	o := defaultRC()
+	o.mtu = hostverbs.MTU1024
+	qa, qb := connectL2(t, a, b, harnessMAC("a"), harnessMAC("bb"), o)
+
+	// RDMA WRITE of 256 KiB a -> b, byte-compared.
+	src := make([]byte, 256<<10)
+	fill(src, 7)
+	a.write(t, a.iova, src)
+	require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
+		SGL: sge(a, 0, len(src)), RemoteAddr: b.iova + 4096, RKey: b.mr.RKey()}))
+	wc := a.ccq.wait(t, 10*time.Second)
+	require.Equal(t, hostverbs.WCSuccess, wc.Status, "%+v\nx: %v\ny: %v", wc, nonzero(fx.Counters()), nonzero(fy.Counters()))
+	assert.True(t, bytes.Equal(src, b.read(t, b.iova+4096, len(src))), "written bytes differ")
+
+	// SEND b -> a.
+	require.NoError(t, qa.PostRecv(&hostverbs.RecvWR{WRID: 2, SGL: sge(a, 512<<10, 4096)}))
+	msg := []byte("hello over the bridge")
+	b.write(t, b.iova+900<<10, msg)
+	require.NoError(t, qb.PostSend(&hostverbs.SendWR{WRID: 3, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
+		SGL: sge(b, 900<<10, len(msg))}))
+	require.Equal(t, hostverbs.WCSuccess, b.ccq.wait(t, 10*time.Second).Status)
+	rwc := a.ccq.wait(t, 10*time.Second)
+	require.Equal(t, hostverbs.WCSuccess, rwc.Status)
+	require.Equal(t, hostverbs.WCRecv, rwc.Opcode)
+	assert.Equal(t, msg, a.read(t, a.iova+512<<10, len(msg)))
+
+	// The uplink carried the fabrics' frames, and each bridge learned the
+	// remote device's MAC on the uplink but not its own device's.
+	fdb := run(t, "ip", "netns", "exec", x.name, "bridge", "fdb", "show", "br", "brx")
+	macA, macB := harnessMAC("a"), harnessMAC("bb")
+	assert.NotContains(t, lines(fdb, net.HardwareAddr(macA[:]).String()), "dev vx",
+		"brx learned its own device's MAC on the uplink:\n%s", fdb)
+	assert.Contains(t, lines(fdb, net.HardwareAddr(macB[:]).String()), "dev vx",
+		"brx did not learn the remote device's MAC:\n%s", fdb)
+	assert.Zero(t, fx.Counters()["drop_bad_icrc"])
+	assert.Positive(t, fy.Counters()["rx_packets"])
+}
+
+// lines returns the lines of s that contain sub.
+func lines(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}
+
+func nonzero(m map[string]uint64) map[string]uint64 {
+	out := map[string]uint64{}
+	for k, v := range m {
+		if v != 0 {
+			out[k] = v
+		}
+	}
+	return out
+}
