@@ -58,6 +58,7 @@ type Fabric struct {
 	ipID   atomic.Uint32
 	ctrs   counters
 	txPool sync.Pool
+	ring   *txRing
 
 	cancel context.CancelFunc
 	rxDone sync.WaitGroup
@@ -104,6 +105,9 @@ func New(cfg Config) (*Fabric, error) {
 	if f.wire != nil {
 		ctx, cancel := context.WithCancel(context.Background())
 		f.cancel = cancel
+		f.ring = newTxRing(f)
+		f.rxDone.Add(1)
+		go f.ring.run(ctx, f.rxDone.Done)
 		for q := range f.wire.Queues() {
 			f.rxDone.Add(1)
 			go f.receiveLoop(ctx, q)
@@ -251,6 +255,7 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 	}
 	lens := make([]int, rxBatch)
 	tx := newTxBatch(f)
+	tx.rx = true
 	var rp roce.Packet
 	var p packet
 	for {

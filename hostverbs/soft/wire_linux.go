@@ -58,6 +58,19 @@ type rawSock struct {
 	file *os.File
 	rc   syscall.RawConn
 	v6   bool
+	// Send state: the callback handed to RawConn.Write is made once (a
+	// closure per call would be a heap allocation per batch), so its
+	// arguments live here, under txMu.
+	txMu   sync.Mutex
+	txHdrs []unix.Mmsghdr
+	txSent int
+	txErr  error
+	txFn   func(fd uintptr) bool
+	// Receive state, likewise (one reader per queue).
+	rxN   int
+	rxK   int
+	rxErr error
+	rxFn  func(fd uintptr) bool
 	// Receive scratch (one reader per queue).
 	hdrs  []unix.Mmsghdr
 	iovs  []unix.Iovec
@@ -134,7 +147,9 @@ func openRaw(family, proto, buf int) (*rawSock, error) {
 		f.Close()
 		return nil, err
 	}
-	return &rawSock{fd: fd, file: f, rc: rc, v6: family == unix.AF_INET6}, nil
+	s := &rawSock{fd: fd, file: f, rc: rc, v6: family == unix.AF_INET6}
+	s.txFn, s.rxFn = s.sendReady, s.recvReady
+	return s, nil
 }
 
 func setBuffers(fd, n int) {
@@ -288,29 +303,44 @@ func (w *KernelWire) Transmit(pkts []Datagram) (int, error) {
 // sendmmsg sends hdrs, waiting for buffer space, until all are sent or an
 // error stops it.
 func (s *rawSock) sendmmsg(hdrs []unix.Mmsghdr) (int, error) {
-	sent := 0
-	var serr error
-	err := s.rc.Write(func(fd uintptr) bool {
-		for sent < len(hdrs) {
-			n, err := sendmmsg(int(fd), hdrs[sent:])
-			if err == unix.EAGAIN {
-				return false
-			}
-			if err == unix.EINTR {
-				continue
-			}
-			if err != nil {
-				serr = err
-				return true
-			}
-			sent += n
-		}
-		return true
-	})
+	s.txMu.Lock()
+	defer s.txMu.Unlock()
+	s.txHdrs, s.txSent, s.txErr = hdrs, 0, nil
+	err := s.rc.Write(s.txFn)
+	sent, serr := s.txSent, s.txErr
+	s.txHdrs = nil
 	if err != nil {
 		return sent, err
 	}
 	return sent, serr
+}
+
+func (s *rawSock) sendReady(fd uintptr) bool {
+	for s.txSent < len(s.txHdrs) {
+		n, err := sendmmsg(int(fd), s.txHdrs[s.txSent:])
+		if err == unix.EAGAIN {
+			return false
+		}
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			s.txErr = err
+			return true
+		}
+		s.txSent += n
+	}
+	return true
+}
+
+func (s *rawSock) recvReady(fd uintptr) bool {
+	for {
+		s.rxN, s.rxErr = recvmmsg(int(fd), s.hdrs[:s.rxK])
+		if s.rxErr == unix.EINTR {
+			continue
+		}
+		return s.rxErr != unix.EAGAIN
+	}
 }
 
 func (s *rawSock) initRecv(n int) {
@@ -346,17 +376,9 @@ func (w *KernelWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 			h.SetControllen(len(oob))
 		}
 	}
-	var n int
-	var rerr error
-	err := s.rc.Read(func(fd uintptr) bool {
-		for {
-			n, rerr = recvmmsg(int(fd), s.hdrs[:k])
-			if rerr == unix.EINTR {
-				continue
-			}
-			return rerr != unix.EAGAIN
-		}
-	})
+	s.rxK = k
+	err := s.rc.Read(s.rxFn)
+	n, rerr := s.rxN, s.rxErr
 	if err != nil {
 		select {
 		case <-w.closedFlag:

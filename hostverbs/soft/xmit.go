@@ -6,40 +6,34 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
 )
 
-// txBatch collects what one goroutine's work produces: datagrams for the
-// wire, sent in batches, and packets for devices of the same fabric, which
-// are processed in FIFO order by flush (never recursively, so a chain of
-// request, ACK and next request runs in a loop, not on the stack). Every
-// entry point (PostSend, the receive loop, a timer) takes a batch, does its
-// work under the QP locks it needs, releases them, then flushes.
+// txBatch collects what one goroutine's work produces: packets for devices
+// of the same fabric, processed in FIFO order by flush (never recursively,
+// so a chain of request, ACK and next request runs in a loop, not on the
+// stack), and coalesced ACKs. Packets for the wire go straight into the
+// fabric's transmit ring, in order. Every entry point (PostSend, the
+// receive loop, a timer) takes a batch, does its work under the QP locks it
+// needs, releases them, then flushes.
 type txBatch struct {
 	f     *Fabric
-	bufs  [][]byte
-	dgs   []Datagram
-	n     int
 	local []packet
 	head  int
 	arena []seg
 	// acks are QPs whose responder has an ACK pending; flush sends one
 	// per QP (ACK coalescing).
 	acks, acksSpare []*qp
+	// rx marks the receive loop's batch: it hands bulk transmission to
+	// the transmit goroutine instead of doing the system calls itself.
+	rx bool
 }
 
 // txMax is the number of datagrams handed to the wire at once.
 const txMax = 64
 
-func newTxBatch(f *Fabric) *txBatch {
-	t := &txBatch{f: f}
-	if f.wire != nil {
-		backing := make([]byte, txMax*MaxDatagram)
-		t.bufs = make([][]byte, txMax)
-		for i := range t.bufs {
-			t.bufs[i] = backing[i*MaxDatagram : (i+1)*MaxDatagram : (i+1)*MaxDatagram]
-		}
-		t.dgs = make([]Datagram, txMax)
-	}
-	return t
-}
+// inlineMax is the most datagrams the receive loop sends itself (ACKs,
+// short answers: latency); more go to the transmit goroutine.
+const inlineMax = 8
+
+func newTxBatch(f *Fabric) *txBatch { return &txBatch{f: f} }
 
 // isLocal reports whether packets to g stay in process.
 func (f *Fabric) isLocal(g [16]byte) bool {
@@ -70,7 +64,7 @@ func (t *txBatch) emit(p *packet) {
 	t.encode(p)
 }
 
-// encode appends p to the wire batch.
+// encode queues p on the transmit ring.
 func (t *txBatch) encode(p *packet) {
 	f := t.f
 	if p.src.IsV4() != p.dst.IsV4() {
@@ -82,9 +76,6 @@ func (t *txBatch) encode(p *packet) {
 		f.ctrs.inc(cntTxDropOversize)
 		return
 	}
-	if t.n == txMax {
-		t.flushWire()
-	}
 	net := roce.NetFields{
 		Src: p.src, Dst: p.dst, TClass: p.tclass, HopLimit: p.hopLimit,
 		FlowLabel: p.flowLabel, SrcPort: p.srcPort,
@@ -93,7 +84,8 @@ func (t *txBatch) encode(p *packet) {
 		net.ID = f.nextIPID()
 	}
 	tf := p.transportFields()
-	d, off := roce.Build(t.bufs[t.n], &net, &tf, int(p.n))
+	slot := f.ring.reserve()
+	d, off := roce.Build(slot.buf, &net, &tf, int(p.n))
 	switch {
 	case p.n == 0:
 	case p.data != nil:
@@ -104,6 +96,7 @@ func (t *txBatch) encode(p *packet) {
 			// deregistered): send nothing; retransmission or the local
 			// checks at completion time surface the error.
 			f.ctrs.inc(cntTxErrors)
+			slot.commit(Datagram{})
 			return
 		}
 	}
@@ -112,40 +105,7 @@ func (t *txBatch) encode(p *packet) {
 		ipLen = roce.IPv4HeaderSize
 	}
 	roce.SealICRC(d, ipLen)
-	t.dgs[t.n] = Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac}
-	t.n++
-}
-
-// flushWire hands the pending datagrams to the wire.
-func (t *txBatch) flushWire() {
-	if t.n == 0 {
-		return
-	}
-	f := t.f
-	dgs := t.dgs[:t.n]
-	for len(dgs) > 0 {
-		sent, err := f.wire.Transmit(dgs)
-		for _, d := range dgs[:sent] {
-			f.ctrs.add(cntTxBytes, uint64(len(d.Packet)))
-		}
-		f.ctrs.add(cntTxPackets, uint64(sent))
-		dgs = dgs[sent:]
-		if err != nil {
-			// The datagram at the head was refused: count it, skip it.
-			if errors.Is(err, errOversize) {
-				f.ctrs.inc(cntTxDropOversize)
-			} else {
-				f.ctrs.inc(cntTxErrors)
-			}
-			if len(dgs) > 0 {
-				dgs = dgs[1:]
-			}
-		} else if sent == 0 {
-			f.ctrs.inc(cntTxErrors)
-			break
-		}
-	}
-	t.n = 0
+	slot.commit(Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac})
 }
 
 // errOversize is what a Wire returns for a datagram larger than the path
@@ -181,5 +141,13 @@ func (t *txBatch) flush() {
 		}
 		t.acksSpare = acks[:0]
 	}
-	t.flushWire()
+	r := f.ring
+	if r == nil || !r.pending() {
+		return
+	}
+	if t.rx && r.backlog() > inlineMax {
+		r.kick()
+		return
+	}
+	r.flushInline()
 }

@@ -37,8 +37,15 @@ func ICRC(d []byte, ipLen int) uint32 {
 	u := ipLen
 	ps[u+6], ps[u+7] = 0xff, 0xff // UDP checksum
 	ps[u+UDPHeaderSize+bthResv8a] = 0xff
-	crc := crc32.Update(icrcSeed, crc32.IEEETable, ps[:n])
-	return crc32.Update(crc, crc32.IEEETable, d[n:len(d)-ICRCSize])
+	// The masked header is CRCed byte by byte here rather than through
+	// crc32.Update, which would move ps to the heap; the payload, where
+	// speed matters, goes through crc32's vectorised path.
+	tab := crc32.IEEETable
+	c := ^icrcSeed
+	for _, b := range ps[:n] {
+		c = tab[byte(c)^b] ^ (c >> 8)
+	}
+	return crc32.Update(^c, crc32.IEEETable, d[n:len(d)-ICRCSize])
 }
 
 // SealICRC computes the ICRC of datagram d and stores it in its last four
