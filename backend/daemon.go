@@ -189,8 +189,13 @@ type fabric struct {
 type FabricConfig struct {
 	// Netdev (IP mode) is a host network device on which bound guest GIDs
 	// are added as addresses, so RoCE v2 traffic from other hosts reaches
-	// this daemon's UDP port 4791. Empty: devices reach only each other.
+	// this daemon's UDP port 4791.
 	Netdev string
+	// Bridge (L2 mode) is the network device the VMs' NICs are bridged
+	// on; RoCE v2 frames are captured from and injected into it with the
+	// VMs' own MACs, as a distributed switch would. Exclusive with Netdev.
+	// Both empty: the daemon's devices reach only each other.
+	Bridge string
 	// DefaultTOS is the IP TOS of RoCE packets whose traffic class is 0.
 	DefaultTOS uint8
 }
@@ -198,6 +203,16 @@ type FabricConfig struct {
 func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 	f := &fabric{cfg: cfg}
 	scfg := soft.Config{DefaultTOS: cfg.DefaultTOS, Logger: log.With("component", "fabric")}
+	if cfg.Netdev != "" && cfg.Bridge != "" {
+		return nil, errors.New("fabric: choose IP mode (netdev) or L2 mode (bridge), not both")
+	}
+	if cfg.Bridge != "" {
+		w, mtu, err := newPacketWire(cfg.Bridge)
+		if err != nil {
+			return nil, err
+		}
+		scfg.Wire, scfg.LinkMTU = w, mtu
+	}
 	if cfg.Netdev != "" {
 		checkARPIgnore(log)
 		am, err := NewAddrManager(cfg.Netdev)
@@ -224,8 +239,11 @@ func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 }
 
 func (f *fabric) status() FabricStatus {
-	if f.cfg.Netdev != "" {
+	switch {
+	case f.cfg.Netdev != "":
 		return FabricStatus{Mode: "ip", Netdev: f.cfg.Netdev}
+	case f.cfg.Bridge != "":
+		return FabricStatus{Mode: "l2", Netdev: f.cfg.Bridge}
 	}
 	return FabricStatus{Mode: "local"}
 }

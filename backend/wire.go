@@ -22,3 +22,17 @@ func newKernelWire(netdev string) (soft.Wire, int, error) {
 	}
 	return w, link.Attrs().MTU, nil
 }
+
+// newPacketWire attaches the soft fabric to a bridge (L2 mode) and reports
+// the bridge's MTU.
+func newPacketWire(bridge string) (soft.Wire, int, error) {
+	link, err := netlink.LinkByName(bridge)
+	if err != nil {
+		return nil, 0, fmt.Errorf("fabric bridge %s: %w", bridge, err)
+	}
+	w, err := soft.NewPacketWire(soft.PacketWireConfig{Interface: bridge})
+	if err != nil {
+		return nil, 0, fmt.Errorf("fabric bridge %s: %w", bridge, err)
+	}
+	return w, link.Attrs().MTU, nil
+}

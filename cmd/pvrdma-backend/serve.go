@@ -31,6 +31,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs := newFlags("serve", "[flags]", stderr)
 	socketDir := fs.String("socket-dir", defaultSocketDir, "directory for the per-VM vfio-user sockets and control.sock")
 	netdev := fs.String("fabric-netdev", "", "IP mode: add bound guest GIDs as addresses on this netdev and use UDP 4791 through it")
+	bridge := fs.String("fabric-bridge", "", "L2 mode: carry RoCE as frames with the VMs' own MACs on this bridge (the VMs' NICs are on it)")
 	tos := fs.Uint("default-tos", 0, "IP TOS of RoCE packets whose traffic class is 0 (default_roce_tos)")
 	transport := fs.String("transport", "soft", "host verbs provider: soft (pure-Go RoCE v2)")
 	var vms vmList
@@ -66,7 +67,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	raiseMemlock(log)
 	d, err := backend.New(backend.Config{
 		SocketDir: *socketDir,
-		Fabric:    backend.FabricConfig{Netdev: *netdev, DefaultTOS: uint8(*tos)},
+		Fabric:    backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos)},
 		Limits:    lim,
 		VMs:       vms,
 		Logger:    log,

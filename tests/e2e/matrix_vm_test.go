@@ -31,9 +31,10 @@ var rdmaCMModules = []string{"ib_core", "ib_uverbs", "vmw_pvrdma", "configfs", "
 
 // matrixScenario runs the steps in order, each under a timeout, printing
 // "=== name" before and "rc=N" after, and never stopping at a failure.
-func matrixScenario(self, peer string, server bool, steps []step) string {
+// "$dev" in a command is the RDMA device, "$g" its RoCE v2 GID index for self.
+func matrixScenario(dev, self, peer string, server bool, steps []step) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "peer=%s\ng=$(pvt_gid_index vmw_pvrdma0 %s)\n", peer, self)
+	fmt.Fprintf(&b, "dev=%s\nself=%s\npeer=%s\ng=$(pvt_gid_index $dev $self)\n", dev, self, peer)
 	for _, s := range steps {
 		cmd := "timeout 120 " + s.server
 		if !server {
@@ -46,15 +47,15 @@ func matrixScenario(self, peer string, server bool, steps []step) string {
 }
 
 var matrix = []step{
-	{"rc_pingpong", "ibv_rc_pingpong -d vmw_pvrdma0 -g $g -n 1000 -s 4096", "ibv_rc_pingpong -d vmw_pvrdma0 -g $g -n 1000 -s 4096 $peer"},
-	{"rc_pingpong_events", "ibv_rc_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 4096 -e", "ibv_rc_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 4096 -e $peer"},
-	{"ud_pingpong", "ibv_ud_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 512", "ibv_ud_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 512 $peer"},
-	{"srq_pingpong", "ibv_srq_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 4096", "ibv_srq_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 4096 $peer"},
-	{"ib_send_bw", "ib_send_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536", "ib_send_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536 $peer"},
-	{"ib_write_bw", "ib_write_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536", "ib_write_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536 $peer"},
-	{"ib_read_bw", "ib_read_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536", "ib_read_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536 $peer"},
-	{"ib_atomic_bw", "ib_atomic_bw -d vmw_pvrdma0 -x $g -F -n 200", "ib_atomic_bw -d vmw_pvrdma0 -x $g -F -n 200 $peer"},
-	{"ib_write_lat", "ib_write_lat -d vmw_pvrdma0 -x $g -F -n 200 -s 2", "ib_write_lat -d vmw_pvrdma0 -x $g -F -n 200 -s 2 $peer"},
+	{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 1000 -s 4096", "ibv_rc_pingpong -d $dev -g $g -n 1000 -s 4096 $peer"},
+	{"rc_pingpong_events", "ibv_rc_pingpong -d $dev -g $g -n 500 -s 4096 -e", "ibv_rc_pingpong -d $dev -g $g -n 500 -s 4096 -e $peer"},
+	{"ud_pingpong", "ibv_ud_pingpong -d $dev -g $g -n 500 -s 512", "ibv_ud_pingpong -d $dev -g $g -n 500 -s 512 $peer"},
+	{"srq_pingpong", "ibv_srq_pingpong -d $dev -g $g -n 500 -s 4096", "ibv_srq_pingpong -d $dev -g $g -n 500 -s 4096 $peer"},
+	{"ib_send_bw", "ib_send_bw -d $dev -x $g -F -n 200 -s 65536", "ib_send_bw -d $dev -x $g -F -n 200 -s 65536 $peer"},
+	{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536 $peer"},
+	{"ib_read_bw", "ib_read_bw -d $dev -x $g -F -n 200 -s 65536", "ib_read_bw -d $dev -x $g -F -n 200 -s 65536 $peer"},
+	{"ib_atomic_bw", "ib_atomic_bw -d $dev -x $g -F -n 200", "ib_atomic_bw -d $dev -x $g -F -n 200 $peer"},
+	{"ib_write_lat", "ib_write_lat -d $dev -x $g -F -n 200 -s 2", "ib_write_lat -d $dev -x $g -F -n 200 -s 2 $peer"},
 	{"rping", "rping -s -a $self -C 10 -v", "rping -c -a $peer -C 10 -v"},
 	{"ucmatose", "ucmatose -b $self", "ucmatose -s $peer"},
 	{"udaddy", "udaddy -b $self", "udaddy -s $peer"},
@@ -79,8 +80,8 @@ func TestPairMatrix(t *testing.T) {
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	cfgs := []vm.Config{
-		pvrdmaGuest(d, "mx1", "10.77.0.1/24", "self=10.77.0.1\n"+matrixScenario("10.77.0.1", "", true, steps)),
-		pvrdmaGuest(d, "mx2", "10.77.0.2/24", "self=10.77.0.2\n"+matrixScenario("10.77.0.2", "10.77.0.1", false, steps)),
+		pvrdmaGuest(d, "mx1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, steps)),
+		pvrdmaGuest(d, "mx2", "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, steps)),
 	}
 	for i := range cfgs {
 		cfgs[i].Modules = rdmaCMModules

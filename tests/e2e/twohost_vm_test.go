@@ -96,22 +96,16 @@ func fabricLink(t *testing.T, a, b *vm.Network, subnet string) {
 
 // daemonIn starts a daemon inside a network namespace, so its sockets and
 // netlink handles live there.
-func daemonIn(t *testing.T, nw *vm.Network, netdev string, names ...string) *backend.Daemon {
+func daemonIn(t *testing.T, nw *vm.Network, fab backend.FabricConfig, names ...string) *backend.Daemon {
 	t.Helper()
 	var d *backend.Daemon
-	err := nw.Do(func() error {
-		defer func() {
-			if r := recover(); r != nil {
-				panic(r)
-			}
-		}()
-		d = daemon(t, backend.Config{Fabric: backend.FabricConfig{Netdev: netdev}}, names...)
+	require.NoError(t, nw.Do(func() error {
+		d = daemon(t, backend.Config{Fabric: fab}, names...)
 		if d == nil {
 			return errors.New("no daemon")
 		}
 		return nil
-	})
-	require.NoError(t, err)
+	}))
 	return d
 }
 
@@ -134,15 +128,15 @@ func TestTwoHosts(t *testing.T) {
 			return os.WriteFile("/proc/sys/net/ipv4/conf/all/arp_ignore", []byte("1"), 0o644)
 		}))
 	}
-	dA := daemonIn(t, nwA, "fabA", "ha1")
-	dB := daemonIn(t, nwB, "fabB", "hb1")
+	dA := daemonIn(t, nwA, backend.FabricConfig{Netdev: "fabA"}, "ha1")
+	dB := daemonIn(t, nwB, backend.FabricConfig{Netdev: "fabB"}, "hb1")
 
 	steps := []step{
-		{"rc_pingpong", "ibv_rc_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 4096", "ibv_rc_pingpong -d vmw_pvrdma0 -g $g -n 500 -s 4096 $peer"},
-		{"ib_write_bw", "ib_write_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536", "ib_write_bw -d vmw_pvrdma0 -x $g -F -n 200 -s 65536 $peer"},
+		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 500 -s 4096", "ibv_rc_pingpong -d $dev -g $g -n 500 -s 4096 $peer"},
+		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536 $peer"},
 	}
-	a := pvrdmaGuest(dA, "ha1", "10.77.0.1/24", matrixScenario("10.77.0.1", "", true, steps))
-	b := pvrdmaGuest(dB, "hb1", "10.77.0.2/24", matrixScenario("10.77.0.2", "10.77.0.1", false, steps))
+	a := pvrdmaGuest(dA, "ha1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, steps))
+	b := pvrdmaGuest(dB, "hb1", "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, steps))
 	a.NoErrExit, b.NoErrExit = true, true
 	a.Timeout, b.Timeout = 6*time.Minute, 6*time.Minute
 	va, err := vm.Start(ctx, t, img, nwA, a)
