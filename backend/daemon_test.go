@@ -64,7 +64,7 @@ func TestDaemonServesAPVRDMAFunctionPerVM(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, uint32(0x028000), class>>8, "class network-other")
 	require.NoError(t, c.Write32(vfiouser.RegionConfig, 4, 0x0006)) // memory decode + bus master, as firmware does
-	ver, err := c.Read32(1, 0) // BAR1 VERSION
+	ver, err := c.Read32(1, 0)                                      // BAR1 VERSION
 	require.NoError(t, err)
 	assert.Equal(t, uint32(20), ver)
 

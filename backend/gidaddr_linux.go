@@ -4,10 +4,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
-	"strings"
 	"net"
 	"net/netip"
+	"os"
+	"strings"
 	"sync"
 
 	"github.com/vishvananda/netlink"

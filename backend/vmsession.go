@@ -224,7 +224,9 @@ func pciConfig(dev *vdev.Device, onClose func() error) pcidev.Config {
 // fnIRQ raises a device's interrupts through its PCI function (MSI-X, or
 // INTx when the guest runs without MSI-X). The function is set once it
 // exists; provider goroutines may trigger concurrently.
-type fnIRQ struct{ fn atomic.Pointer[pcidev.Function] }
+type fnIRQ struct {
+	fn atomic.Pointer[pcidev.Function]
+}
 
 func (i *fnIRQ) Trigger(vector int) {
 	if fn := i.fn.Load(); fn != nil {
