@@ -17,7 +17,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
 )
 
-func image(t *testing.T) *vm.Image {
+func image(t testing.TB) *vm.Image {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
@@ -27,7 +27,7 @@ func image(t *testing.T) *vm.Image {
 }
 
 // daemon starts a backend in this process with the named VMs registered.
-func daemon(t *testing.T, cfg backend.Config, names ...string) *backend.Daemon {
+func daemon(t testing.TB, cfg backend.Config, names ...string) *backend.Daemon {
 	t.Helper()
 	if cfg.SocketDir == "" {
 		cfg.SocketDir = t.TempDir()
@@ -54,7 +54,7 @@ func daemon(t *testing.T, cfg backend.Config, names ...string) *backend.Daemon {
 	return d
 }
 
-type testWriter struct{ t *testing.T }
+type testWriter struct{ t testing.TB }
 
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Logf("%s", p)
@@ -77,3 +77,8 @@ func pvrdmaGuest(d *backend.Daemon, name, ip, scenario string) vm.Config {
 }
 
 func logf(t *testing.T, format string, args ...any) { t.Helper(); t.Log(fmt.Sprintf(format, args...)) }
+
+// quietLogger logs only warnings and errors (benchmarks).
+func quietLogger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+}

@@ -1,0 +1,98 @@
+//go:build vm
+
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
+)
+
+// benchSteps are the workloads compared: the targets are ratios of
+// our device to rxe in the guest, measured in the same run on the same host.
+var benchSteps = []step{
+	{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 1000 -s 4096", "ibv_rc_pingpong -d $dev -g $g -n 1000 -s 4096 $peer"},
+	{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536 $peer"},
+	{"ib_send_bw", "ib_send_bw -d $dev -x $g -F -n 200 -s 65536", "ib_send_bw -d $dev -x $g -F -n 200 -s 65536 $peer"},
+	{"ib_write_lat", "ib_write_lat -d $dev -x $g -F -n 500 -s 2", "ib_write_lat -d $dev -x $g -F -n 500 -s 2 $peer"},
+}
+
+// pairFigures runs benchSteps on two guests and returns the client's
+// figures: Mbit/s for rc_pingpong, MB/s for the bandwidths, usec for the
+// latency.
+func pairFigures(b *testing.B, img *vm.Image, cfgs [2]vm.Config) map[string]float64 {
+	ctx := context.Background()
+	nw, err := vm.NewNetwork(b, vm.NetworkConfig{})
+	require.NoError(b, err)
+	for i := range cfgs {
+		cfgs[i].NoErrExit = true
+		cfgs[i].Timeout = 10 * time.Minute
+		cfgs[i].QuietConsole = true
+	}
+	vms, err := vm.StartAll(ctx, b, img, nw, cfgs[0], cfgs[1])
+	require.NoError(b, err)
+	res, err := vm.WaitAll(ctx, vms...)
+	require.NoError(b, err)
+	out := res[1].Output // the client's view
+	f := map[string]float64{}
+	pp, err := vm.ParsePingPong(vm.Section(out, "rc_pingpong"))
+	require.NoError(b, err, "%s", out)
+	f["rc_pingpong"] = pp.Mbps
+	for _, tool := range []string{"ib_write_bw", "ib_send_bw"} {
+		bw, err := vm.ParsePerftestBW(vm.Section(out, tool))
+		require.NoError(b, err, "%s", out)
+		f[tool] = bw[0].AvgMBps
+	}
+	lat, err := vm.ParsePerftestLat(vm.Section(out, "ib_write_lat"))
+	require.NoError(b, err, "%s", out)
+	f["ib_write_lat"] = lat[0].Typical
+	return f
+}
+
+// BenchmarkVMvsRxe compares two guests RDMA-ing through pvrdma-backend with
+// two guests running rxe in the guest, in the same run:
+//
+//	go test -tags vm -run '^$' -bench VMvsRxe -benchtime 1x ./tests/e2e
+func BenchmarkVMvsRxe(b *testing.B) {
+	img := image(b)
+	for i := 0; i < b.N; i++ {
+		rxe := func(name, ip, peer string, server bool) vm.Config {
+			return vm.Config{Name: name, Modules: []string{"ib_core", "ib_uverbs"},
+				NICs:     []vm.NIC{{Addr: "05.0", MAC: backend.DefaultMAC(name).String(), IP: ip + "/24"}},
+				Scenario: "pvt_rxe eth0\n" + matrixScenario("rxe0", ip, peer, server, benchSteps)}
+		}
+		base := pairFigures(b, img, [2]vm.Config{rxe("brx1", "10.77.0.1", "", true), rxe("brx2", "10.77.0.2", "10.77.0.1", false)})
+
+		d := daemon(b, backend.Config{Logger: quietLogger()}, "bpv1", "bpv2")
+		ours := pairFigures(b, img, [2]vm.Config{
+			pvrdmaGuest(d, "bpv1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, benchSteps)),
+			pvrdmaGuest(d, "bpv2", "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, benchSteps)),
+		})
+
+		w := os.Stdout
+		fmt.Fprintf(w, "\n%-34s %14s %14s %9s %8s\n", "workload (client side, TCG guests)", "rxe in guest", "pvrdma", "ratio", "target")
+		row := func(key, label, unit string, higherBetter bool, target float64) {
+			r := ours[key] / base[key]
+			if !higherBetter {
+				r = base[key] / ours[key]
+			}
+			t := "-"
+			if target > 0 {
+				t = fmt.Sprintf(">=%gx", target)
+			}
+			fmt.Fprintf(w, "%-34s %10.2f %-3s %10.2f %-3s %8.1fx %8s\n", label, base[key], unit, ours[key], unit, r, t)
+			b.ReportMetric(r, "x_"+key)
+		}
+		row("ib_write_bw", "ib_write_bw 64 KiB", "MB/s", true, 30)
+		row("rc_pingpong", "ibv_rc_pingpong -s 4096", "Mb/s", true, 3)
+		row("ib_send_bw", "ib_send_bw 64 KiB", "MB/s", true, 0)
+		row("ib_write_lat", "ib_write_lat 2 B (typical; lower wins)", "us", false, 0)
+	}
+}
