@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
+	"net/http"
 	"os"
 	"runtime"
 	"strconv"
@@ -118,6 +120,7 @@ func newEnv(t testing.TB) *env { return newEnvLimits(t, vdev.Limits{}) }
 // were before it started.
 func newEnvLimits(t testing.TB, limits vdev.Limits) *env {
 	t.Helper()
+	warmUp.Do(func() { warm(t) })
 	runtime.GC()
 	before := measure(t)
 	dir := t.TempDir()
@@ -138,16 +141,73 @@ func newEnvLimits(t testing.TB, limits vdev.Limits) *env {
 		}
 		settle(t, before, "after the daemon stopped")
 	})
-	require.Eventually(t, func() bool {
-		_, err := os.Stat(dir + "/control.sock")
-		return err == nil
-	}, 5*time.Second, 5*time.Millisecond, "daemon control socket")
-	e.base = measure(t)
+	waitControl(t, dir+"/control.sock")
+	e.base = steady(t)
 	t.Cleanup(func() {
 		e.closeAll()
 		e.idle()
 	})
 	return e
+}
+
+// warmUp runs once per process: the first daemon of a process
+// initialises the runtime's network poller and other lazily created
+// state, which must not count as a leak of the first test.
+var warmUp sync.Once
+
+func warm(t testing.TB) {
+	dir := t.TempDir()
+	d, err := backend.New(backend.Config{SocketDir: dir, VMs: []backend.VMRequest{{Name: "warm"}},
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	waitControl(t, dir+"/control.sock")
+	e := &env{t: t, d: d, vms: map[*vm]struct{}{}}
+	v := e.boot("warm")
+	v.Close()
+	cancel()
+	require.NoError(t, <-done)
+}
+
+// waitControl waits until the daemon answers on its control socket, so
+// that all its serving goroutines exist. The request does not keep its
+// connection alive (its server goroutine would count as the baseline's).
+func waitControl(t testing.TB, path string) {
+	t.Helper()
+	hc := &http.Client{Timeout: 2 * time.Second, Transport: &http.Transport{DisableKeepAlives: true,
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", path)
+		}}}
+	require.Eventually(t, func() bool {
+		resp, err := hc.Get("http://pvrdma/v1/status")
+		if err != nil {
+			return false
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		_ = resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	}, 5*time.Second, 5*time.Millisecond, "daemon control socket")
+	hc.CloseIdleConnections()
+}
+
+// steady measures once goroutines and descriptors stop changing (the
+// control request's server goroutine ends shortly after its reply).
+func steady(t testing.TB) resources {
+	t.Helper()
+	prev := measure(t)
+	for i := 0; i < 200; i++ {
+		time.Sleep(10 * time.Millisecond)
+		now := measure(t)
+		if now == prev {
+			return now
+		}
+		prev = now
+	}
+	t.Fatalf("resources never settled: %v", prev)
+	return prev
 }
 
 // testLogger logs the daemon's warnings and errors into the test log

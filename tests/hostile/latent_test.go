@@ -161,8 +161,8 @@ func TestUCPFNValidated(t *testing.T) {
 	cq := v.createCQ(uc, 16)
 	q := v.createQP(qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: uc})
 	bad := e.counter(vmEvil, "bad_doorbells")
-	v.doorbell(0, vdev.UARQPOffset, vdev.UARQPSend|q.handle)   // the kernel's page
-	v.doorbell(1, vdev.UARQPOffset, vdev.UARQPSend|q.handle)   // another context's page
+	v.doorbell(0, vdev.UARQPOffset, vdev.UARQPSend|q.handle)    // the kernel's page
+	v.doorbell(1, vdev.UARQPOffset, vdev.UARQPSend|q.handle)    // another context's page
 	v.doorbell(uc-1, vdev.UARCQOffset, vdev.UARCQArm|cq.handle) // a page without a context
 	require.Equal(t, bad+3, e.counter(vmEvil, "bad_doorbells"))
 	require.ErrorIs(t, v.tryDoorbell(uc+1, vdev.UARCQOffset, vdev.UARCQArm|cq.handle), eInval, "past BAR2")

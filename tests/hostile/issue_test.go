@@ -1,0 +1,369 @@
+package hostile
+
+import (
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
+)
+
+// The malicious-driver cases of the project's issue that no CVE names:
+// bad DSR addresses, stale and out-of-range handles, doorbells for
+// unknown handles, odd-size and unaligned BAR accesses. (Zero and huge
+// ring page counts, nchunks/length mismatches, num_sge above max,
+// commands before the DSR and invalid ring index bits are the CVE tests.)
+
+// TestBadDSRAddresses hands the device DSRs, slots and ring directories
+// at addresses it cannot use: outside RAM, straddling its end, misaligned,
+// in read-only memory, in memory mapped without a descriptor.
+func TestBadDSRAddresses(t *testing.T) {
+	e := newEnv(t)
+	v := e.connect(vmEvil)
+	// A read-only region (QEMU maps ROMs so) and one without a descriptor
+	// (QEMU's BIOS ROM, or RAM that is not shared) beyond RAM.
+	const roBase, noFDBase = 0x4000_0000, 0x5000_0000
+	roFD, roMem, err := guestRAM(1 << 20)
+	require.NoError(t, err)
+	require.NoError(t, v.c.DMAMap(roBase, 1<<20, vfiouser.DMAFlagRead, roFD, 0))
+	require.NoError(t, unix.Close(roFD)) // the mapping keeps the memory
+	defer func() { _ = unix.Munmap(roMem) }()
+	require.NoError(t, v.c.DMAMap(noFDBase, 1<<20, vfiouser.DMAFlagRead|vfiouser.DMAFlagWrite, -1, 0))
+
+	refusedAt := func(gpa uint64, errno syscall.Errno) {
+		t.Helper()
+		v.setReg(vdev.RegDSRLow, uint32(gpa))
+		v.setReg(vdev.RegDSRHigh, uint32(gpa>>32))
+		require.EqualValues(t, errno, v.reg(vdev.RegErr), "DSR at %#x", gpa)
+		v.setReg(vdev.RegIMR, 0)
+		v.setReg(vdev.RegCtl, vdev.CtlActivate)
+		require.EqualValues(t, eFault, v.reg(vdev.RegErr), "ACTIVATE after a DSR at %#x", gpa)
+		require.EqualValues(t, eFault, v.request(vdev.CmdQueryPort).err)
+	}
+	refusedAt(outsideRAM, eFault)
+	refusedAt(0xffff_ffff_ffff_f000, eFault)
+	refusedAt(ramSize-8, eFault)   // the DSR's 280 bytes straddle the end of RAM
+	refusedAt(firstPage+4, eInval) // misaligned
+	refusedAt(noFDBase, eFault)    // not shared: the device cannot reach it in place
+	// A valid DSR in memory the device may only read: it cannot write
+	// the caps there.
+	d := v.layoutDSR()
+	d.Encode(roMem)
+	refusedAt(roBase, eFault)
+
+	for _, c := range []struct {
+		name   string
+		mutate func(*vdev.DSR)
+		errno  syscall.Errno
+	}{
+		{"command slot outside RAM", func(d *vdev.DSR) { d.CmdSlot = outsideRAM }, eFault},
+		{"command slot misaligned", func(d *vdev.DSR) { d.CmdSlot += 8 }, eInval},
+		{"response slot outside RAM", func(d *vdev.DSR) { d.RespSlot = outsideRAM }, eFault},
+		{"response slot at the last byte of RAM", func(d *vdev.DSR) { d.RespSlot = ramSize - 1 }, eInval},
+		{"response slot past the end of RAM", func(d *vdev.DSR) { d.RespSlot = ramSize }, eFault},
+		{"response slot not shared", func(d *vdev.DSR) { d.RespSlot = noFDBase }, eFault},
+		{"async directory outside RAM", func(d *vdev.DSR) { d.AsyncRing.PDirDMA = outsideRAM }, eFault},
+		{"async directory misaligned", func(d *vdev.DSR) { d.AsyncRing.PDirDMA += 16 }, eInval},
+		{"CQ directory at the wrapping end", func(d *vdev.DSR) { d.CQRing.PDirDMA = 0xffff_ffff_ffff_f000 }, eFault},
+		{"CQ ring in read-only memory", func(d *vdev.DSR) {
+			d.CQRing.PDirDMA = v.pdir([]uint64{roBase, roBase + 0x1000, roBase + 0x2000, roBase + 0x3000})
+		}, eFault},
+	} {
+		errReg, caps := v.loadDSR(c.mutate)
+		t.Run(c.name, func(t *testing.T) { refusedDSR(t, v, errReg, caps, c.errno) })
+	}
+	v.probe()
+	p := &endpoint{v: v, gid: gidFor(1)}
+	v.bindGID(0, p.gid)
+	loopbackExchange(t, p)
+	e.healthy()
+}
+
+// loopbackExchange gives endpoint p (booted, GID bound) objects and runs
+// a SEND and an RDMA WRITE between two of its own QPs.
+func loopbackExchange(t *testing.T, p *endpoint) {
+	t.Helper()
+	v := p.v
+	p.uc = v.createUC(2)
+	p.pd = v.createPD(p.uc)
+	p.scq, p.rcq = v.createCQ(p.uc, 64), v.createCQ(p.uc, 64)
+	p.mr = v.regMR(p.pd, mrIOVA, mrBytes, accRW)
+	a, b := p.loopPair()
+	pa := &endpoint{v: v, gid: p.gid, scq: p.scq, rcq: p.rcq, mr: p.mr, qp: a}
+	pb := &endpoint{v: v, gid: p.gid, scq: p.scq, rcq: p.rcq, mr: v.regMR(p.pd, mrIOVA+mrBytes, mrBytes, accRW), qp: b}
+	exchange(t, pa, pb)
+}
+
+// TestStaleAndOutOfRangeHandles uses handles of destroyed objects and
+// handles that never existed in every command that takes one, keys of a
+// destroyed MR in WQEs, and checks that a QP reusing a destroyed QP's
+// handle never sees the old QP's completions.
+func TestStaleAndOutOfRangeHandles(t *testing.T) {
+	e := newEnv(t)
+	p := e.endpoint(vmEvil, 1)
+	v := p.v
+	x, y := p.loopPair()
+	// x's SEND finds no receive at y: it stays outstanding (RNR retry 7
+	// is forever) while x is destroyed under it.
+	x.postSend(sendWQE(0xdead), p.mr.sge(0, 8))
+	time.Sleep(20 * time.Millisecond)
+	v.mustCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: x.handle})
+	bad := e.counter(vmEvil, "bad_doorbells")
+	x.ringSend()
+	require.Equal(t, bad+1, e.counter(vmEvil, "bad_doorbells"), "doorbell of a destroyed QP")
+
+	// The handle of the destroyed x is reused by z: z's completions are
+	// z's, and x's outstanding SEND never completes on anything.
+	z, w := p.loopPair()
+	require.Equal(t, x.handle, z.handle, "lowest free handle reused")
+	y.postRecv(0x7, p.mr.sge(0x1000, 64))
+	w.postRecv(0x8, p.mr.sge(0x2000, 64))
+	z.postSend(sendWQE(0x9), p.mr.sge(0, 8))
+	requireCQE(t, p.scq.wait(), z, 0x9, hostverbs.WCSend, hostverbs.WCSuccess)
+	requireCQE(t, p.rcq.wait(), w, 0x8, hostverbs.WCRecv, hostverbs.WCSuccess)
+	time.Sleep(50 * time.Millisecond)
+	p.scq.empty()
+	p.rcq.empty()
+
+	// A QP, a CQ, an MR and a PD that existed: their handles are stale.
+	staleQP, _ := p.loopPair()
+	v.mustCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: staleQP.handle})
+	staleCQ := v.createCQ(p.uc, 16)
+	v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: staleCQ.handle})
+	staleMR := v.regMR(p.pd, 0x6000_0000, 0x1000, accLocalWrite)
+	v.mustCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: staleMR.handle})
+	stalePD := v.createPD(p.uc)
+	v.mustCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: stalePD})
+	never := []uint32{1000, vdev.UARHandleMask, 0xffffffff}
+	for _, h := range append([]uint32{staleQP.handle}, never...) {
+		v.failCmd(vdev.CmdModifyQP, vdev.ModifyQP{QPHandle: h, AttrMask: 1, Attrs: vdev.QPAttr{State: 6}}, eInval)
+		v.failCmd(vdev.CmdQueryQP, vdev.QueryQP{QPHandle: h}, eInval)
+		v.failCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: h}, eInval)
+	}
+	for _, h := range append([]uint32{staleCQ.handle}, never...) {
+		v.failCmd(vdev.CmdResizeCQ, vdev.ResizeCQ{CQHandle: h, CQE: 16}, eInval)
+		v.failCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: h}, eInval)
+	}
+	for _, h := range append([]uint32{staleMR.handle}, never...) {
+		v.failCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: h}, eInval)
+	}
+	for _, h := range append([]uint32{stalePD}, never...) {
+		v.failCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: h}, eInval)
+		v.failCmd(vdev.CmdCreateMR, vdev.CreateMR{PDHandle: h, Start: 0x1000, Length: 0x1000, NChunks: 1,
+			PDirDMA: v.pdir(v.pages(1)), AccessFlags: accLocalWrite}, eInval)
+		v.failCmd(vdev.CmdCreateSRQ, vdev.CreateSRQ{PDHandle: h, NChunks: 2, PDirDMA: v.pdir(v.pages(2)),
+			Attrs: vdev.SRQAttr{MaxWR: 4, MaxSGE: 1}}, eInval)
+	}
+	for _, h := range append([]uint32{0, 3}, never...) { // no SRQ was ever created
+		v.failCmd(vdev.CmdQuerySRQ, vdev.QuerySRQ{SRQHandle: h}, eInval)
+		v.failCmd(vdev.CmdModifySRQ, vdev.ModifySRQ{SRQHandle: h, AttrMask: 2}, eInval)
+		v.failCmd(vdev.CmdDestroySRQ, vdev.DestroySRQ{SRQHandle: h}, eInval)
+	}
+	for _, h := range append([]uint32{5}, never...) { // contexts: only 1 exists
+		v.failCmd(vdev.CmdCreatePD, vdev.CreatePD{CtxHandle: h}, eInval)
+		v.failCmd(vdev.CmdCreateCQ, vdev.CreateCQ{CtxHandle: h, CQE: 16, NChunks: 2, PDirDMA: v.pdir(v.pages(2))}, eInval)
+		v.failCmd(vdev.CmdDestroyUC, vdev.DestroyUC{CtxHandle: h}, eInval)
+	}
+	for _, idx := range []uint32{1, 16, 255, 0xffffffff} {
+		v.failCmd(vdev.CmdDestroyBind, vdev.DestroyBind{Index: idx, DestGID: p.gid}, eInval)
+	}
+	for _, idx := range []uint32{v.caps.GIDTblLen, 255, 0xffffffff} {
+		v.failCmd(vdev.CmdCreateBind, vdev.CreateBind{Index: idx, NewGID: gidFor(7), GIDType: 2}, eInval)
+	}
+	v.failCmd(vdev.CmdDestroyBind, vdev.DestroyBind{Index: 0, DestGID: gidFor(7)}, eInval) // not the bound GID
+
+	// Objects in use cannot go; objects of a QP that does not exist cannot
+	// be named.
+	v.failCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: p.scq.handle}, syscall.EBUSY)
+	v.failCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: p.pd}, syscall.EBUSY)
+	cq := v.createCQ(p.uc, 16)
+	v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: cq.handle})
+	_, req := v.layoutQP(qpSpec{pd: p.pd, scq: cq, rcq: p.rcq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1})
+	v.failCmd(vdev.CmdCreateQP, req, eInval)
+	req.SendCQHandle, req.IsSRQ, req.SRQHandle = p.scq.handle, 1, 3
+	v.failCmd(vdev.CmdCreateQP, req, eInval)
+
+	// Keys of a destroyed MR: the lkey in a local SGE, the rkey at the
+	// target.
+	old := v.regMR(p.pd, 0x5000_0000, 0x3000, accRW)
+	v.mustCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: old.handle})
+	v.failCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: old.handle}, eInval)
+	a, b := p.loopPair()
+	a.postSend(sendWQE(1), old.sge(0, 8))
+	requireCQE(t, p.scq.wait(), a, 1, hostverbs.WCSend, hostverbs.WCLocProtErr)
+	a, b = p.loopPair()
+	a.postSend(writeWQE(2, old.iova, old.rkey), p.mr.sge(0, 8))
+	requireCQE(t, p.scq.wait(), a, 2, hostverbs.WCRDMAWrite, hostverbs.WCRemAccessErr)
+	_ = b
+
+	e.healthy()
+}
+
+// TestDoorbellsForUnknownHandles rings every doorbell with handles that
+// name nothing, at offsets that are no doorbell, on pages of no context:
+// each is dropped and counted, nothing else happens, and the device
+// keeps working.
+func TestDoorbellsForUnknownHandles(t *testing.T) {
+	e := newEnv(t)
+	p := e.endpoint(vmEvil, 1)
+	v := p.v
+	st := e.vmStatus(vmEvil).Counters
+	bells, bad, polls := st["doorbells"], st["bad_doorbells"], st["poll_doorbells"]
+	type bell struct {
+		page uint32
+		off  uint64
+		val  uint32
+	}
+	var unknown []bell
+	for _, h := range []uint32{5, 77, 0xffff, vdev.UARHandleMask} {
+		unknown = append(unknown,
+			bell{p.uc, vdev.UARQPOffset, vdev.UARQPSend | h},
+			bell{p.uc, vdev.UARQPOffset, vdev.UARQPRecv | h},
+			bell{p.uc, vdev.UARCQOffset, vdev.UARCQArm | h},
+			bell{p.uc, vdev.UARCQOffset, vdev.UARCQArmSol | h},
+			bell{p.uc, vdev.UARSRQOffset, vdev.UARSRQRecv | h})
+	}
+	unknown = append(unknown,
+		bell{p.uc, vdev.UARCQOffset, vdev.UARCQPoll | 55},              // a POLL, counted as such too
+		bell{p.uc, vdev.UARSRQOffset, vdev.UARSRQRecv},                 // SRQ 0: none exists
+		bell{p.uc, 12, vdev.UARQPSend | p.qp.handle},                   // no doorbell at 12
+		bell{p.uc, 0x800, vdev.UARQPSend | p.qp.handle},                // nor in the middle
+		bell{p.uc, vdev.UARPageSize - 4, vdev.UARCQArm | p.scq.handle}, // nor at the end
+		bell{p.uc + 1, vdev.UARQPOffset, vdev.UARQPSend | p.qp.handle}, // another page
+		bell{vdev.UARPages - 1, vdev.UARCQOffset, vdev.UARCQArm | p.scq.handle},
+	)
+	for _, b := range unknown {
+		v.doorbell(b.page, b.off, b.val)
+	}
+	st = e.vmStatus(vmEvil).Counters
+	require.Equal(t, bells+uint64(len(unknown)), st["doorbells"])
+	require.Equal(t, bad+uint64(len(unknown)), st["bad_doorbells"])
+	require.Equal(t, polls+1, st["poll_doorbells"])
+	require.Zero(t, st["bad_wqes"]+st["send_wqes"]+st["recv_wqes"])
+	// A doorbell with no action bit for a real QP does nothing, and is
+	// not an error.
+	v.doorbell(p.uc, vdev.UARQPOffset, p.qp.handle)
+	require.Equal(t, bad+uint64(len(unknown)), e.counter(vmEvil, "bad_doorbells"))
+	require.Empty(t, v.events())
+	p.scq.empty()
+	p.rcq.empty()
+	a, b := p.loopPair()
+	b.postRecv(1, p.mr.sge(0, 64))
+	a.postSend(sendWQE(2), p.mr.sge(0x100, 64))
+	requireCQE(t, p.scq.wait(), a, 2, hostverbs.WCSend, hostverbs.WCSuccess)
+	requireCQE(t, p.rcq.wait(), b, 1, hostverbs.WCRecv, hostverbs.WCSuccess)
+	e.healthy()
+}
+
+// TestOddAndUnalignedBARAccesses sends BAR accesses of every size and
+// alignment, to every region, posted and not: register and doorbell
+// writes other than aligned dwords are refused without effect, reads of
+// any size and alignment are answered, accesses outside a region are
+// refused by vfio-user, and posted ones are never answered.
+func TestOddAndUnalignedBARAccesses(t *testing.T) {
+	e := newEnv(t)
+	p := e.endpoint(vmEvil, 1)
+	v := p.v
+	badBefore := e.counter(vmEvil, "bad_bar_accesses")
+	bellsBefore := e.counter(vmEvil, "doorbells")
+	write := func(region uint32, off uint64, data []byte) error {
+		return v.c.RegionWrite(region, off, data, false)
+	}
+	read := func(region uint32, off uint64, n uint32) ([]byte, error) {
+		return v.c.RegionRead(region, off, n)
+	}
+	// Registers: IMR (0) must survive every malformed write of ~0.
+	refused := 0
+	for _, w := range []struct {
+		off uint64
+		n   int
+	}{{vdev.RegIMR, 1}, {vdev.RegIMR, 2}, {vdev.RegIMR + 1, 2}, {vdev.RegIMR + 1, 4}, {vdev.RegICR, 8}, {vdev.RegIMR, 3}} {
+		data := make([]byte, w.n)
+		for i := range data {
+			data[i] = 0xff
+		}
+		require.ErrorIs(t, write(bar1, w.off, data), syscall.EIO, "BAR1 %#x+%d", w.off, w.n)
+		refused++
+	}
+	require.Zero(t, v.reg(vdev.RegIMR), "IMR untouched")
+	require.ErrorIs(t, write(bar1, vdev.RegRequest, []byte{0}), syscall.EIO, "a byte write to REQUEST runs nothing")
+	refused++
+	require.NoError(t, write(bar1, vdev.RegRequest, nil), "an empty write is a no-op")
+	// Reads of any size and alignment see the same registers.
+	for off := uint64(0); off < 0x28; off++ {
+		for _, n := range []uint32{1, 2, 3, 4, 8} {
+			b, err := read(bar1, off, n)
+			require.NoError(t, err, "BAR1 %#x+%d", off, n)
+			for i := range b {
+				reg := (off + uint64(i)) &^ 3
+				if reg == vdev.RegICR {
+					continue // read-to-clear
+				}
+				want := v.reg(reg) >> (8 * ((off + uint64(i)) & 3))
+				require.EqualValues(t, byte(want), b[i], "BAR1 %#x+%d byte %d", off, n, i)
+			}
+		}
+	}
+	_, err := read(bar1, 0, 16)
+	require.ErrorIs(t, err, syscall.EIO, "a 16-byte register read")
+	refused++
+	_, err = read(bar1, vdev.BAR1Size-2, 4)
+	require.ErrorIs(t, err, syscall.EINVAL, "a read straddling the end of BAR1")
+	require.ErrorIs(t, write(bar1, vdev.BAR1Size, []byte{0, 0, 0, 0}), syscall.EINVAL)
+
+	// Doorbells: only aligned dwords ring.
+	for _, w := range []struct {
+		off uint64
+		n   int
+	}{{0, 1}, {0, 2}, {0, 8}, {1, 4}, {2, 4}, {4, 2}, {6, 2}, {vdev.UARPageSize - 2, 2}} {
+		data := make([]byte, w.n)
+		data[len(data)-1] = 0x40 // the SEND bit of a QP doorbell, wherever it lands
+		require.ErrorIs(t, write(bar2, uint64(p.uc)*vdev.UARPageSize+w.off, data), syscall.EIO, "UAR %#x+%d", w.off, w.n)
+		refused++
+	}
+	require.Equal(t, bellsBefore, e.counter(vmEvil, "doorbells"), "no doorbell rang")
+	require.Equal(t, badBefore+uint64(refused), e.counter(vmEvil, "bad_bar_accesses"))
+
+	// BAR0: the MSI-X table and PBA belong to QEMU and pcidev; writes are
+	// absorbed, reads answered.
+	require.NoError(t, write(0, vdev.MSIXPBA, []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}))
+	b, err := read(0, vdev.MSIXPBA, 8)
+	require.NoError(t, err)
+	require.Equal(t, make([]byte, 8), b, "the PBA is read-only")
+	require.NoError(t, write(0, 0x3000, []byte{1, 2, 3}))
+
+	// Regions without a BAR, past the last region, and transfers beyond
+	// max_data_xfer_size.
+	for _, region := range []uint32{3, 4, 5, vfiouser.RegionROM, vfiouser.RegionVGA, 9, 0xffffffff} {
+		_, err := read(region, 0, 4)
+		require.ErrorIs(t, err, syscall.EINVAL, "read region %d", region)
+		require.ErrorIs(t, write(region, 0, []byte{1, 2, 3, 4}), syscall.EINVAL, "write region %d", region)
+	}
+	_, err = read(bar2, 0, 2<<20)
+	require.ErrorIs(t, err, syscall.E2BIG)
+	_, err = read(bar2, ^uint64(0)-1, 4)
+	require.ErrorIs(t, err, syscall.EINVAL, "offset wrapping")
+
+	// Posted (no-reply) malformed writes get no answer, and the
+	// connection carries on.
+	for _, w := range [][]byte{{1}, {1, 2}, {1, 2, 3, 4, 5, 6, 7, 8}} {
+		require.NoError(t, v.c.RegionWrite(bar1, vdev.RegIMR, w, true))
+		require.NoError(t, v.c.RegionWrite(bar2, 2, w, true))
+		require.NoError(t, v.c.RegionWrite(9, 0, w, true))
+	}
+	require.NoError(t, v.c.ExpectSilence(100*time.Millisecond))
+	require.Zero(t, v.reg(vdev.RegIMR))
+	require.EqualValues(t, vdev.DeviceVersion, v.reg(vdev.RegVersion))
+
+	a, bq := p.loopPair()
+	bq.postRecv(1, p.mr.sge(0, 64))
+	a.postSend(sendWQE(2), p.mr.sge(0x100, 64))
+	requireCQE(t, p.scq.wait(), a, 2, hostverbs.WCSend, hostverbs.WCSuccess)
+	requireCQE(t, p.rcq.wait(), bq, 1, hostverbs.WCRecv, hostverbs.WCSuccess)
+	e.healthy()
+}
