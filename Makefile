@@ -11,12 +11,16 @@ GO ?= go
 UNIT_TIMEOUT ?= 20m
 VM_TIMEOUT ?= 40m
 
-.PHONY: all build deps image test unit vmtest demo check clean-cache
+.PHONY: all build bin deps image test unit vmtest demo bench bench-vm check clean-cache
 
 all: build
 
 build:
 	$(GO) build ./...
+
+# The daemon binary.
+bin:
+	$(GO) build -o bin/pvrdma-backend ./cmd/pvrdma-backend
 
 deps:
 	./scripts/deps.sh
@@ -32,8 +36,18 @@ vmtest: image
 
 test: deps image unit vmtest
 
-demo: deps
-	$(GO) run ./tests/vm/cmd/vmdemo
+# The main job: the daemon plus two stock guests doing RDMA through it.
+demo: deps image bin
+	$(GO) run ./tests/demo -backend bin/pvrdma-backend
+
+# Micro-benchmarks, each printing ratios against a reference measured in the
+# same run (bare socket ping-pong, UDP blast and ping-pong, memcpy).
+bench:
+	$(GO) test -run '^$$' -bench . -benchmem -benchtime 2s ./vfiouser ./vdev ./hostverbs/soft ./guestmem
+
+# Guests through our device vs rxe in the guest, same run, as ratios.
+bench-vm: image
+	$(GO) test -tags vm -run '^$$' -bench VMvsRxe -benchtime 1x -timeout 30m ./tests/e2e
 
 check:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt -l:"; echo "$$out"; exit 1; fi

@@ -32,15 +32,18 @@ type FabricStatus struct {
 
 // VMStatus is one VM's session.
 type VMStatus struct {
-	Name        string            `json:"name"`
-	Socket      string            `json:"socket"`
-	MAC         string            `json:"mac"`
-	Connected   bool              `json:"connected"`
-	Since       time.Time         `json:"since,omitzero"`
-	GIDs        []GIDStatus       `json:"gids,omitempty"`
-	Resources   map[string]int    `json:"resources,omitempty"`
-	LockedBytes uint64            `json:"locked_bytes"`
-	Counters    map[string]uint64 `json:"counters,omitempty"`
+	Name        string         `json:"name"`
+	Socket      string         `json:"socket"`
+	MAC         string         `json:"mac"`
+	Connected   bool           `json:"connected"`
+	Since       time.Time      `json:"since,omitzero"`
+	GIDs        []GIDStatus    `json:"gids,omitempty"`
+	Resources   map[string]int `json:"resources,omitempty"`
+	LockedBytes uint64         `json:"locked_bytes"`
+	// Fault is why the device refused the guest, if it did (e.g. guest RAM
+	// not shared).
+	Fault    string            `json:"fault,omitempty"`
+	Counters map[string]uint64 `json:"counters,omitempty"`
 }
 
 // GIDStatus is one bound GID.

@@ -179,14 +179,20 @@ func (s *vmSession) status() VMStatus {
 			st.GIDs = append(st.GIDs, GIDStatus{Index: i, GID: e.GID.String(), Type: e.Type.String()})
 		}
 	}
+	st.Resources = c.dev.Objects()
+	if err := c.dev.Fault(); err != nil {
+		st.Fault = err.Error()
+	}
 	ds := c.dev.Stats()
 	st.Counters = map[string]uint64{
 		"commands": ds.Commands, "command_errors": ds.CommandErrors,
 		"doorbells": ds.Doorbells, "poll_doorbells": ds.PollDoorbells, "bad_doorbells": ds.BadDoorbells,
 		"send_wqes": ds.SendWQEs, "recv_wqes": ds.RecvWQEs, "bad_wqes": ds.BadWQEs,
-		"flushed_wqes": ds.FlushedWQEs, "completions": ds.Completions, "cq_overflows": ds.CQOverflows,
-		"cq_notifications": ds.CQNotifications, "async_events": ds.AsyncEvents,
-		"interrupts": ds.Interrupts, "bad_bar_accesses": ds.BadBARAccesses,
+		"flushed_wqes": ds.FlushedWQEs, "stalled_posts": ds.StalledPosts,
+		"completions": ds.Completions, "stale_completions": ds.StaleCompletions, "cq_overflows": ds.CQOverflows,
+		"cq_notifications": ds.CQNotifications, "notify_dropped": ds.NotifyDropped,
+		"async_events": ds.AsyncEvents, "async_dropped": ds.AsyncDropped,
+		"interrupts": ds.Interrupts, "masked_interrupts": ds.MaskedInterrupts, "bad_bar_accesses": ds.BadBARAccesses,
 	}
 	return st
 }

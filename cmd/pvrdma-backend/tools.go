@@ -197,5 +197,13 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		fmt.Fprintf(tw, "%s\t%v\t%s\t%s\t%d\t%d\t%dM\n", vm.Name, vm.Connected, vm.MAC, strings.Join(gids, ","),
 			vm.Resources["qp"], vm.Resources["mr"], vm.LockedBytes>>20)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, vm := range st.VMs {
+		if vm.Fault != "" {
+			fmt.Fprintf(stdout, "%s: device fault: %s\n", vm.Name, vm.Fault)
+		}
+	}
+	return nil
 }

@@ -1,0 +1,14 @@
+package vdev
+
+// Objects counts the device's live objects by kind ("uc", "pd", "mr", "cq",
+// "qp", "srq") and the bytes of registered memory ("mr_bytes"), for the
+// daemon's status and metrics.
+func (d *Device) Objects() map[string]int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return map[string]int{
+		"uc": d.ucs.len(), "pd": d.pds.len(), "mr": d.mrs.len(),
+		"cq": d.cqs.len(), "qp": d.qps.len(), "srq": d.srqs.len(),
+		"mr_bytes": int(d.mrBytes),
+	}
+}
