@@ -209,6 +209,7 @@ func pciConfig(dev *vdev.Device, onClose func() error) pcidev.Config {
 		RequireSharedMemory: true,
 		Reset:               func(vfiouser.ResetReason) { dev.Reset() },
 		Close:               onClose,
+		INTxLevel:           dev.InterruptPending,
 	}
 	for i, b := range info.BARs {
 		if b.Size == 0 {

@@ -12,3 +12,7 @@ func (d *Device) Objects() map[string]int {
 		"mr_bytes": int(d.mrBytes),
 	}
 }
+
+// InterruptPending reports whether ICR holds an unread cause: the level of
+// the device's INTx line when the guest runs without MSI-X.
+func (d *Device) InterruptPending() bool { return d.icr.Load() != 0 }
