@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -243,6 +244,10 @@ func (f *Fabric) putTx(t *txBatch) { f.txPool.Put(t) }
 // rxBatch is how many datagrams one Receive call may return.
 const rxBatch = 64
 
+// drainBatches bounds how many extra batches the receive loop takes in
+// before it sends what it owes.
+const drainBatches = 4
+
 // receiveLoop reads datagrams from the wire and processes each batch on
 // this goroutine; what the batch provokes (ACKs, read responses, more
 // requests) is transmitted at the end of the batch.
@@ -256,6 +261,7 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 	lens := make([]int, rxBatch)
 	tx := newTxBatch(f)
 	tx.rx = true
+	pw, _ := f.wire.(pollingWire)
 	var rp roce.Packet
 	var p packet
 	for {
@@ -275,6 +281,24 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 		}
 		for i := range n {
 			f.receiveDatagram(tx, bufs[i][:lens[i]], &rp, &p)
+		}
+		// Before sending the ACKs this work produced, let the goroutines
+		// its completions woke run (a consumer answering a message is
+		// latency-critical, an ACK is not), and take in what arrived
+		// meanwhile (often that answer), a few batches at most so the
+		// ACKs are not held back under load.
+		for range drainBatches {
+			runtime.Gosched()
+			if pw == nil {
+				break
+			}
+			n, err := pw.TryReceive(queue, bufs, lens)
+			if err != nil || n == 0 {
+				break
+			}
+			for i := range n {
+				f.receiveDatagram(tx, bufs[i][:lens[i]], &rp, &p)
+			}
 		}
 		tx.flush()
 	}
@@ -300,5 +324,7 @@ func (f *Fabric) receiveDatagram(tx *txBatch, d []byte, rp *roce.Packet, p *pack
 		return
 	}
 	p.fromWire(rp)
+	if p.op == 4 {
+	}
 	dev.deliver(tx, p)
 }

@@ -59,6 +59,13 @@ const testIOVA = 0x7f1200000000
 
 func newEndpoint(t testing.TB, f *Fabric, name, ip string, size uint64) *endpoint {
 	t.Helper()
+	return newEndpointLayout(t, f, name, ip, size, false)
+}
+
+// newEndpointLayout is newEndpoint with the MR's pages in guest-physical
+// order (contiguous) or reversed (every page boundary a discontinuity).
+func newEndpointLayout(t testing.TB, f *Fabric, name, ip string, size uint64, contiguous bool) *endpoint {
+	t.Helper()
 	size = (size + guestmem.PageSize - 1) &^ (guestmem.PageSize - 1)
 	mem, data := guestmem.NewFlat(0, size)
 	ev := make(chan hostverbs.AsyncEvent, 64)
@@ -83,6 +90,9 @@ func newEndpoint(t testing.TB, f *Fabric, name, ip string, size uint64) *endpoin
 	for i := range pages {
 		// Reverse order: every page boundary is a discontinuity.
 		pages[i] = guestmem.GPA((npages - 1 - uint64(i)) * guestmem.PageSize)
+		if contiguous {
+			pages[i] = guestmem.GPA(uint64(i) * guestmem.PageSize)
+		}
 	}
 	pl, err := guestmem.NewPageList(testIOVA, size, pages)
 	require.NoError(t, err)

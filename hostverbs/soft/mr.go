@@ -177,13 +177,48 @@ func walkSegs(segs []seg, off, n uint64, fn func(s *seg, iova, cnt uint64) error
 
 var errLength = errors.New("length exceeds the buffer")
 
+// pageRun returns the physically contiguous run of pl that starts at iova, at
+// most n bytes long: adjacent guest pages are copied in one piece. The
+// range was checked against the MR when its segment was resolved; a page
+// list that ends early yields a short run (and the access then fails in
+// guestmem rather than here).
+func pageRun(pl *guestmem.PageList, iova, n uint64) (guestmem.GPA, uint64) {
+	if pl.Pages == nil {
+		return guestmem.GPA(iova), n
+	}
+	idx := iova>>guestmem.PageShift - pl.IOVA>>guestmem.PageShift
+	if idx >= uint64(len(pl.Pages)) {
+		return ^guestmem.GPA(0), 0
+	}
+	off := iova & (guestmem.PageSize - 1)
+	gpa := pl.Pages[idx] + guestmem.GPA(off)
+	cnt := min(n, guestmem.PageSize-off)
+	for cnt < n && idx+1 < uint64(len(pl.Pages)) && pl.Pages[idx+1] == pl.Pages[idx]+guestmem.PageSize {
+		idx++
+		cnt = min(n, cnt+guestmem.PageSize)
+	}
+	return gpa, cnt
+}
+
+// errShortPages is returned when a page list does not cover a range it
+// was checked to cover (it cannot happen for lists built by NewPageList).
+var errShortPages = errors.New("page list shorter than its range")
+
 // gather copies len(dst) bytes at message offset off of segs into dst.
 func gather(dst []byte, segs []seg, off uint64) error {
 	done := uint64(0)
 	return walkSegs(segs, off, uint64(len(dst)), func(s *seg, iova, cnt uint64) error {
-		err := s.mr.pages.ReadAt(s.mr.mem, dst[done:done+cnt], iova)
-		done += cnt
-		return err
+		for cnt > 0 {
+			gpa, c := pageRun(&s.mr.pages, iova, cnt)
+			if c == 0 {
+				return errShortPages
+			}
+			if err := s.mr.mem.ReadAt(dst[done:done+c], gpa); err != nil {
+				return err
+			}
+			done, iova, cnt = done+c, iova+c, cnt-c
+		}
+		return nil
 	})
 }
 
@@ -191,9 +226,17 @@ func gather(dst []byte, segs []seg, off uint64) error {
 func scatter(segs []seg, off uint64, src []byte) error {
 	done := uint64(0)
 	return walkSegs(segs, off, uint64(len(src)), func(s *seg, iova, cnt uint64) error {
-		err := s.mr.pages.WriteAt(s.mr.mem, src[done:done+cnt], iova)
-		done += cnt
-		return err
+		for cnt > 0 {
+			gpa, c := pageRun(&s.mr.pages, iova, cnt)
+			if c == 0 {
+				return errShortPages
+			}
+			if err := s.mr.mem.WriteAt(src[done:done+c], gpa); err != nil {
+				return err
+			}
+			done, iova, cnt = done+c, iova+c, cnt-c
+		}
+		return nil
 	})
 }
 
@@ -214,13 +257,16 @@ func copySegs(dst []seg, dstOff uint64, src []seg, srcOff, n uint64) error {
 // copyRange copies n bytes between the IOVA ranges of two MRs, one
 // physically contiguous run at a time.
 func copyRange(dm *mr, diova uint64, sm *mr, siova, n uint64) error {
-	return sm.pages.Chunks(siova, n, func(sgpa guestmem.GPA, c1 uint64) error {
-		err := dm.pages.Chunks(diova, c1, func(dgpa guestmem.GPA, c2 uint64) error {
-			err := guestmem.Copy(dm.mem, dgpa, sm.mem, sgpa, c2)
-			sgpa += guestmem.GPA(c2)
+	for n > 0 {
+		sgpa, sc := pageRun(&sm.pages, siova, n)
+		dgpa, dc := pageRun(&dm.pages, diova, sc)
+		if sc == 0 || dc == 0 {
+			return errShortPages
+		}
+		if err := guestmem.Copy(dm.mem, dgpa, sm.mem, sgpa, dc); err != nil {
 			return err
-		})
-		diova += c1
-		return err
-	})
+		}
+		siova, diova, n = siova+dc, diova+dc, n-dc
+	}
+	return nil
 }

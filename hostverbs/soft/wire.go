@@ -25,6 +25,14 @@ type Wire interface {
 	Close() error
 }
 
+// pollingWire is implemented by wires that can check a queue without
+// blocking: the receive loop drains what is already there before it
+// sends the ACKs its work produced.
+type pollingWire interface {
+	// TryReceive is Receive that returns 0 at once if nothing is queued.
+	TryReceive(queue int, bufs [][]byte, lens []int) (int, error)
+}
+
 // Datagram is one outgoing RoCE v2 packet.
 type Datagram struct {
 	// Packet is an IPv4 or IPv6 datagram carrying UDP port 4791, ICRC

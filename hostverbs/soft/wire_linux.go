@@ -358,6 +358,27 @@ func (w *KernelWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 		return 0, fmt.Errorf("kernel wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
 	}
 	s := w.rx[queue]
+	k := w.prepareRecv(s, bufs)
+	s.rxK = k
+	err := s.rc.Read(s.rxFn)
+	n, rerr := s.rxN, s.rxErr
+	if err != nil {
+		select {
+		case <-w.closedFlag:
+			return 0, fmt.Errorf("kernel wire: %w", hostverbs.ErrClosed)
+		default:
+		}
+		return 0, fmt.Errorf("kernel wire: receive: %w", err)
+	}
+	if rerr != nil {
+		return 0, fmt.Errorf("kernel wire: recvmmsg: %w", rerr)
+	}
+	w.finishRecv(s, bufs, lens, n)
+	return n, nil
+}
+
+// prepareRecv points the receive headers at bufs.
+func (w *KernelWire) prepareRecv(s *rawSock, bufs [][]byte) int {
 	k := min(len(bufs), len(s.hdrs))
 	off := 0
 	if s.v6 {
@@ -376,26 +397,34 @@ func (w *KernelWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 			h.SetControllen(len(oob))
 		}
 	}
-	s.rxK = k
-	err := s.rc.Read(s.rxFn)
-	n, rerr := s.rxN, s.rxErr
-	if err != nil {
-		select {
-		case <-w.closedFlag:
-			return 0, fmt.Errorf("kernel wire: %w", hostverbs.ErrClosed)
-		default:
-		}
-		return 0, fmt.Errorf("kernel wire: receive: %w", err)
-	}
-	if rerr != nil {
-		return 0, fmt.Errorf("kernel wire: recvmmsg: %w", rerr)
-	}
+	return k
+}
+
+// finishRecv sets the lengths of the n datagrams received.
+func (w *KernelWire) finishRecv(s *rawSock, bufs [][]byte, lens []int, n int) {
 	for i := range n {
 		lens[i] = int(s.hdrs[i].Len)
 		if s.v6 {
 			lens[i] = s.rebuildIPv6(bufs[i], i, lens[i])
 		}
 	}
+}
+
+// TryReceive is Receive without waiting.
+func (w *KernelWire) TryReceive(queue int, bufs [][]byte, lens []int) (int, error) {
+	if queue < 0 || queue >= len(w.rx) {
+		return 0, fmt.Errorf("kernel wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
+	}
+	s := w.rx[queue]
+	k := w.prepareRecv(s, bufs)
+	n, err := recvmmsg(s.fd, s.hdrs[:k])
+	if err == unix.EAGAIN || err == unix.EINTR {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("kernel wire: recvmmsg: %w", err)
+	}
+	w.finishRecv(s, bufs, lens, n)
 	return n, nil
 }
 
