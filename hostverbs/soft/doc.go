@@ -61,9 +61,9 @@
 // reached, SQ drained) go to DeviceConfig.Events. Neither may call back
 // into the provider.
 //
-// In-process delivery is synchronous: PostSend (and PostRecv-free paths
-// such as Modify) may run the destination device's responder and call its
-// completion handler, and then this device's, before returning. A caller
+// In-process delivery is synchronous: PostSend and Modify (into RTS) may
+// run the destination device's responder and call its completion handler,
+// and then this device's, before returning. A caller
 // must therefore not hold, across PostSend, a lock that any device's
 // completion handler or event callback takes.
 //
