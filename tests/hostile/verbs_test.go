@@ -2,6 +2,7 @@ package hostile
 
 import (
 	"bytes"
+	"fmt"
 	"testing"
 	"time"
 
@@ -120,17 +121,26 @@ func (v *vm) createCQ(ctx, n uint32) *gcq {
 // poll takes one CQE as pvrdma_poll_one does; false when empty.
 func (c *gcq) poll() (vdev.CQE, bool) {
 	c.v.t.Helper()
+	e, ok, err := c.tryPoll()
+	require.NoError(c.v.t, err)
+	return e, ok
+}
+
+// tryPoll is poll for goroutines other than the test's.
+func (c *gcq) tryPoll() (vdev.CQE, bool, error) {
 	state := c.pages[0] + 8
 	tail, head := load32(c.v.ram, state), load32(c.v.ram, state+4)
-	require.True(c.v.t, ringValid(tail, c.n) && ringValid(head, c.n), "CQ %d ring state %#x/%#x", c.handle, tail, head)
+	if !ringValid(tail, c.n) || !ringValid(head, c.n) {
+		return vdev.CQE{}, false, fmt.Errorf("CQ %d ring state %#x/%#x", c.handle, tail, head)
+	}
 	if tail == head {
-		return vdev.CQE{}, false
+		return vdev.CQE{}, false, nil
 	}
 	off := uint64(head&(c.n-1)) * vdev.CQESize
 	var e vdev.CQE
 	e.Decode(c.v.ram[c.pages[1+off/4096]+off%4096:])
 	store32(c.v.ram, state+4, ringInc(head, c.n))
-	return e, true
+	return e, true, nil
 }
 
 // wait polls until a CQE arrives. Like rdma-core it writes a POLL
@@ -286,11 +296,15 @@ func (q *gqp) mustModify(mask hostverbs.AttrMask, a vdev.QPAttr) {
 
 // toRTS takes an RC QP through INIT, RTR and RTS with ibv_rc_pingpong's
 // masks (OBSERVED.md "MODIFY_QP as carried"), addressing the peer.
-func (q *gqp) toRTS(destQPN uint32, dgid hostverbs.GID) {
+func (q *gqp) toRTS(destQPN uint32, dgid hostverbs.GID) { q.toRTSRetry(destQPN, dgid, 12, 7) }
+
+// toRTSRetry is toRTS with the responder's RNR timer code and the
+// requester's RNR retry count (7 retries forever, IBA 9.7.5.2.8).
+func (q *gqp) toRTSRetry(destQPN uint32, dgid hostverbs.GID, rnrTimer, rnrRetry uint8) {
 	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW})
-	q.mustModify(0x129181, vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: destQPN, MaxDestRdAtomic: 1, MinRNRTimer: 12,
+	q.mustModify(0x129181, vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: destQPN, MaxDestRdAtomic: 4, MinRNRTimer: rnrTimer,
 		AH: vdev.AHAttr{DGID: dgid, SGIDIndex: 0, HopLimit: 64, Flags: vdev.AHFlagGRH, PortNum: 1}})
-	q.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, MaxRdAtomic: 1})
+	q.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: rnrRetry, MaxRdAtomic: 4})
 }
 
 // state queries the QP's state (QUERY_QP).
@@ -339,11 +353,14 @@ func (e *env) endpoint(name string, n byte) *endpoint {
 }
 
 // pair boots two endpoints and connects their QPs.
-func (e *env) pair(a, b string) (*endpoint, *endpoint) {
+func (e *env) pair(a, b string) (*endpoint, *endpoint) { return e.pairRetry(a, b, 12, 7) }
+
+// pairRetry is pair with an RNR timer and retry count.
+func (e *env) pairRetry(a, b string, rnrTimer, rnrRetry uint8) (*endpoint, *endpoint) {
 	e.t.Helper()
 	pa, pb := e.endpoint(a, 1), e.endpoint(b, 2)
-	pa.qp.toRTS(pb.qp.qpn, pb.gid)
-	pb.qp.toRTS(pa.qp.qpn, pa.gid)
+	pa.qp.toRTSRetry(pb.qp.qpn, pb.gid, rnrTimer, rnrRetry)
+	pb.qp.toRTSRetry(pa.qp.qpn, pa.gid, rnrTimer, rnrRetry)
 	return pa, pb
 }
 
