@@ -3,6 +3,7 @@ package soft
 import (
 	"context"
 	"errors"
+	"runtime"
 	"sync"
 	"sync/atomic"
 )
@@ -57,10 +58,14 @@ func (r *txRing) reserve() *txSlot {
 			return &r.slots[t%uint64(len(r.slots))]
 		}
 		r.mu.Unlock()
-		// Full: send what is ready ourselves.
+		// Full: send what is ready ourselves; if the oldest slot is
+		// still being filled by another producer, let it finish.
 		r.drain.Lock()
-		r.drainLocked()
+		sent := r.drainLocked()
 		r.drain.Unlock()
+		if !sent {
+			runtime.Gosched()
+		}
 	}
 }
 
@@ -114,8 +119,9 @@ func (r *txRing) run(ctx context.Context, done func()) {
 }
 
 // drainLocked sends committed slots from head, in batches, until it meets
-// an empty or uncommitted one. r.drain is held.
-func (r *txRing) drainLocked() {
+// an empty or uncommitted one, and reports whether it sent any. r.drain is
+// held.
+func (r *txRing) drainLocked() (sent bool) {
 	n := uint64(len(r.slots))
 	for {
 		h, t := r.head.Load(), r.tail.Load()
@@ -129,8 +135,9 @@ func (r *txRing) drainLocked() {
 			k++
 		}
 		if k == 0 {
-			return
+			return sent
 		}
+		sent = true
 		r.transmit(r.dgs[:k])
 		for i := range k {
 			s := &r.slots[(h+uint64(i))%n]
