@@ -59,6 +59,16 @@ func (q *qp) receiveResponse(tx *txBatch, p *packet) {
 	if q.state != hostverbs.QPStateErr {
 		q.reqRun(tx)
 	}
+	q.checkSQDrained()
+}
+
+// checkSQDrained reports EventSQDrained once the work started before an
+// RTS -> SQD transition has completed (IBA 11.6.3, affiliated event).
+func (q *qp) checkSQDrained() {
+	if q.state == hostverbs.QPStateSQD && q.attr.EnSQDAsyncNotify && !q.req.sqdNotified && !q.outstanding() {
+		q.req.sqdNotified = true
+		q.dev.event(hostverbs.EventSQDrained, q.ctx, q.qpn)
+	}
 }
 
 func (q *qp) complete(tx *txBatch, p *packet) {

@@ -250,6 +250,23 @@ func TestCommEstAndSQDrained(t *testing.T) {
 	b.ccq.none(t, 20*time.Millisecond)
 	require.NoError(t, qa.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateRTS}, hostverbs.AttrState))
 	assert.Equal(t, uint64(2), b.ccq.wait(t, time.Second).WRID)
+	assert.Equal(t, hostverbs.WCSuccess, a.ccq.wait(t, time.Second).Status)
+
+	// Work outstanding at RTS -> SQD: the event waits until it is done.
+	// The peer has no receive WQE yet, so the SEND sits in RNR.
+	require.NoError(t, qa.PostSend(&hostverbs.SendWR{Opcode: hostverbs.WRSend, SGL: sge(a, 0, 10)}))
+	require.NoError(t, qa.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateSQD, EnSQDAsyncNotify: true},
+		hostverbs.AttrState|hostverbs.AttrEnSQDAsyncNotify))
+	q, err := qa.Query()
+	require.NoError(t, err)
+	assert.True(t, q.SQDraining)
+	select {
+	case ev := <-a.events:
+		t.Fatalf("drained while a SEND is outstanding: %+v", ev)
+	case <-time.After(20 * time.Millisecond):
+	}
+	require.NoError(t, qb.PostRecv(&hostverbs.RecvWR{WRID: 3, SGL: sge(b, 0, 64)}))
+	waitEvent(t, a, hostverbs.EventSQDrained)
 }
 
 func TestSRQ(t *testing.T) {

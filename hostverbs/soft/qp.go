@@ -326,9 +326,10 @@ func (q *qp) transition(tx *txBatch, cur, next hostverbs.QPState) {
 		}
 		q.reqRun(tx)
 	case hostverbs.QPStateSQD:
-		if !q.outstanding() && q.attr.EnSQDAsyncNotify {
-			q.dev.event(hostverbs.EventSQDrained, q.ctx, q.qpn)
+		if cur != hostverbs.QPStateSQD {
+			q.req.sqdNotified = false
 		}
+		q.checkSQDrained()
 	}
 }
 

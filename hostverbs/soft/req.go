@@ -19,6 +19,8 @@ type reqState struct {
 	rdInFlight int      // READ/atomic WQEs started and not completed
 	waitRNR    bool     // an RNR NAK timer is pending
 	rnrPSN     roce.PSN // where to resume after it
+	// sqdNotified: EventSQDrained was reported for the current SQD.
+	sqdNotified bool
 }
 
 // ackEvery asks for an ACK at least every this many packets (rxe's
