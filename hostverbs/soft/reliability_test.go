@@ -509,3 +509,28 @@ func udTest(t *testing.T, a, b *endpoint, typ hostverbs.QPType) {
 	assert.Equal(t, hostverbs.WCLocLenErr, wc.Status)
 	assert.Equal(t, uint64(8), wc.WRID)
 }
+
+// An MR deregistered in the middle of a multi-packet RDMA WRITE takes no
+// more of it: the remaining packets get a remote access NAK.
+func TestDeregDuringWrite(t *testing.T) {
+	o := defaultRC()
+	o.mtu = hostverbs.MTU1024
+	p, net := newMemNetPair(t, o, nil, 9)
+	var once bool
+	var deregErr error
+	net.SetImpairment(Impairment{Drop: func(pkt []byte) bool {
+		var rp roce.Packet
+		if rp.Parse(pkt) == nil && rp.Op == roce.RCWriteMiddle && !once {
+			once = true
+			deregErr = p.b.mr.Dereg() // between the first and the next packets
+		}
+		return false
+	}})
+	require.NoError(t, p.qa.PostSend(&hostverbs.SendWR{WRID: 71, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
+		SGL: sge(p.a, 0, 8192), RemoteAddr: p.b.iova, RKey: p.b.mr.RKey()}))
+	wc := p.a.ccq.wait(t, 5*time.Second)
+	require.NoError(t, deregErr)
+	assert.Equal(t, hostverbs.WCRemAccessErr, wc.Status)
+	waitEvent(t, p.b, hostverbs.EventQPAccessErr)
+	assert.Equal(t, make([]byte, 4096), p.b.read(t, p.b.iova+4096, 4096), "nothing after the first packet landed")
+}

@@ -50,6 +50,7 @@ type respState struct {
 	recvd   uint64
 
 	wmr    *mr // the MR of the RDMA WRITE in progress (nil for 0 bytes)
+	wrkey  uint32
 	wva    uint64
 	wresid uint64
 	wlen   uint32
@@ -237,9 +238,13 @@ func (q *qp) respWrite(tx *txBatch, p *packet) {
 				q.respError(tx, p, roce.NAKRemoteAccess, hostverbs.WCRemAccessErr, hostverbs.EventQPAccessErr)
 				return
 			}
-			r.wmr = m
+			r.wmr, r.wrkey = m, p.rkey
 		}
 		r.wva, r.wresid, r.wlen = p.va, uint64(p.dmaLen), p.dmaLen
+	} else if r.wmr != nil && q.dev.keys.lookup(r.wrkey) != r.wmr {
+		// Deregistered since the first packet: the rest may not land.
+		q.respError(tx, p, roce.NAKRemoteAccess, hostverbs.WCRemAccessErr, hostverbs.EventQPAccessErr)
+		return
 	}
 	n := uint64(p.n)
 	if n > r.wresid || (info.Has(roce.MaskEnd) && n != r.wresid) {
