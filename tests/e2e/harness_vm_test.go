@@ -5,7 +5,6 @@ package e2e
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"log/slog"
 	"os"
 	"testing"
@@ -76,7 +75,6 @@ func pvrdmaGuest(d *backend.Daemon, name, ip, scenario string) vm.Config {
 	}
 }
 
-func logf(t *testing.T, format string, args ...any) { t.Helper(); t.Log(fmt.Sprintf(format, args...)) }
 
 // quietLogger logs only warnings and errors (benchmarks).
 func quietLogger() *slog.Logger {
