@@ -251,8 +251,6 @@ func (v *vm) tryDoorbell(uar uint32, off uint64, x uint32) error {
 
 // Guest memory.
 
-func (v *vm) u32(gpa uint64) uint32      { return binary.LittleEndian.Uint32(v.ram[gpa:]) }
-func (v *vm) u64(gpa uint64) uint64      { return binary.LittleEndian.Uint64(v.ram[gpa:]) }
 func (v *vm) put32(gpa uint64, x uint32) { binary.LittleEndian.PutUint32(v.ram[gpa:], x) }
 func (v *vm) put64(gpa uint64, x uint64) { binary.LittleEndian.PutUint64(v.ram[gpa:], x) }
 

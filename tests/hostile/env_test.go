@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -32,23 +33,57 @@ const (
 	vmOther = "other"
 )
 
-// resources is what a leak would show: goroutines, open descriptors and
-// locked memory of this process (the daemon runs in it).
+// resources is what a leak would show: goroutines (all of them, and
+// those running the daemon's code), open descriptors and locked memory
+// of this process (the daemon runs in it).
 type resources struct {
 	goroutines int
+	daemon     int
 	fds        int
 	lockedKiB  int64
 }
 
 func (r resources) String() string {
-	return fmt.Sprintf("%d goroutines, %d fds, VmLck %d kB", r.goroutines, r.fds, r.lockedKiB)
+	return fmt.Sprintf("%d goroutines (%d of the daemon), %d fds, VmLck %d kB", r.goroutines, r.daemon, r.fds, r.lockedKiB)
 }
 
 func measure(tb testing.TB) resources {
 	tb.Helper()
 	ents, err := os.ReadDir("/proc/self/fd")
 	require.NoError(tb, err)
-	return resources{goroutines: runtime.NumGoroutine(), fds: len(ents), lockedKiB: vmLck(tb)}
+	return resources{goroutines: runtime.NumGoroutine(), daemon: daemonGoroutines(), fds: len(ents), lockedKiB: vmLck(tb)}
+}
+
+// daemonGoroutines counts the goroutines with a frame of the project's
+// code other than this harness and the test client: the daemon's. Unlike
+// the total, it does not move with the test framework's or the fuzzing
+// engine's own goroutines.
+func daemonGoroutines() int {
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		if n < len(buf) {
+			buf = buf[:n]
+			break
+		}
+		buf = make([]byte, 2*len(buf))
+	}
+	const mod = "github.com/pvrdma-backend/pvrdma-backend/"
+	count := 0
+	for _, g := range bytes.Split(buf, []byte("\n\n")) {
+		for _, line := range bytes.Split(g, []byte("\n")) {
+			i := bytes.Index(line, []byte(mod))
+			if i < 0 || bytes.HasPrefix(line, []byte("created by")) {
+				continue
+			}
+			rest := line[i+len(mod):]
+			if !bytes.HasPrefix(rest, []byte("tests/hostile")) && !bytes.HasPrefix(rest, []byte("vfiouser/vfiousertest")) {
+				count++
+				break
+			}
+		}
+	}
+	return count
 }
 
 // vmLck reads VmLck (kB of mlocked memory) from /proc/self/status.
@@ -78,7 +113,8 @@ func settle(tb testing.TB, base resources, what string) {
 	var now resources
 	for {
 		now = measure(tb)
-		if now.goroutines <= base.goroutines && now.fds <= base.fds && now.lockedKiB == base.lockedKiB {
+		if (now.goroutines <= base.goroutines || fuzzing()) && now.daemon <= base.daemon &&
+			now.fds <= base.fds && now.lockedKiB == base.lockedKiB {
 			return
 		}
 		if time.Now().After(deadline) {
@@ -120,11 +156,17 @@ func newEnv(t testing.TB) *env { return newEnvLimits(t, vdev.Limits{}) }
 // were before it started.
 func newEnvLimits(t testing.TB, limits vdev.Limits) *env {
 	t.Helper()
+	return newEnvLog(t, limits, testLogger(t))
+}
+
+// newEnvLog is newEnvLimits with the daemon's logger.
+func newEnvLog(t testing.TB, limits vdev.Limits, logger *slog.Logger) *env {
+	t.Helper()
 	warmUp.Do(func() { warm(t) })
 	runtime.GC()
 	before := measure(t)
 	dir := t.TempDir()
-	cfg := backend.Config{SocketDir: dir, Limits: limits, Logger: testLogger(t)}
+	cfg := backend.Config{SocketDir: dir, Limits: limits, Logger: logger}
 	for _, n := range []string{vmEvil, vmPeer, vmFresh, vmOther} {
 		cfg.VMs = append(cfg.VMs, backend.VMRequest{Name: n})
 	}
@@ -139,13 +181,17 @@ func newEnvLimits(t testing.TB, limits vdev.Limits) *env {
 		if err := <-done; err != nil {
 			t.Errorf("daemon: %v", err)
 		}
-		settle(t, before, "after the daemon stopped")
+		if !fuzzing() {
+			settle(t, before, "after the daemon stopped")
+		}
 	})
 	waitControl(t, dir+"/control.sock")
 	e.base = steady(t)
 	t.Cleanup(func() {
 		e.closeAll()
-		e.idle()
+		if !fuzzing() {
+			e.idle()
+		}
 	})
 	return e
 }
@@ -210,12 +256,33 @@ func steady(t testing.TB) resources {
 	return prev
 }
 
+// fuzzing reports whether this process is a fuzzing coordinator or
+// worker (go test -fuzz): the fuzzing engine's own goroutines and pipes
+// come and go outside any input, so only each input's leaks are checked.
+func fuzzing() bool {
+	f := flag.Lookup("test.fuzz")
+	return f != nil && f.Value.String() != ""
+}
+
 // testLogger logs the daemon's warnings and errors into the test log
 // (HOSTILE_LOG=debug for the device's command trace).
 func testLogger(t testing.TB) *slog.Logger {
+	return slog.New(slog.NewTextHandler(tbWriter{t}, &slog.HandlerOptions{Level: logLevel()}))
+}
+
+func logLevel() slog.Level {
 	level := slog.LevelWarn
 	_ = level.UnmarshalText([]byte(os.Getenv("HOSTILE_LOG")))
-	return slog.New(slog.NewTextHandler(tbWriter{t}, &slog.HandlerOptions{Level: level}))
+	return level
+}
+
+// stderrLogger is for fuzzing, where the daemon outlives every input's
+// test log: nothing unless HOSTILE_LOG is set.
+func stderrLogger() *slog.Logger {
+	if os.Getenv("HOSTILE_LOG") == "" {
+		return slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: logLevel()}))
 }
 
 type tbWriter struct{ t testing.TB }

@@ -193,13 +193,18 @@ func TestStaleAndOutOfRangeHandles(t *testing.T) {
 	old := v.regMR(p.pd, 0x5000_0000, 0x3000, accRW)
 	v.mustCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: old.handle})
 	v.failCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: old.handle}, eInval)
-	a, b := p.loopPair()
+	a, _ := p.loopPair()
 	a.postSend(sendWQE(1), old.sge(0, 8))
 	requireCQE(t, p.scq.wait(), a, 1, hostverbs.WCSend, hostverbs.WCLocProtErr)
-	a, b = p.loopPair()
+	a, b := p.loopPair()
+	v.events()
+	v.irq(vdev.VectorAsync)
 	a.postSend(writeWQE(2, old.iova, old.rkey), p.mr.sge(0, 8))
 	requireCQE(t, p.scq.wait(), a, 2, hostverbs.WCRDMAWrite, hostverbs.WCRemAccessErr)
-	_ = b
+	_, err := v.waitIRQ(vdev.VectorAsync, irqTimeout)
+	require.NoError(t, err)
+	require.Equal(t, []vdev.EQE{{Type: uint32(hostverbs.EventQPAccessErr), Info: b.handle}}, v.events(),
+		"the target QP reports the access error")
 
 	e.healthy()
 }
@@ -365,5 +370,49 @@ func TestOddAndUnalignedBARAccesses(t *testing.T) {
 	a.postSend(sendWQE(2), p.mr.sge(0x100, 64))
 	requireCQE(t, p.scq.wait(), a, 2, hostverbs.WCSend, hostverbs.WCSuccess)
 	requireCQE(t, p.rcq.wait(), bq, 1, hostverbs.WCRecv, hostverbs.WCSuccess)
+	e.healthy()
+}
+
+// TestHostileModifyQP sends MODIFY_QP transitions and attributes the
+// IB state table forbids, and attributes the device must understand
+// itself (port, path MTU, source GID): each is refused with EINVAL in ERR
+// and the response, and the QP keeps its state.
+func TestHostileModifyQP(t *testing.T) {
+	e := newEnv(t)
+	p := e.endpoint(vmEvil, 1)
+	v := p.v
+	q := p.qp
+	refuse := func(mask hostverbs.AttrMask, a vdev.QPAttr, state hostverbs.QPState) {
+		t.Helper()
+		r := q.modify(mask, a)
+		require.EqualValues(t, eInval, r.err, "mask %#x attrs %+v", mask, a)
+		r.requireResp(t, eInval)
+		require.Equal(t, state, q.state())
+	}
+	refuse(0x1, vdev.QPAttr{State: 3}, hostverbs.QPStateReset)                    // RESET -> RTS
+	refuse(0x1, vdev.QPAttr{State: 7}, hostverbs.QPStateReset)                    // no such state
+	refuse(0x1, vdev.QPAttr{State: 0xffffffff}, hostverbs.QPStateReset)           // nor this
+	refuse(0x3, vdev.QPAttr{State: 1, CurState: 9}, hostverbs.QPStateReset)       // bogus current state
+	refuse(1<<21|0x39, vdev.QPAttr{State: 1, PortNum: 1}, hostverbs.QPStateReset) // undefined mask bit
+	refuse(0x39, vdev.QPAttr{State: 1, PortNum: 2}, hostverbs.QPStateReset)       // port 2
+	refuse(0x31, vdev.QPAttr{State: 1, PortNum: 1}, hostverbs.QPStateReset)       // INIT without access flags
+	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW})
+	rtr := vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: 5, MaxDestRdAtomic: 1, MinRNRTimer: 12,
+		AH: vdev.AHAttr{DGID: p.gid, HopLimit: 64, Flags: vdev.AHFlagGRH, PortNum: 1}}
+	for _, bad := range []func(a *vdev.QPAttr){
+		func(a *vdev.QPAttr) { a.PathMTU = 0 },
+		func(a *vdev.QPAttr) { a.PathMTU = 6 },
+		func(a *vdev.QPAttr) { a.AH.SGIDIndex = 1 },   // not bound
+		func(a *vdev.QPAttr) { a.AH.SGIDIndex = 255 }, // beyond the table
+		func(a *vdev.QPAttr) { a.AH.PortNum = 3 },
+	} {
+		a := rtr
+		bad(&a)
+		refuse(0x129181, a, hostverbs.QPStateInit)
+	}
+	refuse(0x1, vdev.QPAttr{State: 2}, hostverbs.QPStateInit) // RTR without its required attributes
+	q.mustModify(0x129181, rtr)
+	refuse(0x1, vdev.QPAttr{State: 3}, hostverbs.QPStateRTR) // RTS without SQ PSN etc.
+	require.Empty(t, v.events())
 	e.healthy()
 }
