@@ -40,13 +40,13 @@ var errVanished = errors.New("told to vanish")
 
 // stream drives one endpoint's QP from its own goroutine.
 type stream struct {
-	p, peer  *endpoint
-	ops      atomic.Int64  // successful send-side completions
-	stop     chan struct{} // the VM vanishes: stop at once
-	unmap    chan struct{} // DMA_UNMAP the VM's RAM, then wait for stop
-	unmapped chan struct{} // closed once DMA_UNMAP returned
-	halt     sync.Once
-	running  sync.WaitGroup
+	p, peer *endpoint
+	ops     atomic.Int64         // successful send-side completions
+	stop    chan struct{}        // the VM vanishes: stop at once
+	act     chan func(*vm) error // do this with the VM's own client, then wait for stop
+	acted   chan struct{}        // closed once the action returned
+	halt    sync.Once
+	running sync.WaitGroup
 
 	// Results, read after run returned.
 	sendStatus, recvStatus map[hostverbs.WCStatus]int
@@ -55,7 +55,7 @@ type stream struct {
 }
 
 func newStream(p, peer *endpoint) *stream {
-	return &stream{p: p, peer: peer, stop: make(chan struct{}), unmap: make(chan struct{}), unmapped: make(chan struct{}),
+	return &stream{p: p, peer: peer, stop: make(chan struct{}), act: make(chan func(*vm) error, 1), acted: make(chan struct{}),
 		sendStatus: map[hostverbs.WCStatus]int{}, recvStatus: map[hostverbs.WCStatus]int{}}
 }
 
@@ -95,11 +95,11 @@ func (s *stream) run() error {
 		select {
 		case <-s.stop:
 			return errVanished
-		case <-s.unmap:
-			if err := v.c.DMAUnmap(0, ramSize, 0); err != nil {
-				return fmt.Errorf("DMA_UNMAP: %w", err)
+		case f := <-s.act:
+			if err := f(v); err != nil {
+				return err
 			}
-			close(s.unmapped) // the client is the test goroutine's from now on
+			close(s.acted) // the client is the test goroutine's from now on
 			<-s.stop
 			return errVanished
 		default:
@@ -204,9 +204,22 @@ func waitDone(t *testing.T, done <-chan error, what string) error {
 	}
 }
 
+// vanishing ways: the first closes the connection (QEMU killed), the
+// others are actions of the victim's own driver or QEMU mid-stream.
+var vanishing = []struct {
+	name string
+	act  func(v *vm) error
+}{
+	{"connection closed", nil},
+	{"memory unmapped", func(v *vm) error { return v.c.DMAUnmap(0, ramSize, 0) }},
+	{"device reset", func(v *vm) error { return v.c.Reset() }},
+	{"CTL reset", func(v *vm) error { return v.c.Write32(bar1, vdev.RegCtl, vdev.CtlReset) }},
+	{"DSR reloaded", func(v *vm) error { return v.c.Write32(bar1, vdev.RegDSRHigh, uint32(v.dsr>>32)) }},
+}
+
 func TestGuestDisappearsMidTransfer(t *testing.T) {
-	for _, mode := range []string{"connection closed", "memory unmapped"} {
-		t.Run(mode, func(t *testing.T) {
+	for _, way := range vanishing {
+		t.Run(way.name, func(t *testing.T) {
 			e := newEnv(t)
 			victim, survivor := e.pairRetry(vmEvil, vmPeer, rnrTimer, rnrRetry)
 			vs, ss := newStream(victim, survivor), newStream(survivor, victim)
@@ -214,21 +227,20 @@ func TestGuestDisappearsMidTransfer(t *testing.T) {
 			require.Eventually(t, func() bool { return vs.ops.Load() >= 30 && ss.ops.Load() >= 30 },
 				10*time.Second, time.Millisecond, "both VMs streaming")
 
-			switch mode {
-			case "connection closed":
+			if way.act == nil {
 				require.NoError(t, victim.v.c.Close()) // QEMU killed: EOF, nothing else
 				vs.vanish()
 				if err := waitDone(t, vDone, "victim"); !errors.Is(err, errVanished) {
 					require.ErrorIs(t, err, net.ErrClosed)
 				}
-			case "memory unmapped":
-				close(vs.unmap)
+			} else {
+				vs.act <- way.act
 				select {
-				case <-vs.unmapped:
+				case <-vs.acted:
 				case err := <-vDone:
 					t.Fatalf("victim: %v", err)
 				case <-time.After(10 * time.Second):
-					t.Fatal("DMA_UNMAP did not return")
+					t.Fatalf("%s did not return", way.name)
 				}
 			}
 
@@ -250,12 +262,21 @@ func TestGuestDisappearsMidTransfer(t *testing.T) {
 			require.Zero(t, ss.sendOut+ss.recvOut, "every outstanding WQE came back")
 			require.Equal(t, hostverbs.QPStateErr, survivor.qp.state())
 
-			if mode == "memory unmapped" {
-				// The victim's device is still there and answers, but can
-				// no longer reach its slots.
-				require.EqualValues(t, vdev.DeviceVersion, victim.v.reg(vdev.RegVersion))
-				victim.v.setReg(vdev.RegRequest, 0)
-				require.EqualValues(t, eFault, victim.v.reg(vdev.RegErr))
+			if way.act != nil {
+				// The victim's device is still there and answers.
+				switch way.name {
+				case "memory unmapped":
+					require.EqualValues(t, vdev.DeviceVersion, victim.v.reg(vdev.RegVersion))
+					victim.v.setReg(vdev.RegRequest, 0)
+					require.EqualValues(t, eFault, victim.v.reg(vdev.RegErr), "the command slot is gone")
+				case "device reset":
+					victim.v.pciSetup()
+					victim.v.probe()
+					require.Zero(t, victim.v.createPD(0), "everything before the reset is gone")
+				default:
+					victim.v.probe()
+					require.Zero(t, victim.v.createPD(0), "everything before the reset is gone")
+				}
 				vs.vanish()
 				require.ErrorIs(t, waitDone(t, vDone, "victim"), errVanished)
 			}
