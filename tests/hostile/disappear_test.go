@@ -292,3 +292,28 @@ func TestGuestDisappearsMidTransfer(t *testing.T) {
 		})
 	}
 }
+
+// TestDaemonShutdownUnderLoad stops the daemon (SIGTERM's path) while two
+// VMs stream at each other: Run returns cleanly, both QEMUs see their
+// connection end, and everything the daemon held is released.
+func TestDaemonShutdownUnderLoad(t *testing.T) {
+	e := newEnv(t)
+	a, b := e.pairRetry(vmEvil, vmPeer, rnrTimer, rnrRetry)
+	as, bs := newStream(a, b), newStream(b, a)
+	aDone, bDone := as.start(t), bs.start(t)
+	require.Eventually(t, func() bool { return as.ops.Load() >= 30 && bs.ops.Load() >= 30 },
+		10*time.Second, time.Millisecond, "both VMs streaming")
+	start := time.Now()
+	e.down = true
+	require.NoError(t, e.shutdown())
+	require.Less(t, time.Since(start), 5*time.Second, "shutdown with busy VMs")
+	for _, done := range []<-chan error{aDone, bDone} {
+		err := waitDone(t, done, "stream")
+		require.Error(t, err, "the connection ended under the stream")
+		require.NotErrorIs(t, err, errVanished)
+	}
+	a.Close()
+	b.Close()
+	// The cleanup checks that goroutines, descriptors and locked memory
+	// are back to what they were before the daemon started.
+}

@@ -145,6 +145,11 @@ type env struct {
 
 	mu  sync.Mutex
 	vms map[*vm]struct{} // open VMs, closed at cleanup
+
+	// shutdown stops the daemon (once) and returns what Run returned;
+	// down records that a test did so on purpose.
+	shutdown func() error
+	down     bool
 }
 
 // newEnv starts a daemon with the default limits.
@@ -176,9 +181,17 @@ func newEnvLog(t testing.TB, limits vdev.Limits, logger *slog.Logger) *env {
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx) }()
 	e := &env{t: t, d: d, vms: map[*vm]struct{}{}}
+	var once sync.Once
+	var runErr error
+	e.shutdown = func() error {
+		once.Do(func() {
+			cancel()
+			runErr = <-done
+		})
+		return runErr
+	}
 	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
+		if err := e.shutdown(); err != nil {
 			t.Errorf("daemon: %v", err)
 		}
 		if !fuzzing() {
@@ -189,7 +202,7 @@ func newEnvLog(t testing.TB, limits vdev.Limits, logger *slog.Logger) *env {
 	e.base = steady(t)
 	t.Cleanup(func() {
 		e.closeAll()
-		if !fuzzing() {
+		if !fuzzing() && !e.down {
 			e.idle()
 		}
 	})

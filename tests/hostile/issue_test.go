@@ -1,6 +1,7 @@
 package hostile
 
 import (
+	"encoding/binary"
 	"syscall"
 	"testing"
 	"time"
@@ -414,5 +415,75 @@ func TestHostileModifyQP(t *testing.T) {
 	q.mustModify(0x129181, rtr)
 	refuse(0x1, vdev.QPAttr{State: 3}, hostverbs.QPStateRTR) // RTS without SQ PSN etc.
 	require.Empty(t, v.events())
+	e.healthy()
+}
+
+// TestPostedWriteFlood sends the device tens of thousands of posted
+// (unanswered) doorbells and commands, as QEMU does without
+// x-no-posted-writes: they are handled in order, never answered, and the
+// next non-posted access is answered promptly.
+func TestPostedWriteFlood(t *testing.T) {
+	e := newEnv(t)
+	p := e.endpoint(vmEvil, 1)
+	v := p.v
+	var b [4]byte
+	start := time.Now()
+	for i := 0; i < 20000; i++ {
+		binary.LittleEndian.PutUint32(b[:], vdev.UARCQPoll|p.scq.handle)
+		require.NoError(t, v.c.RegionWrite(bar2, uint64(p.uc)*vdev.UARPageSize+vdev.UARCQOffset, b[:], true))
+		if i%1000 == 0 {
+			require.NoError(t, v.c.RegionWrite(bar1, vdev.RegRequest, make([]byte, 4), true))
+		}
+	}
+	require.EqualValues(t, vdev.DeviceVersion, v.reg(vdev.RegVersion))
+	t.Logf("20000 posted doorbells and 20 posted commands in %v", time.Since(start))
+	require.EqualValues(t, 20000, e.counter(vmEvil, "poll_doorbells"))
+	require.NoError(t, v.c.ExpectSilence(50*time.Millisecond), "posted writes are never answered")
+	n, err := v.waitIRQ(vdev.VectorResponse, irqTimeout)
+	require.NoError(t, err)
+	require.EqualValues(t, 20, n, "every posted REQUEST ran")
+	e.healthy()
+}
+
+// TestAliasedGuestPages hands the device structures that overlap: a CQ
+// whose ring state is a QP's ring state, a QP whose receive queue is its
+// send queue, an MR over the command slot and the DSR that a peer then
+// writes into. The guest only hurts itself: every access returns, ERR
+// stays an errno, and the daemon serves on.
+func TestAliasedGuestPages(t *testing.T) {
+	e := newEnv(t)
+	a, b := e.pair(vmEvil, vmPeer)
+	v := a.v
+	// A QP whose page directory names the same page for everything.
+	pg := v.page()
+	_, req := v.layoutQP(qpSpec{pd: a.pd, scq: a.scq, rcq: a.rcq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: a.uc})
+	req.PDirDMA = v.pdir([]uint64{pg, pg, pg})
+	var r vdev.CreateQPResp
+	r.Decode(v.mustCmd(vdev.CmdCreateQP, req))
+	q := &gqp{v: v, handle: r.QPHandle, qpn: r.QPN, pages: []uint64{pg, pg, pg}, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1,
+		sstride: 128, rstride: 32, sendChunks: 1, uar: a.uc}
+	q.toRTS(b.qp.qpn, b.gid)
+	// A CQ whose ring state is that same page: its prod_tail is the
+	// QP's receive prod_tail.
+	var c vdev.CreateCQResp
+	c.Decode(v.mustCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: v.pdir([]uint64{pg, pg}), CtxHandle: a.uc, CQE: 16, NChunks: 2}))
+	for i := 0; i < 8; i++ {
+		q.postRecv(uint64(i), a.mr.sge(0, 64))
+		q.postSend(sendWQE(uint64(i)), a.mr.sge(0, 8))
+		v.doorbell(a.uc, vdev.UARCQOffset, vdev.UARCQArm|c.CQHandle)
+	}
+	// An MR over the DSR and the command and response slots, written by
+	// the peer.
+	var mr vdev.CreateMRResp
+	mr.Decode(v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: 0x1000, Length: 3 * 4096, NChunks: 3, PDHandle: a.pd,
+		AccessFlags: accRW, PDirDMA: v.pdir([]uint64{v.dsr, v.cmdSlot, v.respSlot})}))
+	junk := pattern(3*4096, 0x99)
+	b.mr.write(b.v, 0, junk)
+	b.qp.postSend(writeWQE(1, 0x1000, mr.RKey), b.mr.sge(0, 3*4096))
+	requireCQE(t, b.scq.wait(), b.qp, 1, hostverbs.WCRDMAWrite, hostverbs.WCSuccess)
+	require.Equal(t, junk[4096:8192], v.ram[v.cmdSlot:v.cmdSlot+4096], "the peer overwrote the command slot")
+	v.setReg(vdev.RegRequest, 0) // whatever the peer wrote there
+	require.Less(t, v.reg(vdev.RegErr), uint32(256))
+	require.EqualValues(t, vdev.DeviceVersion, v.reg(vdev.RegVersion))
 	e.healthy()
 }
