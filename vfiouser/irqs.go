@@ -33,26 +33,50 @@ type irqSlot struct {
 	pending atomic.Bool
 }
 
-// eventFD is an assigned eventfd. signal holds the read lock across the
-// write, close takes the write lock, so the number is never written after
-// close.
+// eventFD is an assigned eventfd. signal holds the lock across the
+// write, close takes it too, so the number is never written after close.
 type eventFD struct {
-	mu  sync.RWMutex
+	mu  sync.Mutex
 	fd  int
 	one [8]byte
+	pfd [1]unix.PollFd
 }
 
 func newEventFD(fd int) *eventFD {
 	e := &eventFD{fd: fd}
 	e.one[0] = 1 // eventfd counters are host-endian u64
+	e.pfd[0] = unix.PollFd{Fd: int32(fd), Events: unix.POLLOUT}
 	return e
 }
 
+// signal adds 1 to the eventfd's counter without ever blocking. A write
+// to an eventfd blocks while the counter is saturated unless O_NONBLOCK
+// is set, and that flag belongs to the file description the client
+// shares with us: checkEventFD sets it, but a client may clear it again.
+// So signal first polls for writability (POLLOUT: the counter can take 1)
+// and treats a saturated counter as what it is, an interrupt already
+// pending. Signals of one eventfd are serialised, so the device's own
+// concurrent triggers cannot race each other past the poll; only a
+// client that clears O_NONBLOCK and fills its own counter between our
+// poll and write could still stall us.
 func (e *eventFD) signal() error {
-	e.mu.RLock()
-	defer e.mu.RUnlock()
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	if e.fd < 0 {
 		return ErrNoIRQ
+	}
+	for {
+		n, err := unix.Poll(e.pfd[:], 0)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("poll eventfd: %w", err)
+		}
+		if n == 0 || e.pfd[0].Revents&unix.POLLOUT == 0 {
+			return nil // saturated: an interrupt is pending anyway
+		}
+		break
 	}
 	for {
 		_, err := unix.Write(e.fd, e.one[:])
@@ -75,8 +99,11 @@ func (e *eventFD) close() {
 	e.mu.Unlock()
 }
 
-// checkEventFD verifies that fd is an eventfd: a client could otherwise
-// hand us a pipe whose full buffer would block the device on Trigger.
+// checkEventFD verifies that fd is an eventfd (a client could otherwise
+// hand us a pipe whose full buffer would block the device on Trigger) and
+// makes writes to it non-blocking, as QEMU's own eventfds are: a blocking
+// eventfd with a saturated counter would block the device as well (see
+// eventFD.signal for the client that clears the flag again).
 func checkEventFD(fd int) error {
 	target, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
 	if err != nil {
@@ -84,6 +111,9 @@ func checkEventFD(fd int) error {
 	}
 	if target != "anon_inode:[eventfd]" {
 		return fmt.Errorf("fd %d is %q, not an eventfd: %w", fd, target, ErrInvalid)
+	}
+	if err := unix.SetNonblock(fd, true); err != nil {
+		return fmt.Errorf("eventfd %d: set O_NONBLOCK: %w", fd, err)
 	}
 	return nil
 }
