@@ -162,13 +162,22 @@ func (d *Device) cmdCreateBind(req, resp []byte) error {
 	if e.GID.IsZero() {
 		return fmt.Errorf("zero GID: %w", syscall.EINVAL)
 	}
-	if d.gids[r.Index].bound {
-		if d.gids[r.Index].entry == e {
+	prev := d.gids[r.Index]
+	if prev.bound {
+		if prev.entry == e {
 			return nil
 		}
 		d.unbindGID(int(r.Index))
 	}
 	if err := d.verbs.SetGID(int(r.Index), e); err != nil {
+		// A refused command changes nothing: the index keeps the GID it
+		// had (say, when another VM owns the new one).
+		if prev.bound && d.verbs.SetGID(int(r.Index), prev.entry) == nil {
+			d.gids[r.Index] = prev
+			if d.onGID != nil {
+				d.onGID(int(r.Index), prev.entry, true)
+			}
+		}
 		return fmt.Errorf("set GID %d %v: %w", r.Index, e.GID, err)
 	}
 	d.gids[r.Index] = gidSlot{bound: true, entry: e}

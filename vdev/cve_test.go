@@ -277,3 +277,18 @@ func TestHandlesStayBelowCaps(t *testing.T) {
 	errReg, _ = g.cmd(CmdDestroyCQ, DestroyCQ{CQHandle: 8})
 	assert.NotZero(t, errReg)
 }
+
+// A CREATE_BIND the provider refuses (another VM owns the GID) leaves the
+// index bound to the GID it had.
+func TestRefusedRebindKeepsGID(t *testing.T) {
+	fv := newFakeVerbs()
+	g := probedGuest(t, fv)
+	g.bindGID(0, gidA)
+	fv.failNext("SetGID", hostverbs.ErrBusy)
+	errReg, _ := g.cmd(CmdCreateBind, CreateBind{MTU: 1024, VLAN: 0xfff, Index: 0, NewGID: gidB, GIDType: 2})
+	assert.EqualValues(t, syscall.EBUSY, errReg)
+	assert.Equal(t, hostverbs.GIDEntry{GID: gidA, Type: hostverbs.GIDTypeRoCEv2}, g.dev.GIDs()[0])
+	assert.Equal(t, hostverbs.GIDEntry{GID: gidA, Type: hostverbs.GIDTypeRoCEv2}, fv.gids[0])
+	last := g.gotGID[len(g.gotGID)-1]
+	assert.Equal(t, gidEvent{0, hostverbs.GIDEntry{GID: gidA, Type: hostverbs.GIDTypeRoCEv2}, true}, last)
+}
