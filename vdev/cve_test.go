@@ -292,3 +292,28 @@ func TestRefusedRebindKeepsGID(t *testing.T) {
 	last := g.gotGID[len(g.gotGID)-1]
 	assert.Equal(t, gidEvent{0, hostverbs.GIDEntry{GID: gidA, Type: hostverbs.GIDTypeRoCEv2}, true}, last)
 }
+
+// Queue depths and SGEs of all QPs and SRQs together are capped
+// (Limits.MaxQueueSlots): page directories can name the same pages for
+// every queue, so the guest's RAM does not bound what the provider
+// allocates for them.
+func TestQueueSlotsBudget(t *testing.T) {
+	fv := newFakeVerbs()
+	g := newGuest(t, fv, Limits{MaxQueueSlots: 1000})
+	g.probe()
+	pd := g.createPD(0)
+	cq := g.createCQ(0, 16)
+	spec := qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 1, recvSGE: 1}
+	var qps []*gqp
+	for i := 0; i < 15; i++ { // 64 slots each
+		qps = append(qps, g.createQP(spec))
+	}
+	_, errReg := g.tryCreateQP(spec)
+	assert.EqualValues(t, syscall.ENOMEM, errReg)
+	errReg, _ = g.cmd(CmdCreateSRQ, CreateSRQ{PDirDMA: g.pdir(g.pages(2)), PDHandle: pd, NChunks: 2,
+		Attrs: SRQAttr{MaxWR: 32, MaxSGE: 1}})
+	assert.EqualValues(t, syscall.ENOMEM, errReg)
+	g.mustCmd(CmdDestroyQP, DestroyQP{QPHandle: qps[0].handle})
+	g.createQP(spec)
+	assert.Equal(t, 15, fv.count("qp"))
+}

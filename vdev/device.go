@@ -31,6 +31,12 @@ type Limits struct {
 	// MaxQPWR, MaxCQE and MaxSRQWR cap queue depths; MaxSGE the SGEs per
 	// WQE (send, receive and SRQ).
 	MaxQPWR, MaxCQE, MaxSRQWR, MaxSGE int
+	// MaxQueueSlots caps the work queues of all QPs and SRQs together,
+	// counted as work requests x (1 + SGEs per WQE): what a provider
+	// allocates per queue (some 35 bytes a slot in the soft one). The
+	// per-queue caps alone would let a guest whose page directories all
+	// name the same few pages make the daemon allocate gigabytes.
+	MaxQueueSlots int
 	// GIDTableLen is the number of GID table entries offered to the guest.
 	GIDTableLen int
 }
@@ -41,7 +47,8 @@ func DefaultLimits() Limits {
 		MaxQP: 1024, MaxCQ: 2048, MaxMR: 4096, MaxPD: 1024, MaxSRQ: 512, MaxAH: 4096,
 		MaxMRBytes: 4 << 30,
 		MaxQPWR:    4096, MaxCQE: 16384, MaxSRQWR: 4096, MaxSGE: 16,
-		GIDTableLen: 16,
+		MaxQueueSlots: 4 << 20,
+		GIDTableLen:   16,
 	}
 }
 
@@ -57,6 +64,7 @@ func (l Limits) withDefaults() Limits {
 	l.MaxPD, l.MaxSRQ, l.MaxAH = pick(l.MaxPD, d.MaxPD), pick(l.MaxSRQ, d.MaxSRQ), pick(l.MaxAH, d.MaxAH)
 	l.MaxQPWR, l.MaxCQE, l.MaxSRQWR = pick(l.MaxQPWR, d.MaxQPWR), pick(l.MaxCQE, d.MaxCQE), pick(l.MaxSRQWR, d.MaxSRQWR)
 	l.MaxSGE, l.GIDTableLen = pick(l.MaxSGE, d.MaxSGE), pick(l.GIDTableLen, d.GIDTableLen)
+	l.MaxQueueSlots = pick(l.MaxQueueSlots, d.MaxQueueSlots)
 	if l.MaxMRBytes == 0 {
 		l.MaxMRBytes = d.MaxMRBytes
 	}
@@ -180,6 +188,7 @@ type Device struct {
 	keys    map[uint32]*mr // guest lkey -> MR
 	frmrs   map[uint32]*mr // FRMR key with the consumer byte cleared -> MR
 	mrBytes uint64
+	slots   uint64 // queue slots of all QPs and SRQs (Limits.MaxQueueSlots)
 	gids    []gidSlot
 	gsi     *qp
 	fault   error // why the last DSR was refused, for the operator
@@ -316,6 +325,7 @@ func (d *Device) resetLocked() {
 	d.keys = map[uint32]*mr{}
 	d.frmrs = map[uint32]*mr{}
 	d.mrBytes = 0
+	d.slots = 0
 	d.gids = make([]gidSlot, d.caps.GIDTblLen)
 	d.gsi = nil
 	d.stalled = 0

@@ -28,6 +28,7 @@ type qp struct {
 	sq, rq           *ringbuf.Consumer
 	sendWR, recvWR   uint32
 	sendSGE, recvSGE uint32
+	slots            uint64 // its share of Limits.MaxQueueSlots
 	// state is the QP state as far as the device knows: set by MODIFY_QP,
 	// and to ERR by error completions and fatal events (any goroutine).
 	state                atomic.Uint32
@@ -65,6 +66,19 @@ func pow2Ceil(v uint32) uint32 {
 		p <<= 1
 	}
 	return p
+}
+
+// queueSlots is what a queue of wr work requests of sge SGEs counts
+// against Limits.MaxQueueSlots.
+func queueSlots(wr, sge uint32) uint64 { return uint64(wr) * (1 + uint64(sge)) }
+
+// reserveSlots takes n queue slots from the VM's budget.
+func (d *Device) reserveSlots(n uint64) error {
+	if d.slots+n > uint64(d.limits.MaxQueueSlots) {
+		return fmt.Errorf("queues of %d slots with %d in use (max %d): %w", n, d.slots, d.limits.MaxQueueSlots, ErrLimit)
+	}
+	d.slots += n
+	return nil
 }
 
 func queuePages(wr, stride uint32) uint64 {
@@ -134,8 +148,18 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("QP page directory: %w", err)
 	}
+	slots := queueSlots(r.MaxSendWR, r.MaxSendSGE) + queueSlots(recvWR, recvSGE)
+	if err := d.reserveSlots(slots); err != nil {
+		return err
+	}
 	q := &qp{dev: d, typ: typ, pd: p, scq: scq, rcq: rcq, srq: s, uar: p.uar, sigAll: r.SQSigAll != 0,
-		sendWR: r.MaxSendWR, recvWR: recvWR, sendSGE: r.MaxSendSGE, recvSGE: recvSGE}
+		sendWR: r.MaxSendWR, recvWR: recvWR, sendSGE: r.MaxSendSGE, recvSGE: recvSGE, slots: slots}
+	created := false
+	defer func() {
+		if !created {
+			d.slots -= slots
+		}
+	}()
 	if q.sq, err = consumer(d.mem, pages[:1+int(r.SendChunks)], pages[0], guestmem.PageSize, sStride, r.MaxSendWR); err != nil {
 		return fmt.Errorf("send queue: %w", err)
 	}
@@ -172,6 +196,7 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 	if typ == hostverbs.QPTypeGSI {
 		d.gsi = q
 	}
+	created = true
 	CreateQPResp{QPN: q.hv.QPN(), QPHandle: h, MaxSendWR: r.MaxSendWR, MaxRecvWR: recvWR,
 		MaxSendSGE: r.MaxSendSGE, MaxRecvSGE: recvSGE}.Encode(resp)
 	return nil
@@ -374,6 +399,7 @@ func (d *Device) destroyQP(q *qp) error {
 	q.rcq.quiesce()
 	d.unstall(q)
 	d.qps.free(q.handle)
+	d.slots -= q.slots
 	q.pd.refs--
 	q.scq.refs--
 	q.rcq.refs--

@@ -21,6 +21,7 @@ type srq struct {
 	maxSGE  uint32
 	refs    int // QPs attached
 	stalled bool
+	slots   uint64 // its share of Limits.MaxQueueSlots
 }
 
 // srqTypeBasic is IB_SRQT_BASIC, the only SRQ type the driver creates.
@@ -63,15 +64,20 @@ func (d *Device) cmdCreateSRQ(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("SRQ ring: %w", err)
 	}
-	s := &srq{pd: p, uar: p.uar, ring: ring, maxWR: a.MaxWR, maxSGE: a.MaxSGE}
+	s := &srq{pd: p, uar: p.uar, ring: ring, maxWR: a.MaxWR, maxSGE: a.MaxSGE, slots: queueSlots(a.MaxWR, a.MaxSGE)}
+	if err := d.reserveSlots(s.slots); err != nil {
+		return err
+	}
 	h, ok := d.srqs.alloc(s)
 	if !ok {
+		d.slots -= s.slots
 		return fmt.Errorf("%d SRQs: %w", d.srqs.len(), ErrLimit)
 	}
 	s.handle = h
 	s.hv, err = p.hv.CreateSRQ(hostverbs.SRQAttr{MaxWR: a.MaxWR, MaxSGE: a.MaxSGE, Limit: a.SRQLimit, Context: uint64(h)})
 	if err != nil {
 		d.srqs.free(h)
+		d.slots -= s.slots
 		return fmt.Errorf("create SRQ: %w", err)
 	}
 	p.refs++
@@ -138,6 +144,7 @@ func (d *Device) destroySRQ(s *srq) error {
 		d.stalled--
 	}
 	d.srqs.free(s.handle)
+	d.slots -= s.slots
 	s.pd.refs--
 	if err := s.hv.Destroy(); err != nil {
 		d.log.Warn("pvrdma: provider failed to destroy an SRQ", "srq", s.handle, "err", err)
