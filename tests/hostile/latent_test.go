@@ -106,8 +106,9 @@ func TestErrorWQEConsumesSlot(t *testing.T) {
 }
 
 // ERR is never negative (QEMU stored the handler's -errno): whatever the
-// failure, ERR is a small positive errno equal to the response's err, and
-// unknown command codes fail without touching the response slot.
+// failure, ERR is a small positive errno equal to the response's err,
+// unknown command codes fail without touching the response slot, and so
+// do unknown CTL values.
 func TestERRNeverNegative(t *testing.T) {
 	e := newEnv(t)
 	v := e.boot(vmEvil)
@@ -142,6 +143,10 @@ func TestERRNeverNegative(t *testing.T) {
 		}
 	}
 	require.NotZero(t, e.counter(vmEvil, "command_errors"))
+	for _, ctl := range []uint32{3, 0x80000000, 0xffffffff} {
+		v.setReg(vdev.RegCtl, ctl)
+		require.EqualValues(t, eInval, v.reg(vdev.RegErr), "CTL %#x", ctl)
+	}
 	e.healthy()
 }
 
