@@ -377,27 +377,57 @@ func (m *Memory) remoteAccess(r *region, p []byte, gpa GPA, write bool) error {
 	return nil
 }
 
+// CopyError is the error of a Copy: Source tells which side failed, so
+// that a caller moving data between two guests can blame the right one.
+type CopyError struct {
+	Source bool // the source range could not be read (else: the destination written)
+	Err    error
+}
+
+func (e *CopyError) Error() string {
+	if e.Source {
+		return "copy source: " + e.Err.Error()
+	}
+	return "copy destination: " + e.Err.Error()
+}
+
+func (e *CopyError) Unwrap() error { return e.Err }
+
+// IsSourceFault reports whether err is a Copy error on the source side.
+func IsSourceFault(err error) bool {
+	var ce *CopyError
+	return errors.As(err, &ce) && ce.Source
+}
+
 // Copy copies n bytes from src at srcGPA to dst at dstGPA: guest-to-guest
 // (the same-host path between two VMs) with no intermediate buffer. dst and
-// src may be the same Memory.
+// src may be the same Memory. Errors are *CopyError.
 func Copy(dst *Memory, dstGPA GPA, src *Memory, srcGPA GPA, n uint64) error {
-	return src.span(srcGPA, n, func(sr *region, soff, scnt uint64) error {
+	err := src.span(srcGPA, n, func(sr *region, soff, scnt uint64) error {
 		if sr.Prot&ProtRead == 0 || sr.Data == nil {
-			return fmt.Errorf("copy from %v: %w", sr.Base+GPA(soff), ErrNotShared)
+			return &CopyError{Source: true, Err: fmt.Errorf("%v: %w", sr.Base+GPA(soff), ErrNotShared)}
 		}
 		from := sr.Data[soff : soff+scnt]
 		err := dst.span(dstGPA, scnt, func(dr *region, doff, dcnt uint64) error {
 			if dr.Prot&ProtWrite == 0 {
-				return fmt.Errorf("copy to %v: %w", dr.Base+GPA(doff), ErrReadOnly)
+				return fmt.Errorf("%v: %w", dr.Base+GPA(doff), ErrReadOnly)
 			}
 			if dr.Data == nil {
-				return fmt.Errorf("copy to %v: %w", dr.Base+GPA(doff), ErrNotShared)
+				return fmt.Errorf("%v: %w", dr.Base+GPA(doff), ErrNotShared)
 			}
 			copy(dr.Data[doff:doff+dcnt], from[:dcnt])
 			from = from[dcnt:]
 			return nil
 		})
 		dstGPA += GPA(scnt)
-		return err
+		if err != nil {
+			return &CopyError{Err: err}
+		}
+		return nil
 	})
+	var ce *CopyError
+	if err != nil && !errors.As(err, &ce) {
+		err = &CopyError{Source: true, Err: err} // the source range itself is unmapped
+	}
+	return err
 }

@@ -198,7 +198,12 @@ func TestCopyBetweenMemories(t *testing.T) {
 	got := make([]byte, 0x1800)
 	require.NoError(t, dst.ReadAt(got, 0x8100))
 	assert.Equal(t, sdata[0x100:0x1900], got)
-	assert.ErrorIs(t, Copy(dst, 0x9f00, src, 0x1000, 0x1000), ErrUnmapped)
+	err := Copy(dst, 0x9f00, src, 0x1000, 0x1000)
+	assert.ErrorIs(t, err, ErrUnmapped)
+	assert.False(t, IsSourceFault(err), "the destination ran out")
+	err = Copy(dst, 0x8000, src, 0x3800, 0x1000)
+	assert.ErrorIs(t, err, ErrUnmapped)
+	assert.True(t, IsSourceFault(err), "the source ran out")
 	// Same memory, overlapping-free copy within one region.
 	require.NoError(t, Copy(src, 0x3000, src, 0x1000, 0x100))
 	assert.Equal(t, sdata[:0x100], sdata[0x2000:0x2100])

@@ -2,6 +2,7 @@ package soft
 
 import (
 	"encoding/binary"
+	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
@@ -143,7 +144,13 @@ func (q *qp) compReadResponse(tx *txBatch, p *packet, w *sendWQE) {
 		return
 	}
 	if err := p.copyPayloadTo(tx, w.segs, off); err != nil {
-		q.failHead(w, hostverbs.WCLocProtErr)
+		// In process, an unreadable source is the responder's memory:
+		// a remote failure, not ours.
+		st := hostverbs.WCLocProtErr
+		if p.local && guestmem.IsSourceFault(err) {
+			st = hostverbs.WCRemAccessErr
+		}
+		q.failHead(w, st)
 		return
 	}
 	w.readNext = idx + 1

@@ -34,6 +34,7 @@ const (
 	cntDropUDLength
 	cntDropResponse
 	cntDropDupRead
+	cntDropSourceFault
 	cntRxDupRequest
 	cntRxOutOfSeq
 	cntTxNAKSeq
@@ -78,6 +79,7 @@ var counterNames = [numCounters]string{
 	cntDropUDLength:      "drop_ud_length",
 	cntDropResponse:      "drop_unexpected_response",
 	cntDropDupRead:       "drop_duplicate_unknown_read_atomic",
+	cntDropSourceFault:   "drop_source_unreadable",
 	cntRxDupRequest:      "rx_duplicate_requests",
 	cntRxOutOfSeq:        "rx_out_of_sequence",
 	cntTxNAKSeq:          "tx_nak_psn_sequence",

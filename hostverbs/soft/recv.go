@@ -79,6 +79,22 @@ func (q *qp) receiveUD(tx *txBatch, p *packet) {
 		q.dev.qkeyViolations.Add(1)
 		return
 	}
+	// In process the sender's payload is read here, before a receive WQE is
+	// taken: if the sending VM's memory is gone the datagram is lost, as if
+	// the sender had failed to gather it, and the WQE stays queued.
+	payload := p.data[:min(p.n, uint32(len(p.data)))]
+	var local [MaxDatagram]byte
+	if p.local && p.n > 0 {
+		if p.n > uint32(len(local)) {
+			q.dev.ctrs.inc(cntDropUDLength)
+			return
+		}
+		if err := gather(local[:p.n], tx.arena[p.arenaOff:p.arenaOff+p.arenaN], p.dataOff); err != nil {
+			q.dev.ctrs.inc(cntDropSourceFault)
+			return
+		}
+		payload = local[:p.n]
+	}
 	r := &q.resp
 	var got bool
 	if q.srq != nil {
@@ -107,7 +123,7 @@ func (q *qp) receiveUD(tx *txBatch, p *packet) {
 		q.completeRecv(&r.wqe, hostverbs.WCLocProtErr, nil, 0)
 		return
 	}
-	if err := p.copyPayloadTo(tx, segs, grhSize); err != nil {
+	if err := scatter(segs, grhSize, payload); err != nil {
 		q.completeRecv(&r.wqe, hostverbs.WCLocProtErr, nil, 0)
 		return
 	}

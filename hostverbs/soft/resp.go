@@ -200,6 +200,9 @@ func (q *qp) respSend(tx *txBatch, p *packet) {
 		return
 	}
 	if err := p.copyPayloadTo(tx, r.segs, r.recvd); err != nil {
+		if q.sourceFault(p, err) {
+			return
+		}
 		q.respError(tx, p, roce.NAKRemoteOperation, hostverbs.WCLocProtErr, hostverbs.EventQPFatal)
 		return
 	}
@@ -264,6 +267,9 @@ func (q *qp) respWrite(tx *txBatch, p *packet) {
 	if n > 0 {
 		r.readSeg[0] = seg{mr: r.wmr, iova: r.wva, n: n}
 		if err := p.copyPayloadTo(tx, r.readSeg[:], 0); err != nil {
+			if q.sourceFault(p, err) {
+				return
+			}
 			q.respError(tx, p, roce.NAKRemoteAccess, hostverbs.WCRemAccessErr, hostverbs.EventQPAccessErr)
 			return
 		}
@@ -283,6 +289,19 @@ func (q *qp) respWrite(tx *txBatch, p *packet) {
 		q.completeRecv(&r.wqe, hostverbs.WCSuccess, p, r.wlen)
 	}
 	q.ackIfAsked(tx, p)
+}
+
+// sourceFault reports (and counts) a packet delivered in process whose
+// payload could not be read from the sender's memory: the sending VM is
+// being torn down (its RAM unmapped mid-transfer). The packet is dropped as
+// if lost on the wire: the sender's own QP times out and fails, and the
+// receiving QP, which did nothing wrong, is left as it was.
+func (q *qp) sourceFault(p *packet, err error) bool {
+	if !p.local || !guestmem.IsSourceFault(err) {
+		return false
+	}
+	q.dev.ctrs.inc(cntDropSourceFault)
+	return true
 }
 
 // checkRKey resolves an R_Key in this device and checks PD, access and
