@@ -425,9 +425,19 @@ func Copy(dst *Memory, dstGPA GPA, src *Memory, srcGPA GPA, n uint64) error {
 		}
 		return nil
 	})
-	var ce *CopyError
-	if err != nil && !errors.As(err, &ce) {
-		err = &CopyError{Source: true, Err: err} // the source range itself is unmapped
+	if err != nil {
+		return sourceUnlessSided(err)
 	}
-	return err
+	return nil
+}
+
+// sourceUnlessSided makes err a source-side CopyError unless it already is
+// a CopyError (the source range itself was unmapped). It is kept off
+// Copy's success path: the errors.As target escapes to the heap.
+func sourceUnlessSided(err error) error {
+	var ce *CopyError
+	if errors.As(err, &ce) {
+		return err
+	}
+	return &CopyError{Source: true, Err: err}
 }

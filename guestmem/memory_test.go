@@ -271,3 +271,14 @@ func TestMapFDLocksAndReleases(t *testing.T) {
 	assert.Equal(t, uint64(0), m.LockedBytes())
 	assert.ErrorIs(t, unix.Close(fd), unix.EBADF, "Release closed the fd")
 }
+
+func TestCopyDoesNotAllocate(t *testing.T) {
+	src, _ := NewFlat(0x1000, 0x4000)
+	dst, _ := NewFlat(0x10000, 0x4000)
+	allocs := testing.AllocsPerRun(100, func() {
+		if err := Copy(dst, 0x10000, src, 0x1000, 0x3000); err != nil {
+			t.Fatal(err)
+		}
+	})
+	assert.Zero(t, allocs, "the same-host data path copies without allocating")
+}
