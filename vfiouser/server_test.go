@@ -174,7 +174,13 @@ func TestServeFD(t *testing.T) {
 	require.NoError(t, err)
 	ln.SetUnlinkOnClose(false)
 	ln.Close()
-	go func() { done <- srv.ServeFD(int(lf.Fd())) }()
+	// ServeFD owns the descriptor it is given: hand it a dup and close lf,
+	// or lf's finalizer would later close a number the process has reused
+	// (it once closed the next test's listener).
+	lfd, err := unix.Dup(int(lf.Fd()))
+	require.NoError(t, err)
+	require.NoError(t, lf.Close())
+	go func() { done <- srv.ServeFD(lfd) }()
 	c2 := dial(t, path)
 	_, err = c2.Negotiate("")
 	require.NoError(t, err)
