@@ -460,13 +460,18 @@ func (v *VM) wait(ctx context.Context) (Result, error) {
 			res.Timings.GuestUptimeAtInit = fr.uptime
 			boot.Stop()
 		case <-v.setupC:
+			// Durations are computed at END: frames arrive on separate
+			// channels, so SETUP may be handled before INIT.
 			setupAt = time.Now()
-			res.Timings.Setup = setupAt.Sub(initAt)
 		case fr := <-v.endC:
 			now := time.Now()
-			if !setupAt.IsZero() {
+			switch {
+			case !setupAt.IsZero() && !initAt.IsZero():
+				res.Timings.Setup = setupAt.Sub(initAt)
 				res.Timings.Scenario = now.Sub(setupAt)
-			} else if !initAt.IsZero() {
+			case !setupAt.IsZero():
+				res.Timings.Scenario = now.Sub(setupAt)
+			case !initAt.IsZero():
 				res.Timings.Setup = now.Sub(initAt)
 			}
 			res.RC, res.Stage = fr.rc, fr.stage
