@@ -1,8 +1,8 @@
 // Package hostverbs is the verbs provider interface the PVRDMA device model
 // drives: a Device per VM with its PDs, MRs over guest memory, CQs, QPs
-// (RC, UD, GSI) and SRQs, shaped by InfiniBand verbs semantics. Providers
-// implement it over a real HCA (hostverbs/ibverbs) or in software
-// (hostverbs/soft, RoCE v2 over UDP).
+// (RC, UD, GSI) and SRQs, shaped by InfiniBand verbs semantics. The software
+// provider (hostverbs/soft, RoCE v2) implements it; a provider over a real
+// HCA through libibverbs is planned.
 //
 // Errors are values: the sentinels below, wrapped with context, which the
 // device converts into PVRDMA statuses with Errno.

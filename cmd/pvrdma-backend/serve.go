@@ -49,7 +49,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		return err
 	}
 	if *transport != "soft" {
-		return fmt.Errorf("--transport %s: this build has only the soft transport (build with -tags ibverbs for ibverbs)", *transport)
+		return fmt.Errorf("--transport %s: only the soft transport exists (an ibverbs provider is planned)", *transport)
 	}
 	if *tos > 255 {
 		return fmt.Errorf("--default-tos %d: must be 0..255", *tos)
