@@ -75,7 +75,6 @@ func pvrdmaGuest(d *backend.Daemon, name, ip, scenario string) vm.Config {
 	}
 }
 
-
 // quietLogger logs only warnings and errors (benchmarks).
 func quietLogger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
