@@ -71,6 +71,35 @@ func (v *vmFlags) spec() (backend.VMSpec, error) {
 
 func controlPath(socketDir string) string { return filepath.Join(socketDir, "control.sock") }
 
+// registerVM makes sure the daemon serves the VM with the MAC the QEMU
+// arguments give its vmxnet3: an existing registration is accepted only if
+// its MAC agrees, since the device's node GUID is derived from it.
+func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) error {
+	mac := backend.DefaultMAC(spec.Name)
+	if spec.MAC != nil {
+		mac = spec.MAC
+	}
+	c := backend.NewControlClient(controlPath(socketDir))
+	_, err := c.AddVM(ctx, backend.VMRequest{Name: spec.Name, MAC: mac.String()})
+	if err == nil {
+		return nil
+	}
+	if !strings.Contains(err.Error(), "already registered") {
+		return fmt.Errorf("register %s: %w", spec.Name, err)
+	}
+	st, serr := c.Status(ctx)
+	if serr != nil {
+		return fmt.Errorf("register %s: %w", spec.Name, serr)
+	}
+	for _, vm := range st.VMs {
+		if vm.Name == spec.Name && vm.MAC != mac.String() {
+			return fmt.Errorf("VM %s is registered with MAC %s, not %s: unregister it first (or pass --mac %s)",
+				spec.Name, vm.MAC, mac, vm.MAC)
+		}
+	}
+	return nil
+}
+
 func runQEMUArgs(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs := newFlags("qemu-args", "--vm NAME [flags]", stderr)
 	var v vmFlags
@@ -89,13 +118,8 @@ func runQEMUArgs(ctx context.Context, args []string, stdout, stderr io.Writer) e
 		return err
 	}
 	if *register {
-		req := backend.VMRequest{Name: spec.Name}
-		if spec.MAC != nil {
-			req.MAC = spec.MAC.String()
-		}
-		_, err := backend.NewControlClient(controlPath(v.socketDir)).AddVM(ctx, req)
-		if err != nil && !strings.Contains(err.Error(), "already registered") {
-			return fmt.Errorf("register %s: %w", spec.Name, err)
+		if err := registerVM(ctx, v.socketDir, spec); err != nil {
+			return err
 		}
 	}
 	if !*shell {
@@ -140,13 +164,8 @@ func runAttach(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	if err != nil {
 		return err
 	}
-	req := backend.VMRequest{Name: spec.Name}
-	if spec.MAC != nil {
-		req.MAC = spec.MAC.String()
-	}
-	if _, err := backend.NewControlClient(controlPath(v.socketDir)).AddVM(ctx, req); err != nil &&
-		!strings.Contains(err.Error(), "already registered") {
-		return fmt.Errorf("register %s: %w", spec.Name, err)
+	if err := registerVM(ctx, v.socketDir, spec); err != nil {
+		return err
 	}
 	q, err := backend.DialQMP(ctx, *qmpPath, *timeout)
 	if err != nil {

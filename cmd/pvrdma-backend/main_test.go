@@ -1,0 +1,75 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+)
+
+func cli(t *testing.T, args ...string) (int, string, string) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code := run(context.Background(), args, &out, &errb)
+	return code, out.String(), errb.String()
+}
+
+func TestUsage(t *testing.T) {
+	code, _, stderr := cli(t)
+	assert.Equal(t, 2, code)
+	assert.Contains(t, stderr, "qemu-args")
+	code, _, stderr = cli(t, "frobnicate")
+	assert.Equal(t, 2, code)
+	assert.Contains(t, stderr, `unknown command "frobnicate"`)
+	code, _, _ = cli(t, "qemu-args", "--register=false")
+	assert.Equal(t, 2, code, "--vm is required")
+	code, _, stderr = cli(t, "serve", "--transport", "ibverbs")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "only the soft transport")
+}
+
+func TestQEMUArgsRegistersAndGuardsTheMAC(t *testing.T) {
+	dir := t.TempDir()
+	d, err := backend.New(backend.Config{SocketDir: dir, VMs: []backend.VMRequest{{Name: "vm1"}},
+		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	defer func() { cancel(); require.NoError(t, <-done) }()
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(filepath.Join(dir, "control.sock"))
+		return err == nil
+	}, 2*time.Second, 10*time.Millisecond)
+
+	code, out, stderr := cli(t, "qemu-args", "--vm", "vm2", "--socket-dir", dir, "--mem", "2G", "--slot", "6")
+	require.Equal(t, 0, code, stderr)
+	assert.Contains(t, out, "size=2048M,share=on")
+	assert.Contains(t, out, `"addr":"06.1"`)
+	assert.Contains(t, out, filepath.Join(dir, "vm2.sock"))
+	_, err = os.Stat(filepath.Join(dir, "vm2.sock"))
+	assert.NoError(t, err, "qemu-args registered vm2, so its socket exists before QEMU starts")
+
+	code, _, stderr = cli(t, "qemu-args", "--vm", "vm1", "--socket-dir", dir)
+	assert.Equal(t, 0, code, "re-registering with the same MAC is fine: %s", stderr)
+	code, _, stderr = cli(t, "qemu-args", "--vm", "vm1", "--socket-dir", dir, "--mac", "52:54:00:00:00:99")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "registered with MAC "+backend.DefaultMAC("vm1").String())
+
+	code, out, _ = cli(t, "status", "--socket-dir", dir)
+	require.Equal(t, 0, code)
+	assert.True(t, strings.Contains(out, "vm1") && strings.Contains(out, "vm2"), out)
+	code, out, _ = cli(t, "status", "--socket-dir", dir, "--metrics")
+	require.Equal(t, 0, code)
+	assert.Contains(t, out, `pvrdma_vm_connected{vm="vm2"} 0`)
+}
