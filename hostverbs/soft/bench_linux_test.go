@@ -41,7 +41,7 @@ func newBenchEnv(b *testing.B, kernel bool, mtu hostverbs.MTU) *benchEnv {
 	return newBenchEnvLayout(b, kernel, mtu, false)
 }
 
-func newBenchEnvLayout(b *testing.B, kernel bool, mtu hostverbs.MTU, contiguous bool) *benchEnv {
+func newBenchEnvLayout(b testing.TB, kernel bool, mtu hostverbs.MTU, contiguous bool) *benchEnv {
 	b.Helper()
 	env := &benchEnv{}
 	var f *Fabric
@@ -74,7 +74,7 @@ func newBenchEnvLayout(b *testing.B, kernel bool, mtu hostverbs.MTU, contiguous 
 // stream keeps depth operations of size bytes outstanding until n have
 // completed and returns the elapsed time. SENDs need receives at b, which
 // are reposted as they complete.
-func (env *benchEnv) stream(b *testing.B, op hostverbs.WROpcode, size, depth, n int) time.Duration {
+func (env *benchEnv) stream(b testing.TB, op hostverbs.WROpcode, size, depth, n int) time.Duration {
 	a, bb, p := env.a, env.b, env.p
 	// Work requests are built once and reused, so the harness allocates
 	// nothing per operation and allocs/pkt is the provider's alone.
@@ -248,16 +248,28 @@ func reportThroughput(b *testing.B, name string, bytes int64, d time.Duration) f
 	return rate
 }
 
+// allocsPerPacket runs the measured phase and reports its heap
+// allocations per packet, and the CPU it took: cores busy on average
+// (process user+system time over wall time; the machine's whole budget is
+// GOMAXPROCS) and microseconds of CPU per packet.
 func allocsPerPacket(b *testing.B, f *Fabric, run func()) {
 	var m0, m1 runtime.MemStats
+	var r0, r1 unix.Rusage
 	c0 := f.Counters()
 	runtime.ReadMemStats(&m0)
+	_ = unix.Getrusage(unix.RUSAGE_SELF, &r0)
+	start := time.Now()
 	run()
+	wall := time.Since(start)
+	_ = unix.Getrusage(unix.RUSAGE_SELF, &r1)
 	runtime.ReadMemStats(&m1)
 	c1 := f.Counters()
 	pkts := (c1["tx_packets"] - c0["tx_packets"]) + (c1["local_packets"] - c0["local_packets"])
+	cpu := time.Duration(r1.Utime.Nano() + r1.Stime.Nano() - r0.Utime.Nano() - r0.Stime.Nano())
+	b.ReportMetric(cpu.Seconds()/wall.Seconds(), "cpu_cores")
 	if pkts > 0 {
 		b.ReportMetric(float64(m1.Mallocs-m0.Mallocs)/float64(pkts), "allocs/pkt")
+		b.ReportMetric(cpu.Seconds()*1e6/float64(pkts), "cpu_us/pkt")
 	}
 }
 

@@ -33,10 +33,11 @@ import (
 // hop limit and traffic class the kernel reports, every other field being
 // fixed or masked), plus UDP sockets bound to port 4791 whose filter drops
 // everything: they keep the kernel from answering ICMP port unreachable.
-// Batches use sendmmsg and recvmmsg on non-blocking sockets polled by the
-// Go runtime.
+// Batches use sendmmsg and recvmmsg on non-blocking sockets; the receive
+// sockets are polled by the Go runtime, the send sockets are not (see
+// txSock).
 type KernelWire struct {
-	tx4, tx6   *rawSock
+	tx4, tx6   *txSock
 	rx         []*rawSock // one receive queue per family
 	sinks      []int
 	closeOnce  sync.Once
@@ -53,20 +54,15 @@ type KernelWireConfig struct {
 	SocketBuffer int
 }
 
+// rawSock is a receive socket, polled by the Go runtime.
 type rawSock struct {
 	fd   int
 	file *os.File
 	rc   syscall.RawConn
 	v6   bool
-	// Send state: the callback handed to RawConn.Write is made once (a
+	// Receive state: the callback handed to RawConn.Read is made once (a
 	// closure per call would be a heap allocation per batch), so its
-	// arguments live here, under txMu.
-	txMu   sync.Mutex
-	txHdrs []unix.Mmsghdr
-	txSent int
-	txErr  error
-	txFn   func(fd uintptr) bool
-	// Receive state, likewise (one reader per queue).
+	// arguments live here (one reader per queue).
 	rxN   int
 	rxK   int
 	rxErr error
@@ -93,7 +89,7 @@ func NewKernelWire(cfg KernelWireConfig) (w *KernelWire, err error) {
 			_ = w.Close()
 		}
 	}()
-	if w.tx4, err = openRaw(unix.AF_INET, unix.IPPROTO_RAW, cfg.SocketBuffer); err != nil {
+	if w.tx4, err = openTx(unix.AF_INET, cfg.SocketBuffer, w.closedFlag); err != nil {
 		return nil, fmt.Errorf("kernel wire: ipv4 send socket: %w", err)
 	}
 	rx4, err := openRaw(unix.AF_INET, unix.IPPROTO_UDP, cfg.SocketBuffer)
@@ -108,7 +104,7 @@ func NewKernelWire(cfg KernelWireConfig) (w *KernelWire, err error) {
 		return nil, err
 	}
 	if !cfg.DisableIPv6 {
-		if w.tx6, err = openRaw(unix.AF_INET6, unix.IPPROTO_RAW, cfg.SocketBuffer); err != nil {
+		if w.tx6, err = openTx(unix.AF_INET6, cfg.SocketBuffer, w.closedFlag); err != nil {
 			return nil, fmt.Errorf("kernel wire: ipv6 send socket: %w", err)
 		}
 		rx6, err := openRaw(unix.AF_INET6, unix.IPPROTO_UDP, cfg.SocketBuffer)
@@ -148,7 +144,7 @@ func openRaw(family, proto, buf int) (*rawSock, error) {
 		return nil, err
 	}
 	s := &rawSock{fd: fd, file: f, rc: rc, v6: family == unix.AF_INET6}
-	s.txFn, s.rxFn = s.sendReady, s.recvReady
+	s.rxFn = s.recvReady
 	return s, nil
 }
 
@@ -215,9 +211,9 @@ func (w *KernelWire) Queues() int { return len(w.rx) }
 func (w *KernelWire) Close() error {
 	w.closeOnce.Do(func() {
 		close(w.closedFlag)
-		for _, s := range []*rawSock{w.tx4, w.tx6} {
+		for _, s := range []*txSock{w.tx4, w.tx6} {
 			if s != nil {
-				s.file.Close()
+				s.close()
 			}
 		}
 		for _, s := range w.rx {
@@ -298,39 +294,6 @@ func (w *KernelWire) Transmit(pkts []Datagram) (int, error) {
 		}
 	}
 	return sent, nil
-}
-
-// sendmmsg sends hdrs, waiting for buffer space, until all are sent or an
-// error stops it.
-func (s *rawSock) sendmmsg(hdrs []unix.Mmsghdr) (int, error) {
-	s.txMu.Lock()
-	defer s.txMu.Unlock()
-	s.txHdrs, s.txSent, s.txErr = hdrs, 0, nil
-	err := s.rc.Write(s.txFn)
-	sent, serr := s.txSent, s.txErr
-	s.txHdrs = nil
-	if err != nil {
-		return sent, err
-	}
-	return sent, serr
-}
-
-func (s *rawSock) sendReady(fd uintptr) bool {
-	for s.txSent < len(s.txHdrs) {
-		n, err := sendmmsg(int(fd), s.txHdrs[s.txSent:])
-		if err == unix.EAGAIN {
-			return false
-		}
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			s.txErr = err
-			return true
-		}
-		s.txSent += n
-	}
-	return true
 }
 
 func (s *rawSock) recvReady(fd uintptr) bool {
