@@ -324,7 +324,5 @@ func (f *Fabric) receiveDatagram(tx *txBatch, d []byte, rp *roce.Packet, p *pack
 		return
 	}
 	p.fromWire(rp)
-	if p.op == 4 {
-	}
 	dev.deliver(tx, p)
 }

@@ -162,14 +162,7 @@ func (r *txRing) transmit(dgs []Datagram) {
 	}
 	dgs = dgs[:k]
 	for len(dgs) > 0 {
-		if len(dgs[0].Packet) > 28 && dgs[0].Packet[28] == 4 {
-		}
 		sent, err := f.wire.Transmit(dgs)
-		for _, d := range dgs[:sent] {
-			if len(d.Packet) > 28 && d.Packet[28] == 4 {
-			} else if len(d.Packet) > 28 && d.Packet[28] == 0x11 {
-			}
-		}
 		var bytes uint64
 		for _, d := range dgs[:sent] {
 			bytes += uint64(len(d.Packet))
