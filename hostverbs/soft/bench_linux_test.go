@@ -331,7 +331,10 @@ func benchBulkLayout(b *testing.B, op hostverbs.WROpcode, size int, kernel, cont
 	var ratios, blasts, delivered []float64
 	b.ResetTimer()
 	for r := range rounds {
-		n := b.N/rounds + btoi(r < b.N%rounds)
+		n := b.N / rounds
+		if r < b.N%rounds {
+			n++
+		}
 		m.start()
 		dr := env.stream(b, op, size, depth, n)
 		m.stop()
@@ -363,13 +366,6 @@ func benchBulkLayout(b *testing.B, op hostverbs.WROpcode, size int, kernel, cont
 		b.ReportMetric(slices.Min(ratios), "x_udp_blast_min")
 		b.ReportMetric(slices.Max(ratios), "x_udp_blast_max")
 	}
-}
-
-func btoi(v bool) int {
-	if v {
-		return 1
-	}
-	return 0
 }
 
 // median returns the median of v (which it sorts).
