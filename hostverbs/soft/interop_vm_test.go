@@ -166,27 +166,42 @@ func rxeGuest(name, ip, scenario string) vm.Config {
 		Scenario: scenario}
 }
 
+// pingPongGuest is an rxe guest that runs tool (ibv_rc_pingpong or
+// ibv_ud_pingpong) first as the client of our server on port 18515, then
+// as the server on port 18516.
+func pingPongGuest(name, tool string, iters, size int) vm.Config {
+	return rxeGuest(name, guestIP, fmt.Sprintf(`
+pvt_rxe eth0
+g=$(pvt_gid_index rxe0 %[1]s)
+echo "=== client"
+pvt_retry 60 %[5]s -d rxe0 -g $g -n %[2]d -s %[3]d %[4]s
+echo "=== server"
+%[5]s -d rxe0 -g $g -n %[2]d -s %[3]d -p 18516
+echo "=== end"
+`, guestIP, iters, size, hostIP, tool))
+}
+
+// listen opens a TCP listener on the host side of the bridge, closed when
+// the test ends.
+func (env *interopEnv) listen(t *testing.T, port string) net.Listener {
+	t.Helper()
+	var ln net.Listener
+	require.NoError(t, env.nw.Do(func() error {
+		var err error
+		ln, err = net.Listen("tcp4", hostIP+":"+port)
+		return err
+	}))
+	t.Cleanup(func() { _ = ln.Close() })
+	return ln
+}
+
 func TestInteropRxeRCPingPong(t *testing.T) {
 	env := newInteropEnv(t)
 	ctx := context.Background()
 	const iters, size = 500, 4096
-	var ln net.Listener
-	require.NoError(t, env.nw.Do(func() error {
-		var err error
-		ln, err = net.Listen("tcp4", hostIP+":18515")
-		return err
-	}))
-	defer ln.Close()
+	ln := env.listen(t, "18515")
 
-	g, err := vm.Start(ctx, t, env.img, env.nw, rxeGuest("rxepp", guestIP, fmt.Sprintf(`
-pvt_rxe eth0
-g=$(pvt_gid_index rxe0 %[1]s)
-echo "=== client"
-pvt_retry 60 ibv_rc_pingpong -d rxe0 -g $g -n %[2]d -s %[3]d %[4]s
-echo "=== server"
-ibv_rc_pingpong -d rxe0 -g $g -n %[2]d -s %[3]d -p 18516
-echo "=== end"
-`, guestIP, iters, size, hostIP)))
+	g, err := vm.Start(ctx, t, env.img, env.nw, pingPongGuest("rxepp", "ibv_rc_pingpong", iters, size))
 	require.NoError(t, err)
 
 	// Phase 1: the guest is the client, we are the server.
@@ -327,22 +342,8 @@ func TestInteropRxeUDPingPong(t *testing.T) {
 	env := newInteropEnv(t)
 	ctx := context.Background()
 	const iters, size = 300, 512
-	var ln net.Listener
-	require.NoError(t, env.nw.Do(func() error {
-		var err error
-		ln, err = net.Listen("tcp4", hostIP+":18515")
-		return err
-	}))
-	defer ln.Close()
-	g, err := vm.Start(ctx, t, env.img, env.nw, rxeGuest("rxeud", guestIP, fmt.Sprintf(`
-pvt_rxe eth0
-g=$(pvt_gid_index rxe0 %[1]s)
-echo "=== client"
-pvt_retry 60 ibv_ud_pingpong -d rxe0 -g $g -n %[2]d -s %[3]d %[4]s
-echo "=== server"
-ibv_ud_pingpong -d rxe0 -g $g -n %[2]d -s %[3]d -p 18516
-echo "=== end"
-`, guestIP, iters, size, hostIP)))
+	ln := env.listen(t, "18515")
+	g, err := vm.Start(ctx, t, env.img, env.nw, pingPongGuest("rxeud", "ibv_ud_pingpong", iters, size))
 	require.NoError(t, err)
 
 	newUD := func() hostverbs.QP {
@@ -436,13 +437,7 @@ func TestInteropRxeRDMAOps(t *testing.T) {
 	binary.LittleEndian.PutUint64(w8[:], 5000)
 	e.write(t, e.iova+counter, w8[:])
 
-	var ln net.Listener
-	require.NoError(t, env.nw.Do(func() error {
-		var err error
-		ln, err = net.Listen("tcp4", hostIP+":18520")
-		return err
-	}))
-	defer ln.Close()
+	ln := env.listen(t, "18520")
 	g, err := vm.Start(ctx, t, env.img, env.nw, func() vm.Config {
 		c := rxeGuest("rxeops", guestIP, fmt.Sprintf(`
 pvt_rxe eth0
