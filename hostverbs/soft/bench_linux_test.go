@@ -28,8 +28,13 @@ import (
 //   - the same operations in process (the same-host path: one copy from
 //     guest memory to guest memory) against memcpy;
 //   - 8-byte SEND ping-pong latency over loopback against a plain UDP
-//     ping-pong;
-//   - heap allocations per packet.
+//     ping-pong (and one whose readers hand each datagram to another
+//     goroutine, the shape of a verbs consumer), alternating bulkRounds
+//     times like the transfers; means, medians and 99th percentiles;
+//   - heap allocations per packet;
+//   - what a full-MTU datagram costs the sending thread on the fabric's
+//     wire and on the UDP blast (BenchmarkWireSenderLoopback): the bound
+//     of x_udp_blast.
 //
 // Run: go test -run XXX -bench . -benchtime 3s ./hostverbs/soft/ (root).
 
@@ -297,15 +302,6 @@ func (m *meter) report(b *testing.B) {
 	}
 }
 
-// allocsPerPacket measures run with a meter and reports it.
-func allocsPerPacket(b *testing.B, f *Fabric, run func()) {
-	m := meter{f: f}
-	m.start()
-	run()
-	m.stop()
-	m.report(b)
-}
-
 func benchBulk(b *testing.B, op hostverbs.WROpcode, size int, kernel bool) {
 	benchBulkLayout(b, op, size, kernel, false)
 }
@@ -439,37 +435,94 @@ func benchPingPong(b *testing.B, kernel bool) {
 	for range 100 {
 		round()
 	}
-	b.ResetTimer()
-	start := time.Now()
-	allocsPerPacket(b, env.f, func() {
-		for range b.N {
-			round()
-		}
-	})
-	d := time.Since(start)
-	b.StopTimer()
-	close(stop)
-	wg.Wait()
-	ours := d.Seconds() / float64(b.N) * 1e6
-	b.ReportMetric(ours, "rtt_us")
+	// Over loopback, our rounds and the UDP references alternate
+	// bulkRounds times (the machine's speed drifts); x_udp_pingpong is
+	// the median of the adjacent pairs' ratios of mean round trips.
+	rounds := 1
 	if kernel {
-		udp := udpPingPong(b, env.ns, 2000, false)
-		b.ReportMetric(udp, "udp_rtt_us")
-		b.ReportMetric(ours/udp, "x_udp_pingpong")
+		rounds = min(bulkRounds, b.N)
+	}
+	rtts := make([]time.Duration, b.N)
+	var ratios, ratiosH, udpMeans, udpHandoffs []float64
+	var udpRTTs []time.Duration
+	m := meter{f: env.f}
+	var d time.Duration
+	done := 0
+	b.ResetTimer()
+	for r := range rounds {
+		n := b.N / rounds
+		if r < b.N%rounds {
+			n++
+		}
+		m.start()
+		start := time.Now()
+		t0 := start
+		for i := done; i < done+n; i++ {
+			round()
+			t1 := time.Now()
+			rtts[i], t0 = t1.Sub(t0), t1
+		}
+		dr := time.Since(start)
+		m.stop()
+		d += dr
+		done += n
+		if !kernel {
+			continue
+		}
+		b.StopTimer()
+		ours := dr.Seconds() / float64(n) * 1e6
+		udp, u := udpPingPong(b, env.ns, 2000, false)
 		// The same program shape over UDP: each side's reader hands the
 		// datagram to another goroutine, which answers (what a verbs
 		// consumer does with a completion).
-		udpH := udpPingPong(b, env.ns, 2000, true)
-		b.ReportMetric(udpH, "udp_handoff_rtt_us")
-		b.ReportMetric(ours/udpH, "x_udp_handoff")
+		udpH, _ := udpPingPong(b, env.ns, 2000, true)
+		ratios = append(ratios, ours/udp)
+		ratiosH = append(ratiosH, ours/udpH)
+		udpMeans = append(udpMeans, udp)
+		udpHandoffs = append(udpHandoffs, udpH)
+		udpRTTs = append(udpRTTs, u...)
+		b.StartTimer()
+	}
+	b.StopTimer()
+	close(stop)
+	wg.Wait()
+	m.report(b)
+	ours := d.Seconds() / float64(b.N) * 1e6
+	b.ReportMetric(ours, "rtt_us")
+	p50, p99 := percentiles(rtts)
+	b.ReportMetric(p50, "rtt_p50_us")
+	b.ReportMetric(p99, "rtt_p99_us")
+	if kernel {
+		u50, u99 := percentiles(udpRTTs)
+		b.ReportMetric(median(udpMeans), "udp_rtt_us")
+		b.ReportMetric(u50, "udp_rtt_p50_us")
+		b.ReportMetric(u99, "udp_rtt_p99_us")
+		b.ReportMetric(median(udpHandoffs), "udp_handoff_rtt_us")
+		b.ReportMetric(median(ratios), "x_udp_pingpong")
+		b.ReportMetric(slices.Min(ratios), "x_udp_pingpong_min")
+		b.ReportMetric(slices.Max(ratios), "x_udp_pingpong_max")
+		b.ReportMetric(p50/u50, "x_udp_pingpong_p50")
+		b.ReportMetric(median(ratiosH), "x_udp_handoff")
 	}
 }
 
+// percentiles returns the median and the 99th percentile of d (which it
+// sorts), in microseconds.
+func percentiles(d []time.Duration) (p50, p99 float64) {
+	if len(d) == 0 {
+		return 0, 0
+	}
+	slices.Sort(d)
+	us := func(x time.Duration) float64 { return float64(x) / float64(time.Microsecond) }
+	return us(d[len(d)/2]), us(d[len(d)*99/100])
+}
+
 // udpPingPong measures the round trip of an 8-byte UDP datagram over the
-// namespace's loopback through Go's net package, echoed by a goroutine.
-// With handoff, each side's reader passes the datagram through a channel
-// to the goroutine that answers, as a verbs consumer gets completions.
-func udpPingPong(b *testing.B, ns *netns, n int, handoff bool) float64 {
+// namespace's loopback through Go's net package, echoed by a goroutine,
+// and returns its mean in microseconds and each round trip. With handoff,
+// each side's reader passes the datagram through a channel to the
+// goroutine that answers, as a verbs consumer gets completions.
+func udpPingPong(b *testing.B, ns *netns, n int, handoff bool) (float64, []time.Duration) {
 	var ca, cb *net.UDPConn
 	ns.do(b, func() {
 		var err error
@@ -542,11 +595,15 @@ func udpPingPong(b *testing.B, ns *netns, n int, handoff bool) float64 {
 	for range 100 {
 		round()
 	}
+	rtts := make([]time.Duration, n)
 	start := time.Now()
-	for range n {
+	t0 := start
+	for i := range n {
 		round()
+		t1 := time.Now()
+		rtts[i], t0 = t1.Sub(t0), t1
 	}
-	return time.Since(start).Seconds() / float64(n) * 1e6
+	return time.Since(start).Seconds() / float64(n) * 1e6, rtts
 }
 
 func BenchmarkPingPong8BLoopback(b *testing.B)  { benchPingPong(b, true) }

@@ -244,9 +244,17 @@ func (f *Fabric) putTx(t *txBatch) { f.txPool.Put(t) }
 // rxBatch is how many datagrams one Receive call may return.
 const rxBatch = 64
 
-// drainBatches bounds how many extra batches the receive loop takes in
-// before it sends what it owes.
-const drainBatches = 4
+// drainPackets bounds how many packets the receive loop takes in before it
+// sends the ACKs it owes: the default window, so a stream's ACKs keep it
+// open (a sender that has used up its window goes quiet, and the ACKs go
+// then).
+const drainPackets = 256
+
+// drainTime bounds how long the receive loop holds its ACKs while packets
+// keep arriving: far below the local ACK timeouts requesters use (the
+// verbs tools' 14 is 67 ms), long enough for a ping-pong between two QPs
+// of this fabric to make about ten round trips per ACK each way.
+const drainTime = 200 * time.Microsecond
 
 // receiveLoop reads datagrams from the wire and processes each batch on
 // this goroutine; what the batch provokes (ACKs, read responses, more
@@ -285,11 +293,13 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 		// Before sending the ACKs this work produced, let the goroutines
 		// its completions woke run (a consumer answering a message is
 		// latency-critical, an ACK is not), and take in what arrived
-		// meanwhile (often that answer), a few batches at most so the
-		// ACKs are not held back under load.
-		for range drainBatches {
+		// meanwhile (often that answer), up to drainPackets packets or
+		// drainTime so the ACKs are not held back under load. The ACKs
+		// wait only while packets keep coming: once nothing has arrived,
+		// they go.
+		for got, t0 := n, time.Now(); ; {
 			runtime.Gosched()
-			if pw == nil {
+			if pw == nil || got >= drainPackets || time.Since(t0) >= drainTime {
 				break
 			}
 			n, err := pw.TryReceive(queue, bufs, lens)
@@ -299,6 +309,7 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 			for i := range n {
 				f.receiveDatagram(tx, bufs[i][:lens[i]], &rp, &p)
 			}
+			got += n
 		}
 		tx.flush()
 	}

@@ -1,0 +1,204 @@
+//go:build linux
+
+package soft
+
+import (
+	"context"
+	"net/netip"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
+	"golang.org/x/sys/unix"
+)
+
+// BenchmarkWireSenderLoopback measures what one full-MTU datagram costs the
+// thread that sends it, in CPU time (user and system: over loopback the
+// kernel's receive path, up to the receiving socket's queue, runs inside
+// the sender's system call), on two paths that alternate bulkRounds times:
+//   - the fabric's: KernelWire.Transmit of RDMA WRITE packets, 64 per call,
+//     taken in by the wire's own receive sockets (the raw capture the ICRC
+//     check needs, plus the UDP 4791 sink) and read by Receive;
+//   - the UDP blast's (the bulk benchmarks' reference): datagrams of the
+//     same size, 64 per sendmmsg on a connected UDP socket, read by a plain
+//     UDP socket.
+//
+// Both bulk pipelines are bound by their sending thread, so
+// x_blast_cost = blast cost / wire cost (median of the pairs) bounds
+// x_udp_blast in BenchmarkWrite1MiBLoopback: it is the ratio the transport
+// would reach if everything it does besides sending were free.
+func BenchmarkWireSenderLoopback(b *testing.B) {
+	needRoot(b)
+	ns := newNetns(b, "wsc")
+	var w *KernelWire
+	var err error
+	ns.do(b, func() { w, err = NewKernelWire(KernelWireConfig{DisableIPv6: true}) })
+	if err != nil {
+		b.Fatal(err)
+	}
+
+	// One WRITE_MIDDLE packet, sent over and over.
+	const mtu = 4096
+	src := hostverbs.GIDFromAddr(netip.MustParseAddr("127.0.0.1"))
+	dst := hostverbs.GIDFromAddr(netip.MustParseAddr("127.0.0.2"))
+	nf := roce.NetFields{Src: src, Dst: dst, HopLimit: 64, SrcPort: roce.SourcePortMin}
+	tf := roce.TransportFields{BTH: roce.BTHFields{Opcode: roce.RCWriteMiddle, PKey: roce.DefaultPKey, DestQP: 17}}
+	d, off := roce.Build(make([]byte, MaxDatagram), &nf, &tf, mtu)
+	fill(d[off:off+mtu], 3)
+	roce.SealICRC(d, roce.IPv4HeaderSize)
+	batch := make([]Datagram, txMax)
+	for i := range batch {
+		batch[i] = Datagram{Packet: d}
+	}
+
+	// The wire's receiver: Receive and count, nothing else.
+	ctx, cancel := context.WithCancel(context.Background())
+	var got atomic.Int64
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		bufs := make([][]byte, rxBatch)
+		for i := range bufs {
+			bufs[i] = make([]byte, MaxDatagram)
+		}
+		lens := make([]int, rxBatch)
+		for {
+			n, err := w.Receive(ctx, 0, bufs, lens)
+			if err != nil {
+				return
+			}
+			got.Add(int64(n))
+		}
+	}()
+	defer func() {
+		cancel()
+		_ = w.Close() // Receive returns
+		wg.Wait()
+	}()
+
+	rounds := min(bulkRounds, b.N)
+	var ours, blast, ratios, delivered []float64
+	b.ResetTimer()
+	for r := range rounds {
+		n := b.N / rounds
+		if r < b.N%rounds {
+			n++
+		}
+		n = max(n, txMax)
+		got.Store(0)
+		cost, sent := threadCost(func() int {
+			sent := 0
+			for sent < n {
+				k, err := w.Transmit(batch)
+				if err != nil {
+					b.Fatal(err)
+				}
+				sent += k
+			}
+			return sent
+		})
+		// Let the receiver finish before the next measurement.
+		for deadline := time.Now().Add(time.Second); got.Load() < int64(sent) && time.Now().Before(deadline); {
+			time.Sleep(100 * time.Microsecond)
+		}
+		delivered = append(delivered, float64(got.Load())/float64(sent))
+		b.StopTimer()
+		bc := blastSenderCost(b, ns, len(d)-roce.IPv4HeaderSize-roce.UDPHeaderSize, n)
+		b.StartTimer()
+		ours = append(ours, cost)
+		blast = append(blast, bc)
+		ratios = append(ratios, bc/cost)
+	}
+	b.StopTimer()
+	b.ReportMetric(median(ours), "wire_sender_us/pkt")
+	b.ReportMetric(median(blast), "blast_sender_us/pkt")
+	b.ReportMetric(median(ratios), "x_blast_cost")
+	b.ReportMetric(slices.Min(ratios), "x_blast_cost_min")
+	b.ReportMetric(slices.Max(ratios), "x_blast_cost_max")
+	b.ReportMetric(100*median(delivered), "wire_delivered_%")
+}
+
+// threadCost runs send on a thread of its own and returns the thread's CPU
+// time per datagram sent (µs) and the datagrams sent.
+func threadCost(send func() int) (float64, int) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var r0, r1 unix.Rusage
+	_ = unix.Getrusage(unix.RUSAGE_THREAD, &r0)
+	sent := send()
+	_ = unix.Getrusage(unix.RUSAGE_THREAD, &r1)
+	cpu := time.Duration(r1.Utime.Nano() + r1.Stime.Nano() - r0.Utime.Nano() - r0.Stime.Nano())
+	return cpu.Seconds() * 1e6 / float64(sent), sent
+}
+
+// blastSenderCost is threadCost for the UDP blast: n datagrams of dsize
+// bytes, 64 per sendmmsg on a connected socket, to a UDP socket that a
+// goroutine reads.
+func blastSenderCost(b *testing.B, ns *netns, dsize, n int) float64 {
+	var rx, tx int
+	ns.do(b, func() {
+		var err error
+		if rx, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
+			b.Fatal(err)
+		}
+		if tx, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
+			b.Fatal(err)
+		}
+	})
+	defer unix.Close(rx)
+	defer unix.Close(tx)
+	setBuffers(rx, 8<<20)
+	setBuffers(tx, 8<<20)
+	if err := unix.Bind(rx, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}}); err != nil {
+		b.Fatal(err)
+	}
+	sa, _ := unix.Getsockname(rx)
+	if err := unix.Connect(tx, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}, Port: sa.(*unix.SockaddrInet4).Port}); err != nil {
+		b.Fatal(err)
+	}
+	_ = unix.SetsockoptTimeval(rx, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Usec: 100000})
+	mk := func() []unix.Mmsghdr {
+		hdrs := make([]unix.Mmsghdr, txMax)
+		iovs := make([]unix.Iovec, txMax)
+		for i := range hdrs {
+			setIov(&iovs[i], make([]byte, dsize))
+			hdrs[i].Hdr.Iov = &iovs[i]
+			hdrs[i].Hdr.SetIovlen(1)
+		}
+		return hdrs
+	}
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		hdrs := mk()
+		for {
+			if _, err := recvmmsgBlocking(rx, hdrs); err != nil && err != unix.EINTR {
+				return // the timeout: the sender is done
+			}
+		}
+	}()
+	hdrs := mk()
+	cost, _ := threadCost(func() int {
+		sent := 0
+		for sent < n {
+			k, err := sendmmsg(tx, hdrs)
+			if err != nil {
+				if err == unix.EAGAIN || err == unix.ENOBUFS || err == unix.EINTR {
+					continue
+				}
+				b.Fatal(err)
+			}
+			sent += k
+		}
+		return sent
+	})
+	wg.Wait()
+	return cost
+}
