@@ -150,42 +150,9 @@ func (env *benchEnv) stream(b testing.TB, op hostverbs.WROpcode, size, depth, n 
 // arrived (a blast has no flow control: a receiver that falls behind
 // drops).
 func udpBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64) {
-	var rx, tx int
-	ns.do(b, func() {
-		var err error
-		if rx, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
-			b.Fatal(err)
-		}
-		if tx, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
-			b.Fatal(err)
-		}
-	})
+	rx, tx := udpBlastSockets(b, ns, 200*time.Millisecond)
 	defer unix.Close(rx)
 	defer unix.Close(tx)
-	setBuffers(rx, 8<<20)
-	setBuffers(tx, 8<<20)
-	if err := unix.Bind(rx, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}}); err != nil {
-		b.Fatal(err)
-	}
-	sa, _ := unix.Getsockname(rx)
-	port := sa.(*unix.SockaddrInet4).Port
-	if err := unix.Connect(tx, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}, Port: port}); err != nil {
-		b.Fatal(err)
-	}
-	_ = unix.SetsockoptTimeval(rx, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Usec: 200000})
-	const batch = 64
-	mk := func() ([]unix.Mmsghdr, [][]byte) {
-		hdrs := make([]unix.Mmsghdr, batch)
-		iovs := make([]unix.Iovec, batch)
-		bufs := make([][]byte, batch)
-		for i := range hdrs {
-			bufs[i] = make([]byte, dsize)
-			setIov(&iovs[i], bufs[i])
-			hdrs[i].Hdr.Iov = &iovs[i]
-			hdrs[i].Hdr.SetIovlen(1)
-		}
-		return hdrs, bufs
-	}
 	var got atomic.Int64
 	var start, end time.Time
 	var wg sync.WaitGroup
@@ -193,7 +160,7 @@ func udpBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64
 	go func() {
 		defer wg.Done()
 		runtime.LockOSThread()
-		hdrs, _ := mk()
+		hdrs := mmsgBuffers(txMax, dsize)
 		first := true
 		for got.Load() < total {
 			// Blocking (SO_RCVTIMEO bounds it), unlike the wire's.
@@ -216,7 +183,7 @@ func udpBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64
 			end = time.Now()
 		}
 	}()
-	hdrs, _ := mk()
+	hdrs := mmsgBuffers(txMax, dsize)
 	var sent int64
 	for sent < total {
 		n, err := sendmmsg(tx, hdrs)
@@ -233,6 +200,54 @@ func udpBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64
 		return 0, 0
 	}
 	return float64(got.Load()) / end.Sub(start).Seconds(), float64(got.Load()) / float64(sent)
+}
+
+// udpBlastSockets opens the UDP blast's pair in ns: a receiver bound to
+// 127.0.0.2 whose blocking reads time out after rcvTimeout, and a sender
+// connected to it, both with 8 MiB buffers. The caller closes them.
+func udpBlastSockets(b *testing.B, ns *netns, rcvTimeout time.Duration) (rx, tx int) {
+	ns.do(b, func() {
+		var err error
+		if rx, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
+			b.Fatal(err)
+		}
+		if tx, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
+			b.Fatal(err)
+		}
+	})
+	setBuffers(rx, 8<<20)
+	setBuffers(tx, 8<<20)
+	if err := unix.Bind(rx, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}}); err != nil {
+		b.Fatal(err)
+	}
+	sa, _ := unix.Getsockname(rx)
+	if err := unix.Connect(tx, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}, Port: sa.(*unix.SockaddrInet4).Port}); err != nil {
+		b.Fatal(err)
+	}
+	tv := unix.NsecToTimeval(rcvTimeout.Nanoseconds())
+	_ = unix.SetsockoptTimeval(rx, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+	return rx, tx
+}
+
+// mmsgBuffers returns n message headers, each over a buffer of size bytes.
+func mmsgBuffers(n, size int) []unix.Mmsghdr {
+	hdrs := make([]unix.Mmsghdr, n)
+	iovs := make([]unix.Iovec, n)
+	for i := range hdrs {
+		setIov(&iovs[i], make([]byte, size))
+		hdrs[i].Hdr.Iov = &iovs[i]
+		hdrs[i].Hdr.SetIovlen(1)
+	}
+	return hdrs
+}
+
+// roundShare is round r's share of total operations split over rounds.
+func roundShare(total, rounds, r int) int {
+	n := total / rounds
+	if r < total%rounds {
+		n++
+	}
+	return n
 }
 
 // memcpyRate is the reference: copying the same messages between the
@@ -327,10 +342,7 @@ func benchBulkLayout(b *testing.B, op hostverbs.WROpcode, size int, kernel, cont
 	var ratios, blasts, delivered []float64
 	b.ResetTimer()
 	for r := range rounds {
-		n := b.N / rounds
-		if r < b.N%rounds {
-			n++
-		}
+		n := roundShare(b.N, rounds, r)
 		m.start()
 		dr := env.stream(b, op, size, depth, n)
 		m.stop()
@@ -450,10 +462,7 @@ func benchPingPong(b *testing.B, kernel bool) {
 	done := 0
 	b.ResetTimer()
 	for r := range rounds {
-		n := b.N / rounds
-		if r < b.N%rounds {
-			n++
-		}
+		n := roundShare(b.N, rounds, r)
 		m.start()
 		start := time.Now()
 		t0 := start

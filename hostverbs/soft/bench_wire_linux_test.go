@@ -86,11 +86,7 @@ func BenchmarkWireSenderLoopback(b *testing.B) {
 	var ours, blast, ratios, delivered []float64
 	b.ResetTimer()
 	for r := range rounds {
-		n := b.N / rounds
-		if r < b.N%rounds {
-			n++
-		}
-		n = max(n, txMax)
+		n := max(roundShare(b.N, rounds, r), txMax)
 		got.Store(0)
 		cost, sent := threadCost(func() int {
 			sent := 0
@@ -141,50 +137,21 @@ func threadCost(send func() int) (float64, int) {
 // bytes, 64 per sendmmsg on a connected socket, to a UDP socket that a
 // goroutine reads.
 func blastSenderCost(b *testing.B, ns *netns, dsize, n int) float64 {
-	var rx, tx int
-	ns.do(b, func() {
-		var err error
-		if rx, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
-			b.Fatal(err)
-		}
-		if tx, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
-			b.Fatal(err)
-		}
-	})
+	rx, tx := udpBlastSockets(b, ns, 100*time.Millisecond)
 	defer unix.Close(rx)
 	defer unix.Close(tx)
-	setBuffers(rx, 8<<20)
-	setBuffers(tx, 8<<20)
-	if err := unix.Bind(rx, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}}); err != nil {
-		b.Fatal(err)
-	}
-	sa, _ := unix.Getsockname(rx)
-	if err := unix.Connect(tx, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}, Port: sa.(*unix.SockaddrInet4).Port}); err != nil {
-		b.Fatal(err)
-	}
-	_ = unix.SetsockoptTimeval(rx, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Usec: 100000})
-	mk := func() []unix.Mmsghdr {
-		hdrs := make([]unix.Mmsghdr, txMax)
-		iovs := make([]unix.Iovec, txMax)
-		for i := range hdrs {
-			setIov(&iovs[i], make([]byte, dsize))
-			hdrs[i].Hdr.Iov = &iovs[i]
-			hdrs[i].Hdr.SetIovlen(1)
-		}
-		return hdrs
-	}
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		hdrs := mk()
+		hdrs := mmsgBuffers(txMax, dsize)
 		for {
 			if _, err := recvmmsgBlocking(rx, hdrs); err != nil && err != unix.EINTR {
 				return // the timeout: the sender is done
 			}
 		}
 	}()
-	hdrs := mk()
+	hdrs := mmsgBuffers(txMax, dsize)
 	cost, _ := threadCost(func() int {
 		sent := 0
 		for sent < n {
