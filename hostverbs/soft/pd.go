@@ -153,8 +153,6 @@ func (c *cq) Destroy() error {
 // complete pushes wc to the handler. wc is only valid during the call.
 func (c *cq) complete(wc *hostverbs.WorkCompletion) {
 	c.dev.ctrs.inc(cntCompletions)
-	if wc.Opcode == hostverbs.WCRecv {
-	}
 	c.handler.Complete(wc)
 }
 
