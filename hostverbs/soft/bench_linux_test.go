@@ -406,6 +406,7 @@ func median(v []float64) float64 {
 
 func BenchmarkWrite1MiBLoopback(b *testing.B)  { benchBulk(b, hostverbs.WRRDMAWrite, 1<<20, true) }
 func BenchmarkSend64KiBLoopback(b *testing.B)  { benchBulk(b, hostverbs.WRSend, 64<<10, true) }
+func BenchmarkRead1MiBLoopback(b *testing.B)   { benchBulk(b, hostverbs.WRRDMARead, 1<<20, true) }
 func BenchmarkWrite1MiBInProcess(b *testing.B) { benchBulk(b, hostverbs.WRRDMAWrite, 1<<20, false) }
 func BenchmarkSend64KiBInProcess(b *testing.B) { benchBulk(b, hostverbs.WRSend, 64<<10, false) }
 
