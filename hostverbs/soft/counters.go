@@ -35,6 +35,8 @@ const (
 	cntDropResponse
 	cntDropDupRead
 	cntDropSourceFault
+	cntDropReplayLimited
+	cntRxHeldBehindRead
 	cntRxDupRequest
 	cntRxOutOfSeq
 	cntTxNAKSeq
@@ -80,6 +82,8 @@ var counterNames = [numCounters]string{
 	cntDropResponse:      "drop_unexpected_response",
 	cntDropDupRead:       "drop_duplicate_unknown_read_atomic",
 	cntDropSourceFault:   "drop_source_unreadable",
+	cntDropReplayLimited: "drop_duplicate_read_limited",
+	cntRxHeldBehindRead:  "rx_held_behind_read",
 	cntRxDupRequest:      "rx_duplicate_requests",
 	cntRxOutOfSeq:        "rx_out_of_sequence",
 	cntTxNAKSeq:          "tx_nak_psn_sequence",

@@ -60,6 +60,7 @@ type Fabric struct {
 	ctrs   counters
 	txPool sync.Pool
 	ring   *txRing
+	pump   *readPump
 
 	cancel context.CancelFunc
 	rxDone sync.WaitGroup
@@ -107,8 +108,10 @@ func New(cfg Config) (*Fabric, error) {
 		ctx, cancel := context.WithCancel(context.Background())
 		f.cancel = cancel
 		f.ring = newTxRing(f)
-		f.rxDone.Add(1)
+		f.pump = newReadPump(f)
+		f.rxDone.Add(2)
 		go f.ring.run(ctx, f.rxDone.Done)
+		go f.pump.run(ctx, f.rxDone.Done)
 		for q := range f.wire.Queues() {
 			f.rxDone.Add(1)
 			go f.receiveLoop(ctx, q)

@@ -3,6 +3,7 @@ package soft
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
@@ -44,6 +45,8 @@ type qp struct {
 	rq   recvQueue
 	resp respState
 	rqWC hostverbs.WorkCompletion
+	// inPump: the QP waits for its turn in the fabric's read pump.
+	inPump atomic.Bool
 }
 
 func (d *device) createQP(p *pd, a hostverbs.QPInitAttr) (hostverbs.QP, error) {
@@ -285,6 +288,8 @@ func (q *qp) apply(a *hostverbs.QPAttr, mask hostverbs.AttrMask, sgid hostverbs.
 		t.MaxDestRdAtomic = a.MaxDestRdAtomic
 		q.resp.res = make([]respRes, a.MaxDestRdAtomic)
 		q.resp.resNext = 0
+		// Every resource plus one replay (readpump.go).
+		q.resp.reads = readFIFO{jobs: make([]readJob, a.MaxDestRdAtomic+1)}
 	}
 	if has(hostverbs.AttrMinRNRTimer) {
 		t.MinRNRTimer = a.MinRNRTimer
@@ -346,7 +351,10 @@ func (q *qp) resetLocked() {
 	q.comp = compState{}
 	res := q.resp.res
 	clear(res)
-	q.resp = respState{wqe: recvWQE{sgl: q.resp.wqe.sgl[:0]}, segs: q.resp.segs[:0], res: res}
+	reads := q.resp.reads
+	reads.clear()
+	q.resp = respState{wqe: recvWQE{sgl: q.resp.wqe.sgl[:0]}, segs: q.resp.segs[:0], res: res,
+		reads: readFIFO{jobs: reads.jobs}}
 	cap := q.attr.Cap
 	q.attr = hostverbs.QPAttr{Cap: cap, PathMTU: q.dev.f.activeMTU}
 	q.mtu = uint64(q.dev.f.activeMTU.Bytes())
@@ -381,6 +389,7 @@ func (q *qp) flushLocked() {
 		q.dev.event(hostverbs.EventQPLastWQEReach, q.ctx, q.qpn)
 	}
 	r.ackPending = false
+	r.reads.clear()
 }
 
 // enterErrorLocked moves the QP to ERR from the requester or completer

@@ -58,6 +58,7 @@ type respState struct {
 	res     []respRes
 	resNext int
 	readSeg [1]seg
+	reads   readFIFO // READ responses still to send (wire only)
 
 	ackPending bool
 	ackPSN     roce.PSN
@@ -72,6 +73,12 @@ func (q *qp) respondRC(tx *txBatch, p *packet) {
 	if d > 0 {
 		// Class B (IBA 9.9.3.1.2): one NAK, then silence until in order.
 		q.dev.ctrs.inc(cntRxOutOfSeq)
+		if !r.reads.empty() {
+			// The NAK would overtake the queued READ responses: it
+			// goes after them.
+			r.reads.held = true
+			return
+		}
 		if !r.sentNAK {
 			r.sentNAK = true
 			q.dev.ctrs.inc(cntTxNAKSeq)
@@ -81,6 +88,10 @@ func (q *qp) respondRC(tx *txBatch, p *packet) {
 	}
 	if d < 0 {
 		q.respDuplicate(tx, p)
+		return
+	}
+	if !r.reads.empty() && !p.info.Has(roce.MaskRead) {
+		q.holdBehindReads()
 		return
 	}
 	r.sentNAK = false
@@ -347,42 +358,40 @@ func (q *qp) respRead(tx *txBatch, p *packet) {
 			return
 		}
 	}
-	r.msn++ // C9-148: a READ counts when it is accepted
 	npkts := q.readPackets(p, p.dmaLen)
+	j := readJob{m: m, rkey: p.rkey, psn: p.psn, va: p.va, length: p.dmaLen, npkts: npkts}
+	if p.local {
+		q.acceptRead(p, npkts)
+		q.flushAckLocked(tx)
+		q.sendReadRange(tx, &j, npkts, localMTU)
+		return
+	}
+	if r.reads.full() {
+		// More READs than max_dest_rd_atomic queued: take it again
+		// once the queue has drained.
+		q.holdBehindReads()
+		return
+	}
+	q.acceptRead(p, npkts)
+	q.queueRead(tx, j)
+}
+
+// acceptRead counts a READ as executed and keeps it for duplicates.
+func (q *qp) acceptRead(p *packet, npkts uint32) {
+	r := &q.resp
+	r.msn++ // C9-148: a READ counts when it is accepted
 	if res := q.newRes(); res != nil {
 		res.firstPSN, res.lastPSN = p.psn, p.psn.Add(npkts-1)
 		res.va, res.rkey, res.length = p.va, p.rkey, p.dmaLen
 	}
 	r.psn = p.psn.Add(npkts)
-	q.sendReadResponses(tx, p, m, p.psn, p.va, p.dmaLen)
 }
 
-// sendReadResponses emits the READ responses for length bytes at va of m,
-// starting at psn.
-func (q *qp) sendReadResponses(tx *txBatch, req *packet, m *mr, psn roce.PSN, va uint64, length uint32) {
-	r := &q.resp
-	q.flushAckLocked(tx)
-	npkts := q.readPackets(req, length)
-	mtu := q.mtu
-	if req.local {
-		mtu = localMTU
-	}
-	r.readSeg[0] = seg{mr: m, iova: va, n: uint64(length)}
-	for i := range npkts {
-		var p packet
-		q.fillNet(&p)
-		off := uint64(i) * mtu
-		n := min(mtu, uint64(length)-min(off, uint64(length)))
-		p.op = pick(i == 0, i == npkts-1, roce.RCReadResponseFirst, roce.RCReadResponseMiddle,
-			roce.RCReadResponseLast, roce.RCReadResponseOnly)
-		p.info = p.op.Info()
-		p.psn = psn.Add(i)
-		p.syn, p.msn = roce.SyndromeACKUnlimited, r.msn
-		if n > 0 {
-			p.segs, p.dataOff, p.n = r.readSeg[:], off, uint32(n)
-		}
-		tx.emit(&p)
-	}
+// holdBehindReads drops an in-order request that must wait for the queued
+// READ responses; the requester is told to resend it once they are out.
+func (q *qp) holdBehindReads() {
+	q.dev.ctrs.inc(cntRxHeldBehindRead)
+	q.resp.reads.held = true
 }
 
 func (q *qp) respAtomic(tx *txBatch, p *packet) {
@@ -439,6 +448,11 @@ func (q *qp) respDuplicate(tx *txBatch, p *packet) {
 	info := p.info
 	switch {
 	case info.Any(roce.MaskSend | roce.MaskWrite):
+		if !r.reads.empty() {
+			q.dev.ctrs.inc(cntRxHeldBehindRead)
+			r.reads.heldDup = true
+			return
+		}
 		q.pendAck(tx, r.psn.Sub(1))
 	case info.Has(roce.MaskRead):
 		res := q.findRes(p.psn, false)
@@ -454,8 +468,21 @@ func (q *qp) respDuplicate(tx *txBatch, p *packet) {
 				return
 			}
 		}
-		q.sendReadResponses(tx, p, m, p.psn, p.va, p.dmaLen)
+		npkts := q.readPackets(p, p.dmaLen)
+		j := readJob{m: m, rkey: p.rkey, psn: p.psn, va: p.va, length: p.dmaLen, npkts: npkts, replay: true}
+		if p.local {
+			q.flushAckLocked(tx)
+			q.sendReadRange(tx, &j, npkts, localMTU)
+			return
+		}
+		q.replayRead(tx, j)
 	case info.Has(roce.MaskAtomic):
+		if !r.reads.empty() {
+			// Its saved result would overtake the queued READ
+			// responses; the requester asks again.
+			q.dev.ctrs.inc(cntRxHeldBehindRead)
+			return
+		}
 		res := q.findRes(p.psn, true)
 		if res == nil || res.firstPSN != p.psn {
 			q.dev.ctrs.inc(cntDropDupRead)
