@@ -66,9 +66,9 @@ func newReadAttack(t *testing.T, net *MemNet, e *endpoint) *readAttack {
 	return a
 }
 
-// pingPong runs n 8-byte SEND round trips from p.a to p.b (p.b answers
+// timedPingPong runs n 8-byte SEND round trips from p.a to p.b (p.b answers
 // from its own goroutine) and returns each round trip's time.
-func pingPong(t *testing.T, p pair, n int) []time.Duration {
+func timedPingPong(t *testing.T, p pair, n int) []time.Duration {
 	const size = 8
 	a, b := p.a, p.b
 	recvA := hostverbs.RecvWR{SGL: sge(a, 4096, size)}
@@ -185,14 +185,14 @@ func TestReadFloodFairness(t *testing.T) {
 	}
 
 	const phases, rounds = 4, 1000
-	pingPong(t, victim, 500) // warm up
+	timedPingPong(t, victim, 500) // warm up
 	var unloaded, loaded []time.Duration
 	var served uint64
 	for range phases {
-		unloaded = append(unloaded, pingPong(t, victim, rounds)...)
+		unloaded = append(unloaded, timedPingPong(t, victim, rounds)...)
 		flood(func() {
 			before := ctr(target, "tx_packets")
-			loaded = append(loaded, pingPong(t, victim, rounds)...)
+			loaded = append(loaded, timedPingPong(t, victim, rounds)...)
 			served += ctr(target, "tx_packets") - before
 		})
 	}
