@@ -11,7 +11,7 @@ GO ?= go
 UNIT_TIMEOUT ?= 20m
 VM_TIMEOUT ?= 40m
 
-.PHONY: all build bin deps image test unit vmtest demo bench bench-vm check clean-cache
+.PHONY: all build bin deps image test unit vmtest demo bench bench-vm soak check clean-cache
 
 all: build
 
@@ -44,6 +44,13 @@ demo: deps image bin
 # same run (bare socket ping-pong, UDP blast and ping-pong, memcpy).
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 2s ./vfiouser ./vdev ./hostverbs/soft ./guestmem
+
+# A longer soak than the test suite's 200 sessions: VM sessions in a row
+# (connect, traffic, disconnect), then goroutines, fds, locked memory and RSS
+# against the start.
+SOAK_SESSIONS ?= 2000
+soak:
+	PVRDMA_SOAK_SESSIONS=$(SOAK_SESSIONS) $(GO) test -count=1 -run TestSoakSessions -v -timeout 30m ./tests/hostile
 
 # Guests through our device vs rxe in the guest, same run, as ratios.
 bench-vm: image
