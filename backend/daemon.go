@@ -16,6 +16,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
+	"golang.org/x/sys/unix"
 )
 
 // Config parameterises the daemon.
@@ -27,6 +28,10 @@ type Config struct {
 	Fabric FabricConfig
 	// Limits are the per-VM resource quotas.
 	Limits vdev.Limits
+	// MemoryBudget caps what all VMs' objects (QPs, SRQs, CQs, MRs) cost
+	// the daemon's memory together, in bytes; each VM also has its own
+	// cap, Limits.MaxBytes. 0 means a quarter of the host's memory.
+	MemoryBudget uint64
 	// VMs are registered at start.
 	VMs []VMRequest
 	// Logger; nil means slog.Default().
@@ -39,6 +44,7 @@ type Daemon struct {
 	cfg    Config
 	log    *slog.Logger
 	fabric *fabric
+	budget *vdev.Budget // shared by every VM's device
 
 	mu     sync.Mutex
 	vms    map[string]*vmSession
@@ -57,11 +63,19 @@ func New(cfg Config) (*Daemon, error) {
 	if err := os.MkdirAll(cfg.SocketDir, 0o755); err != nil {
 		return nil, fmt.Errorf("socket directory: %w", err)
 	}
+	if cfg.MemoryBudget == 0 {
+		var si unix.Sysinfo_t
+		if err := unix.Sysinfo(&si); err != nil {
+			return nil, fmt.Errorf("daemon memory budget from the host's memory: %w (set it explicitly)", err)
+		}
+		cfg.MemoryBudget = uint64(si.Totalram) * uint64(si.Unit) / 4
+	}
 	fab, err := newFabric(cfg.Fabric, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
-	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{}}
+	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{},
+		budget: vdev.NewBudget(cfg.MemoryBudget, nil)}
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
 			d.close()

@@ -98,7 +98,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	}
 	irq := &fnIRQ{}
 	dev, err := vdev.New(vdev.Config{
-		Memory: h.Memory, Verbs: verbs, IRQ: irq, MAC: mac, Limits: s.d.cfg.Limits, Logger: h.Logger,
+		Memory: h.Memory, Verbs: verbs, IRQ: irq, MAC: mac, Limits: s.d.cfg.Limits, Budget: s.d.budget, Logger: h.Logger,
 		OnGID: func(index int, e hostverbs.GIDEntry, bound bool) { s.gidChanged(c, index, e, bound) },
 	})
 	if err != nil {

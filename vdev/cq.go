@@ -28,7 +28,8 @@ type cq struct {
 	uar    uint32
 	hv     hostverbs.CQ
 	pages  int
-	refs   int // QPs using it; guarded by Device.mu
+	cost   uint64 // bytes charged to the VM's budget
+	refs   int    // QPs using it; guarded by Device.mu
 
 	mu         sync.Mutex
 	ring       *ringbuf.Producer
@@ -75,15 +76,20 @@ func (d *Device) cmdCreateCQ(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("CQ ring state: %w", err)
 	}
-	c := &cq{dev: d, uar: uar, ring: ring, pages: len(pages)}
+	c := &cq{dev: d, uar: uar, ring: ring, pages: len(pages), cost: costCQ + uint64(len(pages))*costPageEntry}
+	if err := d.heap.Charge(c.cost); err != nil {
+		return fmt.Errorf("CQ of %d CQEs: %w", r.CQE, err)
+	}
 	h, ok := d.cqs.alloc(c)
 	if !ok {
+		d.heap.Release(c.cost)
 		return fmt.Errorf("%d CQs: %w", d.cqs.len(), ErrLimit)
 	}
 	c.handle = h
 	c.hv, err = d.verbs.CreateCQ(hostverbs.CQAttr{Depth: int(r.CQE), Context: uint64(h), Handler: c})
 	if err != nil {
 		d.cqs.free(h)
+		d.heap.Release(c.cost)
 		return fmt.Errorf("create CQ: %w", err)
 	}
 	CreateCQResp{CQHandle: h, CQE: r.CQE}.Encode(resp)
@@ -139,6 +145,7 @@ func (d *Device) cmdDestroyCQ(req, resp []byte) error {
 
 func (d *Device) destroyCQ(c *cq) error {
 	d.cqs.free(c.handle)
+	d.heap.Release(c.cost)
 	c.mu.Lock()
 	c.dead = true // a completion racing with Destroy is dropped
 	c.mu.Unlock()

@@ -293,27 +293,72 @@ func TestRefusedRebindKeepsGID(t *testing.T) {
 	assert.Equal(t, gidEvent{0, hostverbs.GIDEntry{GID: gidA, Type: hostverbs.GIDTypeRoCEv2}, true}, last)
 }
 
-// Queue depths and SGEs of all QPs and SRQs together are capped
-// (Limits.MaxQueueSlots): page directories can name the same pages for
+// What all QPs, SRQs, CQs and MRs of a VM cost the daemon is capped in
+// bytes (Limits.MaxBytes): page directories can name the same pages for
 // every queue, so the guest's RAM does not bound what the provider
 // allocates for them.
-func TestQueueSlotsBudget(t *testing.T) {
+func TestObjectBudget(t *testing.T) {
+	spec := func(pd uint32, cq *gcq) qpSpec {
+		return qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 1, recvSGE: 1}
+	}
+	// What the CQ and one QP cost, with the default budget.
+	g0 := newGuest(t, newFakeVerbs(), Limits{})
+	g0.probe()
+	pd0 := g0.createPD(0)
+	cq0 := g0.createCQ(0, 16)
+	base := g0.dev.Objects()["object_bytes"]
+	g0.createQP(spec(pd0, cq0))
+	perQP := g0.dev.Objects()["object_bytes"] - base
+	require.Greater(t, perQP, 16*(costSendWQE+costRecvWQE))
+
 	fv := newFakeVerbs()
-	g := newGuest(t, fv, Limits{MaxQueueSlots: 1000})
+	g := newGuest(t, fv, Limits{MaxBytes: uint64(base + 15*perQP)})
 	g.probe()
 	pd := g.createPD(0)
 	cq := g.createCQ(0, 16)
-	spec := qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 1, recvSGE: 1}
 	var qps []*gqp
-	for i := 0; i < 15; i++ { // 64 slots each
-		qps = append(qps, g.createQP(spec))
+	for i := 0; i < 15; i++ {
+		qps = append(qps, g.createQP(spec(pd, cq)))
 	}
-	_, errReg := g.tryCreateQP(spec)
+	_, errReg := g.tryCreateQP(spec(pd, cq))
 	assert.EqualValues(t, syscall.ENOMEM, errReg)
 	errReg, _ = g.cmd(CmdCreateSRQ, CreateSRQ{PDirDMA: g.pdir(g.pages(2)), PDHandle: pd, NChunks: 2,
 		Attrs: SRQAttr{MaxWR: 32, MaxSGE: 1}})
 	assert.EqualValues(t, syscall.ENOMEM, errReg)
+	errReg, _ = g.cmd(CmdCreateCQ, CreateCQ{PDirDMA: g.pdir(g.pages(2)), CQE: 16, NChunks: 2})
+	assert.EqualValues(t, syscall.ENOMEM, errReg)
 	g.mustCmd(CmdDestroyQP, DestroyQP{QPHandle: qps[0].handle})
-	g.createQP(spec)
+	g.createQP(spec(pd, cq))
 	assert.Equal(t, 15, fv.count("qp"))
+	assert.Equal(t, base+15*perQP, g.dev.Objects()["object_bytes"])
+	require.NoError(t, g.dev.Close())
+	assert.Zero(t, g.dev.heap.Used(), "a closed device gives its bytes back")
+}
+
+// The daemon-wide budget is shared: what one VM holds, another cannot
+// take, and it comes back when the first VM goes.
+func TestDaemonBudget(t *testing.T) {
+	daemon := NewBudget(64<<10, nil)
+	a := newGuestBudget(t, newFakeVerbs(), Limits{}, guestRAMSize, daemon)
+	b := newGuestBudget(t, newFakeVerbs(), Limits{}, guestRAMSize, daemon)
+	a.probe()
+	b.probe()
+	pdA, pdB := a.createPD(0), b.createPD(0)
+	cqA, cqB := a.createCQ(0, 16), b.createCQ(0, 16)
+	spec := func(pd uint32, cq *gcq) qpSpec {
+		return qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 1, recvSGE: 1}
+	}
+	n := 0
+	for ; ; n++ {
+		if _, errReg := a.tryCreateQP(spec(pdA, cqA)); errReg != 0 {
+			assert.EqualValues(t, syscall.ENOMEM, errReg)
+			break
+		}
+	}
+	require.Greater(t, n, 0)
+	_, errReg := b.tryCreateQP(spec(pdB, cqB))
+	assert.EqualValues(t, syscall.ENOMEM, errReg, "the daemon's budget is spent by the other VM")
+	assert.LessOrEqual(t, daemon.Used(), daemon.Limit())
+	require.NoError(t, a.dev.Close())
+	b.createQP(spec(pdB, cqB))
 }

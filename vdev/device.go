@@ -31,12 +31,12 @@ type Limits struct {
 	// MaxQPWR, MaxCQE and MaxSRQWR cap queue depths; MaxSGE the SGEs per
 	// WQE (send, receive and SRQ).
 	MaxQPWR, MaxCQE, MaxSRQWR, MaxSGE int
-	// MaxQueueSlots caps the work queues of all QPs and SRQs together,
-	// counted as work requests x (1 + SGEs per WQE): what a provider
-	// allocates per queue (some 35 bytes a slot in the soft one). The
-	// per-queue caps alone would let a guest whose page directories all
-	// name the same few pages make the daemon allocate gigabytes.
-	MaxQueueSlots int
+	// MaxBytes caps what the VM's QPs, SRQs, CQs and MRs cost the
+	// daemon's memory, in bytes (budget.go: the device model's state, page
+	// lists and the provider's queues). The per-object caps alone would
+	// let a guest whose page directories all name the same few pages make
+	// the daemon allocate gigabytes.
+	MaxBytes uint64
 	// GIDTableLen is the number of GID table entries offered to the guest.
 	GIDTableLen int
 }
@@ -47,7 +47,7 @@ func DefaultLimits() Limits {
 		MaxQP: 1024, MaxCQ: 2048, MaxMR: 4096, MaxPD: 1024, MaxSRQ: 512, MaxAH: 4096,
 		MaxMRBytes: 4 << 30,
 		MaxQPWR:    4096, MaxCQE: 16384, MaxSRQWR: 4096, MaxSGE: 16,
-		MaxQueueSlots: 4 << 20,
+		MaxBytes:   256 << 20,
 		GIDTableLen:   16,
 	}
 }
@@ -64,7 +64,9 @@ func (l Limits) withDefaults() Limits {
 	l.MaxPD, l.MaxSRQ, l.MaxAH = pick(l.MaxPD, d.MaxPD), pick(l.MaxSRQ, d.MaxSRQ), pick(l.MaxAH, d.MaxAH)
 	l.MaxQPWR, l.MaxCQE, l.MaxSRQWR = pick(l.MaxQPWR, d.MaxQPWR), pick(l.MaxCQE, d.MaxCQE), pick(l.MaxSRQWR, d.MaxSRQWR)
 	l.MaxSGE, l.GIDTableLen = pick(l.MaxSGE, d.MaxSGE), pick(l.GIDTableLen, d.GIDTableLen)
-	l.MaxQueueSlots = pick(l.MaxQueueSlots, d.MaxQueueSlots)
+	if l.MaxBytes == 0 {
+		l.MaxBytes = d.MaxBytes
+	}
 	if l.MaxMRBytes == 0 {
 		l.MaxMRBytes = d.MaxMRBytes
 	}
@@ -87,6 +89,9 @@ type Config struct {
 	Limits Limits
 	// Logger is the device's logger; nil means slog.Default().
 	Logger *slog.Logger
+	// Budget, if set, is the whole daemon's budget for what guests'
+	// objects cost; the VM's own (Limits.MaxBytes) charges it too.
+	Budget *Budget
 	// OnGID, if set, is called when the guest binds (bound true) or
 	// unbinds a GID, after the provider accepted it. It runs on the BAR
 	// goroutine and must not call back into the device.
@@ -188,7 +193,7 @@ type Device struct {
 	keys    map[uint32]*mr // guest lkey -> MR
 	frmrs   map[uint32]*mr // FRMR key with the consumer byte cleared -> MR
 	mrBytes uint64
-	slots   uint64 // queue slots of all QPs and SRQs (Limits.MaxQueueSlots)
+	heap    *Budget // what the VM's objects cost the daemon (Limits.MaxBytes)
 	gids    []gidSlot
 	gsi     *qp
 	fault   error // why the last DSR was refused, for the operator
@@ -233,6 +238,7 @@ func New(cfg Config) (*Device, error) {
 		log: log, mem: cfg.Memory, verbs: cfg.Verbs, irq: cfg.IRQ, onGID: cfg.OnGID,
 		mac: cfg.MAC, limits: cfg.Limits.withDefaults(),
 	}
+	d.heap = NewBudget(d.limits.MaxBytes, cfg.Budget)
 	// PVRDMA reads rings and buffers in place: guest RAM that QEMU maps
 	// without an fd is refused with an error naming the QEMU options.
 	d.mem.RequireShared(true)
@@ -325,7 +331,6 @@ func (d *Device) resetLocked() {
 	d.keys = map[uint32]*mr{}
 	d.frmrs = map[uint32]*mr{}
 	d.mrBytes = 0
-	d.slots = 0
 	d.gids = make([]gidSlot, d.caps.GIDTblLen)
 	d.gsi = nil
 	d.stalled = 0

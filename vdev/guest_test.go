@@ -72,9 +72,15 @@ func newGuest(t testing.TB, verbs hostverbs.Device, limits Limits) *guest {
 
 func newGuestSized(t testing.TB, verbs hostverbs.Device, limits Limits, size uint64) *guest {
 	t.Helper()
+	return newGuestBudget(t, verbs, limits, size, nil)
+}
+
+// newGuestBudget is newGuestSized with a daemon-wide budget.
+func newGuestBudget(t testing.TB, verbs hostverbs.Device, limits Limits, size uint64, budget *Budget) *guest {
+	t.Helper()
 	mem, raw := guestmem.NewFlat(0, size)
 	g := &guest{t: t, mem: mem, raw: raw, verbs: verbs, irq: &fakeIRQ{}, next: 1 << 20}
-	dev, err := New(Config{Memory: mem, Verbs: verbs, IRQ: g.irq, MAC: testMAC, Limits: limits,
+	dev, err := New(Config{Memory: mem, Verbs: verbs, IRQ: g.irq, MAC: testMAC, Limits: limits, Budget: budget,
 		OnGID: func(i int, e hostverbs.GIDEntry, bound bool) { g.gotGID = append(g.gotGID, gidEvent{i, e, bound}) }})
 	require.NoError(t, err)
 	g.dev = dev

@@ -26,6 +26,7 @@ type mr struct {
 	maxPages   int  // FRMR page list capacity
 	valid      bool // usable in SGEs (FRMR: registered and not invalidated)
 	bytes      uint64
+	cost       uint64 // bytes charged to the VM's budget
 }
 
 // Access flags the device accepts (pvrdma_access_flags without
@@ -89,8 +90,13 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 	default:
 		return fmt.Errorf("MR flags %#x: %w", r.Flags, syscall.EINVAL)
 	}
+	m.cost = costMR + uint64(len(m.pages.Pages)+m.maxPages)*costPageEntry
+	if err := d.heap.Charge(m.cost); err != nil {
+		return fmt.Errorf("MR: %w", err)
+	}
 	h, ok := d.mrs.alloc(m)
 	if !ok {
+		d.heap.Release(m.cost)
 		return fmt.Errorf("%d MRs: %w", d.mrs.len(), ErrLimit)
 	}
 	m.handle = h
@@ -102,12 +108,14 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 		hv, err := p.hv.RegMR(hostverbs.MRAttr{Pages: m.pages, Access: acc})
 		if err != nil {
 			d.mrs.free(h)
+			d.heap.Release(m.cost)
 			return fmt.Errorf("register MR: %w", err)
 		}
 		m.hv, m.lkey, m.rkey, m.hvLKey = hv, hv.LKey(), hv.RKey(), hv.LKey()
 		if _, dup := d.keys[m.lkey]; dup {
 			_ = hv.Dereg()
 			d.mrs.free(h)
+			d.heap.Release(m.cost)
 			return fmt.Errorf("provider lkey %#x already in use: %w", m.lkey, syscall.EBUSY)
 		}
 	}
@@ -186,6 +194,7 @@ func (d *Device) destroyMR(m *mr) error {
 		delete(d.frmrs, m.lkey&^0xff)
 	}
 	d.mrBytes -= m.bytes
+	d.heap.Release(m.cost)
 	m.pd.refs--
 	d.mrs.free(m.handle)
 	return nil

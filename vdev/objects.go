@@ -1,7 +1,8 @@
 package vdev
 
 // Objects counts the device's live objects by kind ("uc", "pd", "mr", "cq",
-// "qp", "srq") and the bytes of registered memory ("mr_bytes"), for the
+// "qp", "srq"), the bytes of registered memory ("mr_bytes") and what the
+// objects cost the daemon ("object_bytes", Limits.MaxBytes), for the
 // daemon's status and metrics.
 func (d *Device) Objects() map[string]int {
 	d.mu.Lock()
@@ -9,7 +10,8 @@ func (d *Device) Objects() map[string]int {
 	return map[string]int{
 		"uc": d.ucs.len(), "pd": d.pds.len(), "mr": d.mrs.len(),
 		"cq": d.cqs.len(), "qp": d.qps.len(), "srq": d.srqs.len(),
-		"mr_bytes": int(d.mrBytes),
+		"mr_bytes":     int(d.mrBytes),
+		"object_bytes": int(d.heap.Used()),
 	}
 }
 

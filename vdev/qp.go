@@ -28,7 +28,7 @@ type qp struct {
 	sq, rq           *ringbuf.Consumer
 	sendWR, recvWR   uint32
 	sendSGE, recvSGE uint32
-	slots            uint64 // its share of Limits.MaxQueueSlots
+	cost             uint64 // bytes charged to the VM's budget
 	// state is the QP state as far as the device knows: set by MODIFY_QP,
 	// and to ERR by error completions and fatal events (any goroutine).
 	state                atomic.Uint32
@@ -68,18 +68,6 @@ func pow2Ceil(v uint32) uint32 {
 	return p
 }
 
-// queueSlots is what a queue of wr work requests of sge SGEs counts
-// against Limits.MaxQueueSlots.
-func queueSlots(wr, sge uint32) uint64 { return uint64(wr) * (1 + uint64(sge)) }
-
-// reserveSlots takes n queue slots from the VM's budget.
-func (d *Device) reserveSlots(n uint64) error {
-	if d.slots+n > uint64(d.limits.MaxQueueSlots) {
-		return fmt.Errorf("queues of %d slots with %d in use (max %d): %w", n, d.slots, d.limits.MaxQueueSlots, ErrLimit)
-	}
-	d.slots += n
-	return nil
-}
 
 func queuePages(wr, stride uint32) uint64 {
 	return (uint64(wr)*uint64(stride) + guestmem.PageSize - 1) / guestmem.PageSize
@@ -148,16 +136,17 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("QP page directory: %w", err)
 	}
-	slots := queueSlots(r.MaxSendWR, r.MaxSendSGE) + queueSlots(recvWR, recvSGE)
-	if err := d.reserveSlots(slots); err != nil {
-		return err
+	cost := costQP + uint64(len(pages))*costPageEntry + queueCost(r.MaxSendWR, r.MaxSendSGE, costSendWQE, costSendSGE) +
+		queueCost(recvWR, recvSGE, costRecvWQE, costRecvSGE)
+	if err := d.heap.Charge(cost); err != nil {
+		return fmt.Errorf("QP of %d+%d WRs: %w", r.MaxSendWR, recvWR, err)
 	}
 	q := &qp{dev: d, typ: typ, pd: p, scq: scq, rcq: rcq, srq: s, uar: p.uar, sigAll: r.SQSigAll != 0,
-		sendWR: r.MaxSendWR, recvWR: recvWR, sendSGE: r.MaxSendSGE, recvSGE: recvSGE, slots: slots}
+		sendWR: r.MaxSendWR, recvWR: recvWR, sendSGE: r.MaxSendSGE, recvSGE: recvSGE, cost: cost}
 	created := false
 	defer func() {
 		if !created {
-			d.slots -= slots
+			d.heap.Release(cost)
 		}
 	}()
 	if q.sq, err = consumer(d.mem, pages[:1+int(r.SendChunks)], pages[0], guestmem.PageSize, sStride, r.MaxSendWR); err != nil {
@@ -399,7 +388,7 @@ func (d *Device) destroyQP(q *qp) error {
 	q.rcq.quiesce()
 	d.unstall(q)
 	d.qps.free(q.handle)
-	d.slots -= q.slots
+	d.heap.Release(q.cost)
 	q.pd.refs--
 	q.scq.refs--
 	q.rcq.refs--

@@ -21,7 +21,7 @@ type srq struct {
 	maxSGE  uint32
 	refs    int // QPs attached
 	stalled bool
-	slots   uint64 // its share of Limits.MaxQueueSlots
+	cost    uint64 // bytes charged to the VM's budget
 }
 
 // srqTypeBasic is IB_SRQT_BASIC, the only SRQ type the driver creates.
@@ -64,20 +64,21 @@ func (d *Device) cmdCreateSRQ(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("SRQ ring: %w", err)
 	}
-	s := &srq{pd: p, uar: p.uar, ring: ring, maxWR: a.MaxWR, maxSGE: a.MaxSGE, slots: queueSlots(a.MaxWR, a.MaxSGE)}
-	if err := d.reserveSlots(s.slots); err != nil {
-		return err
+	s := &srq{pd: p, uar: p.uar, ring: ring, maxWR: a.MaxWR, maxSGE: a.MaxSGE,
+		cost: costSRQ + uint64(len(pages))*costPageEntry + queueCost(a.MaxWR, a.MaxSGE, costRecvWQE, costRecvSGE)}
+	if err := d.heap.Charge(s.cost); err != nil {
+		return fmt.Errorf("SRQ of %d WRs: %w", a.MaxWR, err)
 	}
 	h, ok := d.srqs.alloc(s)
 	if !ok {
-		d.slots -= s.slots
+		d.heap.Release(s.cost)
 		return fmt.Errorf("%d SRQs: %w", d.srqs.len(), ErrLimit)
 	}
 	s.handle = h
 	s.hv, err = p.hv.CreateSRQ(hostverbs.SRQAttr{MaxWR: a.MaxWR, MaxSGE: a.MaxSGE, Limit: a.SRQLimit, Context: uint64(h)})
 	if err != nil {
 		d.srqs.free(h)
-		d.slots -= s.slots
+		d.heap.Release(s.cost)
 		return fmt.Errorf("create SRQ: %w", err)
 	}
 	p.refs++
@@ -144,7 +145,7 @@ func (d *Device) destroySRQ(s *srq) error {
 		d.stalled--
 	}
 	d.srqs.free(s.handle)
-	d.slots -= s.slots
+	d.heap.Release(s.cost)
 	s.pd.refs--
 	if err := s.hv.Destroy(); err != nil {
 		d.log.Warn("pvrdma: provider failed to destroy an SRQ", "srq", s.handle, "err", err)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -43,6 +44,10 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.IntVar(&lim.MaxPD, "max-pd", lim.MaxPD, "PDs per VM")
 	fs.IntVar(&lim.MaxSRQ, "max-srq", lim.MaxSRQ, "SRQs per VM")
 	fs.Uint64Var(&lim.MaxMRBytes, "max-mr-bytes", lim.MaxMRBytes, "registered memory bytes per VM")
+	vmBudget := sizeFlag(lim.MaxBytes)
+	fs.Var(&vmBudget, "vm-memory-budget", "daemon memory one VM's QPs, SRQs, CQs and MRs may cost (e.g. 256M)")
+	var daemonBudget sizeFlag
+	fs.Var(&daemonBudget, "daemon-memory-budget", "daemon memory all VMs' objects may cost together (default: a quarter of the host's memory)")
 	level := fs.String("log-level", "info", "debug, info, warn or error")
 	jsonLogs := fs.Bool("log-json", false, "log JSON instead of text")
 	if err := parse(fs, args); err != nil {
@@ -64,13 +69,18 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		h = slog.NewJSONHandler(stderr, hopts)
 	}
 	log := slog.New(h)
+	lim.MaxBytes = uint64(vmBudget)
+	if lim.MaxBytes == 0 {
+		return errors.New("--vm-memory-budget must be above 0")
+	}
 	raiseMemlock(log)
 	d, err := backend.New(backend.Config{
-		SocketDir: *socketDir,
-		Fabric:    backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos)},
-		Limits:    lim,
-		VMs:       vms,
-		Logger:    log,
+		SocketDir:    *socketDir,
+		Fabric:       backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos)},
+		Limits:       lim,
+		MemoryBudget: uint64(daemonBudget),
+		VMs:          vms,
+		Logger:       log,
 	})
 	if err != nil {
 		return err

@@ -1,6 +1,7 @@
 package hostile
 
 import (
+	"fmt"
 	"runtime"
 	"syscall"
 	"testing"
@@ -38,9 +39,9 @@ func (v *vm) aliasedDir(n int) uint64 {
 }
 
 // TestQueueMemoryBounded creates QPs of the largest depth and SGE count
-// from three guest pages until the queue-slot budget refuses one. Before
-// vdev's Limits.MaxQueueSlots each cost the daemon about 4.6 MiB and the
-// caps allowed 1024 of them (some 4.7 GiB per VM).
+// from three guest pages until the VM's byte budget (vdev's
+// Limits.MaxBytes) refuses one. Before any budget each cost the daemon
+// about 4.6 MiB and the caps allowed 1024 of them (some 4.7 GiB per VM).
 func TestQueueMemoryBounded(t *testing.T) {
 	e := newEnv(t)
 	v := e.boot(vmEvil)
@@ -66,7 +67,7 @@ func TestQueueMemoryBounded(t *testing.T) {
 	}
 	grew := heapAlloc() - before
 	t.Logf("%d QPs of %d WRs x %d SGEs each way from 3 guest pages: heap +%d MiB", len(handles), wr, sge, grew>>20)
-	require.Less(t, grew, uint64(256<<20), "the daemon's memory is bounded by the VM's limits")
+	require.Less(t, grew, vdev.DefaultLimits().MaxBytes+16<<20, "the daemon's memory is bounded by the VM's budget")
 	for _, h := range handles {
 		v.mustCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: h})
 	}
@@ -97,5 +98,55 @@ func TestMRMemoryBounded(t *testing.T) {
 	t.Logf("%d MRs of 1 GiB from 3 guest pages: heap +%d MiB", n, grew>>20)
 	require.EqualValues(t, 4, n, "the default 4 GiB quota")
 	require.Less(t, grew, uint64(64<<20))
+	e.healthy()
+}
+
+// TestObjectCosts checks what vdev charges a VM's budget for each kind of
+// object against what the daemon's heap really grows by, with the soft
+// provider: the charge must never be less (else a guest could exceed its
+// budget), for queues large and small, CQs and MRs.
+func TestObjectCosts(t *testing.T) {
+	e := newEnv(t)
+	v := e.boot(vmEvil)
+	pd := v.createPD(0)
+	cq := v.createCQ(0, 16)
+	charged := func() uint64 { return uint64(e.vmStatus(vmEvil).Resources["object_bytes"]) }
+	check := func(what string, n int, create func()) {
+		t.Helper()
+		c0, h0 := charged(), heapAlloc()
+		for i := 0; i < n; i++ {
+			create()
+		}
+		heap, charge := (heapAlloc()-h0)/uint64(n), (charged()-c0)/uint64(n)
+		t.Logf("%s: heap %d bytes, charged %d", what, heap, charge)
+		require.LessOrEqual(t, heap, charge, "%s costs more than it is charged", what)
+	}
+	for _, sh := range [][2]uint32{{4096, 16}, {4096, 1}, {1024, 4}, {16, 1}} {
+		wr, sge := sh[0], sh[1]
+		pages := max(1, int(uint64(wr)*uint64(pow2(80+16*sge))/4096))
+		dir := v.aliasedDir(1 + 2*pages)
+		check(fmt.Sprintf("QP %d WRs x %d SGEs", wr, sge), 4, func() {
+			v.mustCmd(vdev.CmdCreateQP, vdev.CreateQP{PDirDMA: dir, PDHandle: pd, SendCQHandle: cq.handle, RecvCQHandle: cq.handle,
+				MaxSendWR: wr, MaxRecvWR: wr, MaxSendSGE: sge, MaxRecvSGE: sge, QPType: uint8(hostverbs.QPTypeRC),
+				TotalChunks: uint16(1 + 2*pages), SendChunks: uint16(pages)})
+		})
+	}
+	dir := v.aliasedDir(1 << 18)
+	check("CQ of 2 pages", 64, func() {
+		v.mustCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: dir, CQE: 16, NChunks: 2})
+	})
+	check("CQ of 64 pages", 64, func() {
+		v.mustCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: dir, CQE: 1024, NChunks: 64})
+	})
+	n := 0
+	check("MR of 1 GiB", 2, func() {
+		v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: uint64(n) << 30, Length: 1 << 30, NChunks: 1 << 18, PDHandle: pd,
+			AccessFlags: accRW, PDirDMA: dir})
+		n++
+	})
+	check("MR of 1 page", 64, func() {
+		v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: 1 << 40, Length: 4096, NChunks: 1, PDHandle: pd,
+			AccessFlags: accRW, PDirDMA: dir})
+	})
 	e.healthy()
 }
