@@ -2,6 +2,7 @@ package soft
 
 import (
 	"net/netip"
+	"strconv"
 	"testing"
 	"time"
 
@@ -311,4 +312,45 @@ func TestSRQ(t *testing.T) {
 	assert.ErrorIs(t, srq.Modify(hostverbs.SRQAttr{MaxWR: 16}, hostverbs.SRQAttrMaxWR), hostverbs.ErrNotSupported)
 	require.NoError(t, qbs[0].Modify(&hostverbs.QPAttr{State: hostverbs.QPStateErr}, hostverbs.AttrState))
 	waitEvent(t, b, hostverbs.EventQPLastWQEReach)
+}
+
+// TestKeysUnpredictable: memory keys carry a random byte. Two devices (two
+// VMs, or the same VM after a restart) registering the same MRs in the same
+// order get different keys, and a deregistered MR's key never names the MR
+// that reuses its index.
+func TestKeysUnpredictable(t *testing.T) {
+	f, err := New(Config{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.Close() })
+	keys := func(name string) []uint32 {
+		e := newEndpoint(t, f, name, "10.9.0."+strconv.Itoa(len(name)), 1<<20)
+		var ks []uint32
+		for range 8 {
+			m, err := e.pd.RegMR(hostverbs.MRAttr{Pages: e.mrPages(t), Access: hostverbs.AccessLocalWrite})
+			require.NoError(t, err)
+			ks = append(ks, m.LKey())
+		}
+		return ks
+	}
+	a, b := keys("a"), keys("bb")
+	same := 0
+	for i := range a {
+		if a[i] == b[i] {
+			same++
+		}
+	}
+	assert.Less(t, same, 3, "keys of two devices: %x and %x", a, b)
+
+	e := newEndpoint(t, f, "ccc", "10.9.0.3", 1<<20)
+	for range 300 {
+		m, err := e.pd.RegMR(hostverbs.MRAttr{Pages: e.mrPages(t), Access: hostverbs.AccessLocalWrite})
+		require.NoError(t, err)
+		old := m.LKey()
+		require.NoError(t, m.Dereg())
+		d := e.dev.(*device)
+		m2, err := e.pd.RegMR(hostverbs.MRAttr{Pages: e.mrPages(t), Access: hostverbs.AccessLocalWrite})
+		require.NoError(t, err)
+		require.Nil(t, d.keys.lookup(old), "the stale key %#x resolves", old)
+		require.NoError(t, m2.Dereg())
+	}
 }

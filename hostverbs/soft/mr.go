@@ -1,8 +1,10 @@
 package soft
 
 import (
+	crand "crypto/rand"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"sync/atomic"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
@@ -11,8 +13,9 @@ import (
 
 // Memory regions. An MR maps an IOVA range onto guest pages of its
 // device's memory. Its lkey and rkey are the same 32-bit key: a table
-// index in the upper 24 bits and an 8-bit generation in the lower, so a
-// key freed and reused quickly does not resolve to the new MR. Keys are
+// index in the upper 24 bits and a random key byte in the lower (a new one,
+// unlike the last, at every registration), so keys cannot be predicted and
+// a key freed and reused quickly does not resolve to the new MR. Keys are
 // per device: an rkey arriving in a packet is resolved in the device the
 // packet is addressed to.
 
@@ -64,16 +67,24 @@ func (m *mr) check(iova, n uint64, want hostverbs.Access) error {
 }
 
 // keyTable maps keys to MRs. Lookups are lock-free; inserts and removals
-// are serialised by the device lock.
+// are serialised by the device lock. A key is a table index above a key
+// byte drawn at random for each registration (rxe randomises it too), never
+// the byte the index had last, so neither another tenant nor the guest
+// itself can predict a key from the order of registrations, and a stale
+// key never names the MR that reuses its index.
 type keyTable struct {
 	slots []atomic.Pointer[mr]
 	gen   []uint8
 	free  []uint32
 	next  uint32
+	rng   *rand.ChaCha8
 }
 
 func newKeyTable(max int) keyTable {
-	return keyTable{slots: make([]atomic.Pointer[mr], max+1), gen: make([]uint8, max+1), next: 1}
+	var seed [32]byte
+	_, _ = crand.Read(seed[:]) // never fails (it would crash the program)
+	return keyTable{slots: make([]atomic.Pointer[mr], max+1), gen: make([]uint8, max+1), next: 1,
+		rng: rand.NewChaCha8(seed)}
 }
 
 // alloc reserves a key; the caller stores the MR with set.
@@ -89,7 +100,11 @@ func (t *keyTable) alloc() (uint32, bool) {
 	default:
 		return 0, false
 	}
-	t.gen[idx]++
+	old := t.gen[idx]
+	t.gen[idx] = uint8(t.rng.Uint64())
+	if t.gen[idx] == old {
+		t.gen[idx]++
+	}
 	return idx<<8 | uint32(t.gen[idx]), true
 }
 
