@@ -50,7 +50,6 @@ type conn struct {
 	peer       peerCaps
 	dmaMaps    int
 	warnedRAM  bool
-	warnedSeal bool
 
 	cur ownedMsg // the command being handled
 	out []byte   // reply buffer: header + payload

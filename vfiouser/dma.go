@@ -86,10 +86,13 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 }
 
 // checkMemFD refuses a file too short for the mapping (touching pages past
-// its end would fault) and warns once about files that are not sealed
-// against shrinking: a client that truncates such a file under us could
-// make a later access fault. QEMU seals its memory-backend-memfd by default
-// (seal=on).
+// its end would fault) and one that could be made so later: a client that
+// truncates the file under us would make the daemon's next access to those
+// pages raise SIGBUS and take every VM's device down with it. A file must
+// be sealed against shrinking; a memfd that allows sealing gets the seal
+// here, anything else (a regular or hugetlbfs file, a memfd whose seals
+// are sealed) is refused. QEMU's memory-backend-memfd has the seal already
+// (seal=on, its default).
 func (c *conn) checkMemFD(fd int, off, size uint64) error {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
@@ -102,12 +105,16 @@ func (c *conn) checkMemFD(fd int, off, size uint64) error {
 		return fmt.Errorf("file of %#x bytes is too short for offset %#x size %#x: %w", st.Size, off, size, ErrInvalid)
 	}
 	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
-	if (err != nil || seals&unix.F_SEAL_SHRINK == 0) && !c.warnedSeal {
-		c.warnedSeal = true
-		c.log.Warn("guest memory file is not sealed against shrinking; keep QEMU's memory-backend-memfd seal=on",
-			"seals", seals)
+	if err == nil && seals&unix.F_SEAL_SHRINK != 0 {
+		return nil
 	}
-	return nil
+	if err == nil {
+		if _, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err == nil {
+			return nil
+		}
+	}
+	return fmt.Errorf("guest memory file cannot be sealed against shrinking (%v): use QEMU's memory-backend-memfd "+
+		"with seal=on (the default): %w", err, ErrInvalid)
 }
 
 func (c *conn) handleDMAUnmap(m *ownedMsg) (int, error) {

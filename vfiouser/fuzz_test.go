@@ -72,7 +72,7 @@ func decodeSegments(t testing.TB, data []byte) []vfiouser.Segment {
 			if kind&4 != 0 {
 				fd, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
 			} else {
-				fd, err = unix.MemfdCreate("fuzz", unix.MFD_CLOEXEC)
+				fd, err = unix.MemfdCreate("fuzz", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 				if err == nil {
 					err = unix.Ftruncate(fd, 64<<10)
 				}

@@ -191,15 +191,19 @@ func (c *Client) Reset() error {
 	return err
 }
 
-// Memfd creates a shared memory file of size bytes and maps it here, so a
-// test can DMA_MAP it and see the server's writes. The caller closes fd
-// and unmaps mem.
+// Memfd creates a shared memory file of size bytes, sealed against
+// shrinking and growing as QEMU's memory-backend-memfd is (seal=on), and
+// maps it here, so a test can DMA_MAP it and see the server's writes. The
+// caller closes fd and unmaps mem.
 func Memfd(size int) (fd int, mem []byte, err error) {
-	fd, err = unix.MemfdCreate("vfiousertest-guest", unix.MFD_CLOEXEC)
+	fd, err = unix.MemfdCreate("vfiousertest-guest", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return -1, nil, fmt.Errorf("memfd_create: %w", err)
 	}
 	if err = unix.Ftruncate(fd, int64(size)); err == nil {
+		_, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK|unix.F_SEAL_GROW)
+	}
+	if err == nil {
 		mem, err = unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	}
 	if err != nil {
