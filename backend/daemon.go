@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"sort"
 	"sync"
@@ -29,6 +30,10 @@ type Config struct {
 	Limits vdev.Limits
 	// VMs are registered at start.
 	VMs []VMRequest
+	// GIDAllow is the allow list of GID prefixes for VMs registered without
+	// their own (VMRequest.GIDAllow); nil means DefaultGIDAllow, an empty
+	// list allows each VM only its own link-local GID.
+	GIDAllow []netip.Prefix
 	// Logger; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -39,6 +44,11 @@ type Daemon struct {
 	cfg    Config
 	log    *slog.Logger
 	fabric *fabric
+	// owners reserves GIDs to VMs from their first bind until they are
+	// unregistered.
+	owners *gidOwners
+	// hostAddrs lists the addresses the host holds (replaced in tests).
+	hostAddrs func() (map[netip.Addr]struct{}, error)
 
 	mu     sync.Mutex
 	vms    map[string]*vmSession
@@ -57,11 +67,19 @@ func New(cfg Config) (*Daemon, error) {
 	if err := os.MkdirAll(cfg.SocketDir, 0o755); err != nil {
 		return nil, fmt.Errorf("socket directory: %w", err)
 	}
+	if cfg.GIDAllow == nil {
+		def, err := ParseGIDAllow(DefaultGIDAllow)
+		if err != nil {
+			return nil, err
+		}
+		cfg.GIDAllow = def
+	}
 	fab, err := newFabric(cfg.Fabric, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
-	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{}}
+	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{},
+		owners: newGIDOwners(), hostAddrs: hostAddrs}
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
 			d.close()
@@ -126,10 +144,18 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if req.MAC != "" {
 		m, err := net.ParseMAC(req.MAC)
 		if err != nil || len(m) != 6 {
-			return VMStatus{}, fmt.Errorf("VM %s: MAC %q: not a 48-bit MAC", req.Name, req.MAC)
+			return VMStatus{}, fmt.Errorf("VM %s: MAC %q: %w", req.Name, req.MAC, ErrBadMAC)
 		}
 		mac = m
 	}
+	allow, err := ParseGIDAllow(req.GIDAllow...)
+	if err != nil {
+		return VMStatus{}, fmt.Errorf("VM %s: gid_allow: %w", req.Name, err)
+	}
+	if allow == nil {
+		allow = d.cfg.GIDAllow
+	}
+	pol := gidPolicy{allow: allow, linkLocal: linkLocalGID(mac)}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
@@ -138,7 +164,7 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if _, ok := d.vms[req.Name]; ok {
 		return VMStatus{}, fmt.Errorf("VM %s: %w", req.Name, ErrVMExists)
 	}
-	s, err := startVM(d, req.Name, mac)
+	s, err := startVM(d, req.Name, mac, pol)
 	if err != nil {
 		return VMStatus{}, err
 	}
@@ -156,7 +182,27 @@ func (d *Daemon) RemoveVM(name string) error {
 		return fmt.Errorf("VM %s: %w", name, ErrNoVM)
 	}
 	s.stop()
+	d.owners.release(name)
 	return nil
+}
+
+// hostHolds reports whether the host holds a: one of its interface
+// addresses or the network or broadcast address of one of its IPv4
+// subnets, other than addresses the daemon added for guests' GIDs (their
+// ownership is the GID reservations'). An error means the host's
+// addresses could not be listed; the bind is then refused.
+func (d *Daemon) hostHolds(a netip.Addr) (bool, error) {
+	addrs, err := d.hostAddrs()
+	if err != nil {
+		return true, err
+	}
+	if _, ok := addrs[a]; !ok {
+		return false, nil
+	}
+	if d.fabric.addrs != nil && d.fabric.addrs.Owns(a) {
+		return false, nil
+	}
+	return true, nil
 }
 
 // Status reports the daemon's state.

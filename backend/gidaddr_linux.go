@@ -93,6 +93,14 @@ func (m *AddrManager) Remove(a netip.Addr) error {
 	return nil
 }
 
+// Owns reports whether this manager added a (for a guest's GID).
+func (m *AddrManager) Owns(a netip.Addr) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	_, ok := m.owned[a.Unmap()]
+	return ok
+}
+
 // Owned returns the addresses this manager has added.
 func (m *AddrManager) Owned() []netip.Addr {
 	m.mu.Lock()

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
+	"sort"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -14,6 +16,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/pcidev"
+	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
@@ -28,9 +31,15 @@ type vmSession struct {
 	log    *slog.Logger
 	srv    *vfiouser.Server
 	done   chan struct{} // closed when Serve returns
+	policy gidPolicy
+	// lim rate-limits the log lines the guest can provoke.
+	lim *ratelog.Limiter
 
-	mu   sync.Mutex
-	conn *vmConn // the connected QEMU, if any
+	refusals atomic.Uint64
+
+	mu          sync.Mutex
+	conn        *vmConn   // the connected QEMU, if any
+	lastRefused [2]string // GID and reason of the latest refused bind
 }
 
 // vmConn is the device stack of one QEMU connection.
@@ -45,9 +54,10 @@ type vmConn struct {
 	gids map[int]hostverbs.GIDEntry
 }
 
-func startVM(d *Daemon, name string, mac net.HardwareAddr) (*vmSession, error) {
+func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy) (*vmSession, error) {
 	s := &vmSession{d: d, name: name, mac: mac, socket: SocketPath(d.cfg.SocketDir, name),
-		log: d.log.With("vm", name), done: make(chan struct{})}
+		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
+	s.lim = ratelog.New(s.log, 0)
 	srv, err := vfioServer(s.newDevice, s.log)
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: %w", name, err)
@@ -63,7 +73,7 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr) (*vmSession, error) {
 			s.log.Error("vfio-user server stopped", "err", err)
 		}
 	}()
-	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String())
+	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String(), "gid_allow", FormatGIDAllow(pol.allow))
 	return s, nil
 }
 
@@ -73,6 +83,7 @@ func (s *vmSession) stop() {
 	_ = s.srv.Close()
 	<-s.done
 	_ = os.Remove(s.socket)
+	s.lim.Flush()
 	s.log.Info("VM unregistered")
 }
 
@@ -99,7 +110,8 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	irq := &fnIRQ{}
 	dev, err := vdev.New(vdev.Config{
 		Memory: h.Memory, Verbs: verbs, IRQ: irq, MAC: mac, Limits: s.d.cfg.Limits, Logger: h.Logger,
-		OnGID: func(index int, e hostverbs.GIDEntry, bound bool) { s.gidChanged(c, index, e, bound) },
+		OnGID:    func(index int, e hostverbs.GIDEntry, bound bool) { s.gidChanged(c, index, e, bound) },
+		CheckGID: func(index int, e hostverbs.GIDEntry) error { return s.checkGID(c, e) },
 	})
 	if err != nil {
 		verbs.Close()
@@ -143,6 +155,48 @@ func (s *vmSession) disconnected(c *vmConn) error {
 	return err
 }
 
+// checkGID applies the VM's GID policy to a CREATE_BIND: the static rules
+// and allowed prefixes, the host's own addresses, and the reservations of
+// other VMs; an accepted GID is reserved to this VM until it is
+// unregistered.
+func (s *vmSession) checkGID(c *vmConn, e hostverbs.GIDEntry) error {
+	a := e.GID.Addr()
+	err := s.policy.check(a)
+	if err == nil {
+		var held bool
+		held, err = s.d.hostHolds(a)
+		switch {
+		case err != nil:
+			err = fmt.Errorf("%v: %w: %w", a, ErrGIDRefused, err)
+		case held:
+			err = fmt.Errorf("%v: an address of the host: %w", a, ErrGIDRefused)
+		}
+	}
+	if err == nil {
+		err = s.d.owners.reserve(s.name, a, c.holds)
+	}
+	if err != nil {
+		s.refusals.Add(1)
+		s.mu.Lock()
+		s.lastRefused = [2]string{e.GID.String(), err.Error()}
+		s.mu.Unlock()
+		s.lim.Warn("gid-refused", "GID bind refused", "gid", e.GID, "err", err)
+	}
+	return err
+}
+
+// holds reports whether the connection's guest has a bound.
+func (c *vmConn) holds(a netip.Addr) bool {
+	c.gmu.Lock()
+	defer c.gmu.Unlock()
+	for _, e := range c.gids {
+		if e.GID.Addr() == a {
+			return true
+		}
+	}
+	return false
+}
+
 // gidChanged mirrors the guest's GID table onto the fabric attachment.
 func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound bool) {
 	c.gmu.Lock()
@@ -159,16 +213,22 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 		delete(c.gids, index)
 	}
 	if err := s.d.fabric.gidBound(e, bound); err != nil {
-		s.log.Warn("GID on fabric netdev", "index", index, "gid", e.GID, "bound", bound, "err", err)
+		s.lim.Warn("gid-netdev", "GID on fabric netdev", "index", index, "gid", e.GID, "bound", bound, "err", err)
 		return
 	}
-	s.log.Info("GID", "index", index, "gid", e.GID, "type", e.Type, "bound", bound)
+	s.lim.Info("gid", "GID", "index", index, "gid", e.GID, "type", e.Type, "bound", bound)
 }
 
 func (s *vmSession) status() VMStatus {
-	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String()}
+	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String(),
+		GIDAllow: FormatGIDAllow(s.policy.allow), GIDRefusals: s.refusals.Load()}
+	for _, a := range s.d.owners.reserved(s.name) {
+		st.ReservedGIDs = append(st.ReservedGIDs, a.String())
+	}
+	sort.Strings(st.ReservedGIDs)
 	s.mu.Lock()
 	c := s.conn
+	st.LastRefusedGID, st.LastRefusedReason = s.lastRefused[0], s.lastRefused[1]
 	s.mu.Unlock()
 	if c == nil {
 		return st
@@ -192,7 +252,8 @@ func (s *vmSession) status() VMStatus {
 		"completions": ds.Completions, "stale_completions": ds.StaleCompletions, "cq_overflows": ds.CQOverflows,
 		"cq_notifications": ds.CQNotifications, "notify_dropped": ds.NotifyDropped,
 		"async_events": ds.AsyncEvents, "async_dropped": ds.AsyncDropped,
-		"interrupts": ds.Interrupts, "masked_interrupts": ds.MaskedInterrupts, "bad_bar_accesses": ds.BadBARAccesses,
+		"gid_refusals": ds.GIDRefusals,
+		"interrupts":   ds.Interrupts, "masked_interrupts": ds.MaskedInterrupts, "bad_bar_accesses": ds.BadBARAccesses,
 	}
 	return st
 }

@@ -1,6 +1,7 @@
 package vdev
 
 import (
+	"errors"
 	"fmt"
 	"syscall"
 
@@ -163,10 +164,21 @@ func (d *Device) cmdCreateBind(req, resp []byte) error {
 		return fmt.Errorf("zero GID: %w", syscall.EINVAL)
 	}
 	prev := d.gids[r.Index]
-	if prev.bound {
-		if prev.entry == e {
-			return nil
+	if prev.bound && prev.entry == e {
+		return nil
+	}
+	if d.checkGID != nil {
+		if err := d.checkGID(int(r.Index), e); err != nil {
+			// Refused by the VM's policy: the index keeps what it had.
+			d.stats.gidRefusals.Add(1)
+			var en syscall.Errno
+			if !errors.As(err, &en) {
+				err = fmt.Errorf("%w (%w)", err, syscall.EPERM)
+			}
+			return fmt.Errorf("bind GID %d: %w", r.Index, err)
 		}
+	}
+	if prev.bound {
 		d.unbindGID(int(r.Index))
 	}
 	if err := d.verbs.SetGID(int(r.Index), e); err != nil {

@@ -91,6 +91,12 @@ type Config struct {
 	// unbinds a GID, after the provider accepted it. It runs on the BAR
 	// goroutine and must not call back into the device.
 	OnGID func(index int, e hostverbs.GIDEntry, bound bool)
+	// CheckGID, if set, is asked before the provider whether the guest may
+	// bind e at index; an error refuses the CREATE_BIND (the guest sees
+	// the errno the error wraps, EPERM if none) and counts in
+	// Stats.GIDRefusals. It runs on the BAR goroutine and must not call
+	// back into the device.
+	CheckGID func(index int, e hostverbs.GIDEntry) error
 }
 
 // Errors of the device (wrapped with context; the guest sees errnos).
@@ -122,6 +128,8 @@ type Stats struct {
 	AsyncEvents, AsyncDropped      uint64
 	Interrupts, MaskedInterrupts   uint64
 	BadBARAccesses                 uint64
+	// GIDRefusals counts CREATE_BINDs that Config.CheckGID refused.
+	GIDRefusals uint64
 }
 
 type counters struct {
@@ -136,19 +144,22 @@ type counters struct {
 	asyncEvents, asyncDropped      atomic.Uint64
 	interrupts, maskedInterrupts   atomic.Uint64
 	badBARAccesses                 atomic.Uint64
+	gidRefusals                    atomic.Uint64
 }
 
 // Device is one PVRDMA function serving one VM.
 type Device struct {
-	log    *slog.Logger
-	mem    *guestmem.Memory
-	verbs  hostverbs.Device
-	irq    IRQ
-	onGID  func(int, hostverbs.GIDEntry, bool)
-	mac    [6]byte
-	limits Limits
-	caps   Caps
-	stats  counters
+	log   *slog.Logger
+	mem   *guestmem.Memory
+	verbs hostverbs.Device
+	irq   IRQ
+	onGID func(int, hostverbs.GIDEntry, bool)
+	// checkGID vets guest GIDs (Config.CheckGID).
+	checkGID func(int, hostverbs.GIDEntry) error
+	mac      [6]byte
+	limits   Limits
+	caps     Caps
+	stats    counters
 
 	// Interrupt state, touched from any goroutine.
 	icr atomic.Uint32
@@ -230,7 +241,7 @@ func New(cfg Config) (*Device, error) {
 		log = slog.Default()
 	}
 	d := &Device{
-		log: log, mem: cfg.Memory, verbs: cfg.Verbs, irq: cfg.IRQ, onGID: cfg.OnGID,
+		log: log, mem: cfg.Memory, verbs: cfg.Verbs, irq: cfg.IRQ, onGID: cfg.OnGID, checkGID: cfg.CheckGID,
 		mac: cfg.MAC, limits: cfg.Limits.withDefaults(),
 	}
 	// PVRDMA reads rings and buffers in place: guest RAM that QEMU maps
@@ -269,7 +280,7 @@ func (d *Device) Stats() Stats {
 		CQNotifications: s.cqNotifications.Load(), NotifyDropped: s.notifyDropped.Load(),
 		AsyncEvents: s.asyncEvents.Load(), AsyncDropped: s.asyncDropped.Load(),
 		Interrupts: s.interrupts.Load(), MaskedInterrupts: s.maskedInterrupts.Load(),
-		BadBARAccesses: s.badBARAccesses.Load(),
+		BadBARAccesses: s.badBARAccesses.Load(), GIDRefusals: s.gidRefusals.Load(),
 	}
 }
 

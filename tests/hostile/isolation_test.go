@@ -1,12 +1,16 @@
 package hostile
 
 import (
+	"net"
+	"net/netip"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 )
@@ -51,4 +55,151 @@ func TestCrossVMIsolation(t *testing.T) {
 	requireCQE(t, rc, victim.qp, 1, hostverbs.WCRecv, hostverbs.WCSuccess)
 	require.Equal(t, friend.qp.qpn, rc.SrcQP)
 	e.healthy()
+}
+
+// gidOf is the GID of an IP address (IPv4-mapped for IPv4).
+func gidOf(s string) hostverbs.GID { return hostverbs.GIDFromAddr(netip.MustParseAddr(s)) }
+
+// bindReq is a RoCE v2 CREATE_BIND of gid at index.
+func bindReq(index uint32, gid hostverbs.GID) vdev.CreateBind {
+	return vdev.CreateBind{MTU: 1024, VLAN: 0xfff, Index: index, NewGID: gid, GIDType: 2}
+}
+
+// TestGIDSquatWhileOwnerAway: a tenant reboots (its QEMU disconnects);
+// meanwhile a hostile VM tries to take the GID it had. The GID stays
+// reserved to its owner until the owner is unregistered: the squatter
+// gets EBUSY and the refusal shows in its status and the metrics, and
+// the owner gets its GID back when it returns.
+func TestGIDSquatWhileOwnerAway(t *testing.T) {
+	e := newEnv(t)
+	owner := e.boot(vmPeer)
+	owner.bindGID(0, gidFor(1))
+	owner.Close()
+	require.Eventually(t, func() bool { return !e.connected(vmPeer) }, 5*time.Second, 5*time.Millisecond)
+	require.Equal(t, []string{"10.77.0.1"}, e.vmStatus(vmPeer).ReservedGIDs, "reserved while away")
+
+	evil := e.boot(vmEvil)
+	evil.failCmd(vdev.CmdCreateBind, bindReq(0, gidFor(1)), syscall.EBUSY)
+	st := e.vmStatus(vmEvil)
+	require.Equal(t, uint64(1), st.GIDRefusals)
+	require.Equal(t, "::ffff:10.77.0.1", st.LastRefusedGID)
+	require.Contains(t, st.LastRefusedReason, "reserved by another VM")
+	require.Empty(t, st.GIDs)
+	m := e.metrics()
+	require.Contains(t, m, `pvrdma_vm_gid_refusals_total{vm="evil"} 1`)
+	require.Contains(t, m, `pvrdma_vm_reserved_gids{vm="peer"} 1`)
+
+	// The owner reboots and binds its GID again.
+	owner = e.boot(vmPeer)
+	owner.bindGID(0, gidFor(1))
+	require.Len(t, e.vmStatus(vmPeer).GIDs, 1)
+	owner.Close()
+	evil.Close()
+	e.healthy()
+}
+
+// TestGIDForbidden: a hostile VM binds addresses no VM may have: the
+// fabric would deliver the host's, everyone's or a link-local service's
+// traffic to it (and in IP mode add them to the host). Each is refused
+// with EPERM and counted; the VM's own MAC-derived link-local GID (what
+// the stock driver binds first) and an address in its allowed prefixes
+// are accepted.
+func TestGIDForbidden(t *testing.T) {
+	e := newEnv(t)
+	v := e.boot(vmEvil)
+	bad := []string{
+		"0.0.0.0", // unspecified (the zero GID is EINVAL before any policy)
+		"127.0.0.1", "127.1.2.3", "::1", // loopback
+		"224.0.0.1", "239.1.2.3", "ff02::1", "ff0e::1", // multicast
+		"255.255.255.255",                 // limited broadcast
+		"169.254.169.254", "169.254.10.1", // link-local services
+		"0.1.2.3", "240.0.0.1", "::10.0.0.1", // reserved
+		"fe80::1", "fe80::5054:ff:fe00:1", // link-local, not the VM's own
+		"8.8.8.8", "2001:db8::1", "100.64.0.1", // outside the default allowed prefixes
+	}
+	for i, a := range bad {
+		v.failCmd(vdev.CmdCreateBind, bindReq(uint32(i%16), gidOf(a)), syscall.EPERM)
+		require.Equal(t, gidOf(a).String(), e.vmStatus(vmEvil).LastRefusedGID, a)
+	}
+	st := e.vmStatus(vmEvil)
+	require.Equal(t, uint64(len(bad)), st.GIDRefusals)
+	require.Equal(t, uint64(len(bad)), st.Counters["gid_refusals"])
+	require.Empty(t, st.GIDs, "nothing was bound")
+	require.Empty(t, st.ReservedGIDs, "nothing was reserved")
+
+	mac := backend.DefaultMAC(vmEvil)
+	own := netip.AddrFrom16([16]byte{0: 0xfe, 1: 0x80, 8: mac[0] ^ 2, 9: mac[1], 10: mac[2], 11: 0xff, 12: 0xfe,
+		13: mac[3], 14: mac[4], 15: mac[5]})
+	v.bindGID(0, hostverbs.GIDFromAddr(own))
+	v.bindGID(1, gidOf("10.77.0.9"))
+	v.bindGID(2, gidOf("fd12::9"))
+	require.Len(t, e.vmStatus(vmEvil).GIDs, 3)
+	v.Close()
+	e.healthy()
+}
+
+// TestGIDHostAddressAndPolicy: a VM registered (control API) with its own
+// allow list that includes the host's address still cannot bind the
+// host's address or its subnet's broadcast address, nor anything outside
+// its list, though the daemon's default would allow it.
+func TestGIDHostAddressAndPolicy(t *testing.T) {
+	e := newEnv(t)
+	host, bcast := hostIPv4(t)
+	allow := []string{netip.PrefixFrom(host, 16).Masked().String(), "10.9.0.0/24"}
+	st, err := e.d.AddVM(backend.VMRequest{Name: "tenant", GIDAllow: allow})
+	require.NoError(t, err)
+	require.Equal(t, allow, st.GIDAllow)
+	t.Cleanup(func() { _ = e.d.RemoveVM("tenant") })
+	v := e.boot("tenant")
+	v.failCmd(vdev.CmdCreateBind, bindReq(0, hostverbs.GIDFromAddr(host)), syscall.EPERM)
+	require.Contains(t, e.vmStatus("tenant").LastRefusedReason, "an address of the host")
+	if bcast.IsValid() {
+		v.failCmd(vdev.CmdCreateBind, bindReq(0, hostverbs.GIDFromAddr(bcast)), syscall.EPERM)
+		require.Contains(t, e.vmStatus("tenant").LastRefusedReason, "an address of the host")
+	}
+	v.failCmd(vdev.CmdCreateBind, bindReq(0, gidOf("10.77.0.5")), syscall.EPERM)
+	require.Contains(t, e.vmStatus("tenant").LastRefusedReason, "outside the VM's allowed prefixes")
+	v.bindGID(0, gidOf("10.9.0.5"))
+	v.Close()
+	require.Eventually(t, func() bool { return !e.connected("tenant") }, 5*time.Second, 5*time.Millisecond)
+	require.NoError(t, e.d.RemoveVM("tenant"))
+
+	// A bad allow list is refused at registration.
+	for _, bad := range [][]string{{"10.0.0.0/33"}, {"none", "10.0.0.0/8"}, {"fe80::1%eth0"}, {"example.com"}, {""}} {
+		_, err := e.d.AddVM(backend.VMRequest{Name: "tenant2", GIDAllow: bad})
+		require.ErrorIs(t, err, backend.ErrBadGIDPolicy, "%q", bad)
+	}
+	e.healthy()
+}
+
+// hostIPv4 returns a non-loopback IPv4 address of this host and the
+// broadcast address of its subnet (invalid for /31 and /32).
+func hostIPv4(t *testing.T) (netip.Addr, netip.Addr) {
+	ifaddrs, err := net.InterfaceAddrs()
+	require.NoError(t, err)
+	for _, ia := range ifaddrs {
+		n, ok := ia.(*net.IPNet)
+		if !ok || n.IP.To4() == nil || n.IP.IsLoopback() || n.IP.IsLinkLocalUnicast() {
+			continue
+		}
+		a, _ := netip.AddrFromSlice(n.IP.To4())
+		ones, _ := n.Mask.Size()
+		if ones >= 31 {
+			return a, netip.Addr{}
+		}
+		b := a.As4()
+		for i := range 4 {
+			b[i] |= ^n.Mask[i]
+		}
+		return a, netip.AddrFrom4(b)
+	}
+	t.Skip("no non-loopback IPv4 address on this host")
+	return netip.Addr{}, netip.Addr{}
+}
+
+// metrics renders the daemon's Prometheus exposition.
+func (e *env) metrics() string {
+	var b strings.Builder
+	backend.WriteMetrics(&b, e.d.Status())
+	return b.String()
 }
