@@ -108,7 +108,7 @@ func TestGIDForbidden(t *testing.T) {
 	e := newEnv(t)
 	v := e.boot(vmEvil)
 	bad := []string{
-		"0.0.0.0", // unspecified (the zero GID is EINVAL before any policy)
+		"0.0.0.0",                       // unspecified (the zero GID is EINVAL before any policy)
 		"127.0.0.1", "127.1.2.3", "::1", // loopback
 		"224.0.0.1", "239.1.2.3", "ff02::1", "ff0e::1", // multicast
 		"255.255.255.255",                 // limited broadcast
