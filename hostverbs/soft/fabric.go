@@ -270,6 +270,7 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 	tx := newTxBatch(f)
 	tx.rx = true
 	pw, _ := f.wire.(pollingWire)
+	lw, _ := f.wire.(linkWire)
 	var rp roce.Packet
 	var p packet
 	for {
@@ -288,7 +289,12 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 			continue
 		}
 		for i := range n {
-			f.receiveDatagram(tx, bufs[i][:lens[i]], &rp, &p)
+			if lw != nil {
+				mac := lw.DstMAC(queue, i)
+				f.receive(tx, bufs[i][:lens[i]], &mac, &rp, &p)
+				continue
+			}
+			f.receive(tx, bufs[i][:lens[i]], nil, &rp, &p)
 		}
 		// Before sending the ACKs this work produced, let the goroutines
 		// its completions woke run (a consumer answering a message is
@@ -318,6 +324,15 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 // receiveDatagram runs the stateless gate on one datagram from the wire
 // and hands it to the device owning its destination GID.
 func (f *Fabric) receiveDatagram(tx *txBatch, d []byte, rp *roce.Packet, p *packet) {
+	f.receive(tx, d, nil, rp, p)
+}
+
+// receive is receiveDatagram for a datagram captured in an Ethernet frame
+// addressed to dstMAC (nil: not captured): the device owning the
+// destination GID takes it only if the frame was addressed to that
+// device's own MAC, so a frame built for one VM's NIC cannot reach
+// another VM that binds the same address.
+func (f *Fabric) receive(tx *txBatch, d []byte, dstMAC *[6]byte, rp *roce.Packet, p *packet) {
 	f.ctrs.inc(cntRxPackets)
 	f.ctrs.add(cntRxBytes, uint64(len(d)))
 	if err := rp.Parse(d); err != nil {
@@ -332,6 +347,10 @@ func (f *Fabric) receiveDatagram(tx *txBatch, d []byte, rp *roce.Packet, p *pack
 	dev := f.lookupGID(dst)
 	if dev == nil {
 		f.ctrs.inc(cntDropUnknownGID)
+		return
+	}
+	if dstMAC != nil && *dstMAC != dev.cfg.MAC {
+		f.ctrs.inc(cntDropWrongMAC)
 		return
 	}
 	p.fromWire(rp)
