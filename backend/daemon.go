@@ -294,7 +294,13 @@ func (f *fabric) status() FabricStatus {
 	return FabricStatus{Mode: "local"}
 }
 
-func (f *fabric) counters() map[string]uint64 { return f.soft.Counters() }
+func (f *fabric) counters() map[string]uint64 {
+	c := f.soft.Counters()
+	if f.addrs != nil {
+		c["netdev_addr_changes"] = f.addrs.Changes()
+	}
+	return c
+}
 
 func (f *fabric) gidBound(e hostverbs.GIDEntry, bound bool) error {
 	if f.addrs == nil {

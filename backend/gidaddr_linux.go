@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -25,7 +26,12 @@ type AddrManager struct {
 	link  netlink.Link
 	mu    sync.Mutex
 	owned map[netip.Addr]int // address -> references; 0 entries are deleted
+	// changes counts the addresses added and removed through netlink.
+	changes atomic.Uint64
 }
+
+// Changes returns how many addresses the manager has added or removed.
+func (m *AddrManager) Changes() uint64 { return m.changes.Load() }
 
 // NewAddrManager manages addresses on the named netdev in the current
 // network namespace.
@@ -68,6 +74,7 @@ func (m *AddrManager) Add(a netip.Addr) error {
 	case err != nil:
 		return fmt.Errorf("add %v to %s: %w", a, m.link.Attrs().Name, err)
 	}
+	m.changes.Add(1)
 	m.owned[a] = 1
 	return nil
 }
@@ -86,6 +93,7 @@ func (m *AddrManager) Remove(a netip.Addr) error {
 		return nil
 	}
 	delete(m.owned, a)
+	m.changes.Add(1)
 	err := m.h.AddrDel(m.link, &netlink.Addr{IPNet: hostPrefix(a)})
 	if err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
 		return fmt.Errorf("remove %v from %s: %w", a, m.link.Attrs().Name, err)

@@ -11,6 +11,7 @@ import (
 	"sort"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
@@ -32,8 +33,11 @@ type vmSession struct {
 	srv    *vfiouser.Server
 	done   chan struct{} // closed when Serve returns
 	policy gidPolicy
-	// lim rate-limits the log lines the guest can provoke.
+	// lim rate-limits the log lines the guest and its QEMU can provoke.
 	lim *ratelog.Limiter
+	// binds rate-limits the guest's GID binds, and with them the host
+	// address changes (IP mode) and GID table churn they cause.
+	binds *ratelog.Bucket
 
 	refusals atomic.Uint64
 
@@ -58,6 +62,7 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy) (*vmSe
 	s := &vmSession{d: d, name: name, mac: mac, socket: SocketPath(d.cfg.SocketDir, name),
 		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
 	s.lim = ratelog.New(s.log, 0)
+	s.binds = ratelog.NewBucket(gidBindRate, gidBindBurst)
 	srv, err := vfioServer(s.newDevice, s.log)
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: %w", name, err)
@@ -127,7 +132,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	irq.fn.Store(fn)
 	c.verbs, c.dev, c.fn = verbs, dev, fn
 	s.conn = c
-	s.log.Info("QEMU connected", "conn", h.Name)
+	s.lim.Info("connect", "QEMU connected", "conn", h.Name)
 	return fn, nil
 }
 
@@ -138,7 +143,7 @@ func (s *vmSession) disconnected(c *vmConn) error {
 	c.gmu.Lock()
 	for i, e := range c.gids {
 		if gerr := s.d.fabric.gidBound(e, false); gerr != nil {
-			s.log.Warn("withdraw GID", "index", i, "gid", e.GID, "err", gerr)
+			s.lim.Warn("gid-withdraw", "withdraw GID", "index", i, "gid", e.GID, "err", gerr)
 		}
 	}
 	c.gids = nil
@@ -151,9 +156,22 @@ func (s *vmSession) disconnected(c *vmConn) error {
 		s.conn = nil
 	}
 	s.mu.Unlock()
-	s.log.Info("QEMU disconnected", "stats", fmt.Sprintf("%+v", c.dev.Stats()))
+	s.lim.Info("disconnect", "QEMU disconnected", "stats", fmt.Sprintf("%+v", c.dev.Stats()))
 	return err
 }
+
+// The guest's GID binds are rate-limited per VM (a token bucket kept
+// across reconnects): the stock driver binds each of its addresses once
+// when its netdev comes up (2-4 at boot), so a burst of gidBindBurst
+// covers many addresses and reboots, while a guest binding in a loop gets
+// gidBindRate binds a second. An excess bind fails with EAGAIN rather than
+// being deferred: the guest's GID table then says what the fabric does
+// (a deferred bind would report an address the host does not yet serve),
+// ib_core logs the failure, and nothing queues in the daemon.
+const (
+	gidBindBurst = 32
+	gidBindRate  = 2.0
+)
 
 // checkGID applies the VM's GID policy to a CREATE_BIND: the static rules
 // and allowed prefixes, the host's own addresses, and the reservations of
@@ -161,7 +179,14 @@ func (s *vmSession) disconnected(c *vmConn) error {
 // unregistered.
 func (s *vmSession) checkGID(c *vmConn, e hostverbs.GIDEntry) error {
 	a := e.GID.Addr()
-	err := s.policy.check(a)
+	var err error
+	if !s.binds.Allow() {
+		err = fmt.Errorf("%v: more than %d GID binds at once or %v a second: %w (%w)", a, gidBindBurst, gidBindRate,
+			ErrGIDRefused, syscall.EAGAIN)
+	}
+	if err == nil {
+		err = s.policy.check(a)
+	}
 	if err == nil {
 		var held bool
 		held, err = s.d.hostHolds(a)

@@ -84,10 +84,11 @@ func (l *Limiter) Log(ctx context.Context, level slog.Level, key, msg string, ar
 			e = l.keys[key]
 		}
 		if e == nil {
-			e = &entry{}
+			e = &entry{} // zero last: always written
 			l.keys[key] = e
 		}
-	} else if now.Sub(e.last) < l.every {
+	}
+	if now.Sub(e.last) < l.every {
 		e.suppressed++
 		e.level, e.msg = level, msg
 		l.mu.Unlock()

@@ -131,7 +131,7 @@ func (d *Device) cmdDestroyPD(req, resp []byte) error {
 func (d *Device) destroyPD(p *pd) error {
 	d.pds.free(p.handle)
 	if err := p.hv.Dealloc(); err != nil {
-		d.log.Warn("pvrdma: provider refused to free a PD", "pd", p.handle, "err", err)
+		d.lim.Warn("free-pd", "pvrdma: provider refused to free a PD", "pd", p.handle, "err", err)
 		return fmt.Errorf("dealloc PD: %w", err)
 	}
 	return nil
@@ -217,7 +217,7 @@ func (d *Device) unbindGID(i int) {
 	e := d.gids[i].entry
 	d.gids[i] = gidSlot{}
 	if err := d.verbs.ClearGID(i); err != nil {
-		d.log.Warn("pvrdma: provider refused to clear a GID", "index", i, "err", err)
+		d.lim.Warn("clear-gid", "pvrdma: provider refused to clear a GID", "index", i, "err", err)
 	}
 	if d.onGID != nil {
 		d.onGID(i, e, false)

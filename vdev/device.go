@@ -10,6 +10,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
 )
 
@@ -150,6 +151,7 @@ type counters struct {
 // Device is one PVRDMA function serving one VM.
 type Device struct {
 	log   *slog.Logger
+	lim   *ratelog.Limiter // every log line a guest can provoke goes through it
 	mem   *guestmem.Memory
 	verbs hostverbs.Device
 	irq   IRQ
@@ -241,7 +243,7 @@ func New(cfg Config) (*Device, error) {
 		log = slog.Default()
 	}
 	d := &Device{
-		log: log, mem: cfg.Memory, verbs: cfg.Verbs, irq: cfg.IRQ, onGID: cfg.OnGID, checkGID: cfg.CheckGID,
+		log: log, lim: ratelog.New(log, 0), mem: cfg.Memory, verbs: cfg.Verbs, irq: cfg.IRQ, onGID: cfg.OnGID, checkGID: cfg.CheckGID,
 		mac: cfg.MAC, limits: cfg.Limits.withDefaults(),
 	}
 	// PVRDMA reads rings and buffers in place: guest RAM that QEMU maps
@@ -304,6 +306,7 @@ func (d *Device) Close() error {
 	}
 	d.resetLocked()
 	d.closed = true
+	d.lim.Flush()
 	return nil
 }
 

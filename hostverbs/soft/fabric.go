@@ -12,6 +12,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
+	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 )
 
 // Config parameterises a Fabric.
@@ -47,6 +48,7 @@ type Config struct {
 type Fabric struct {
 	cfg       Config
 	log       *slog.Logger
+	lim       *ratelog.Limiter // what peers provoke
 	clock     Clock
 	wire      Wire
 	activeMTU hostverbs.MTU
@@ -79,6 +81,7 @@ func New(cfg Config) (*Fabric, error) {
 	if f.log == nil {
 		f.log = slog.Default()
 	}
+	f.lim = ratelog.New(f.log, 0)
 	if f.clock == nil {
 		f.clock = RealClock{}
 	}
@@ -159,6 +162,7 @@ func (f *Fabric) Close() error {
 	if !f.closed.CompareAndSwap(false, true) {
 		return nil
 	}
+	defer f.lim.Flush()
 	if f.wire != nil {
 		f.cancel()
 		err := f.wire.Close()
@@ -279,7 +283,7 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 			if ctx.Err() != nil || errors.Is(err, hostverbs.ErrClosed) {
 				return
 			}
-			f.log.Warn("soft fabric: receive", "err", err)
+			f.lim.Warn("receive", "soft fabric: receive", "err", err)
 			f.ctrs.inc(cntTxErrors)
 			select {
 			case <-ctx.Done():

@@ -1,9 +1,12 @@
 package hostile
 
 import (
+	"context"
+	"log/slog"
 	"net"
 	"net/netip"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -202,4 +205,63 @@ func (e *env) metrics() string {
 	var b strings.Builder
 	backend.WriteMetrics(&b, e.d.Status())
 	return b.String()
+}
+
+// countingHandler counts every record at every level (so that debug
+// floods count too) and drops it.
+type countingHandler struct{ n *atomic.Int64 }
+
+func (h countingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h countingHandler) Handle(context.Context, slog.Record) error {
+	h.n.Add(1)
+	return nil
+}
+func (h countingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h countingHandler) WithGroup(string) slog.Handler      { return h }
+
+// TestGIDBindFlood: a guest binds and unbinds GIDs in a tight loop,
+// reconnecting half-way. Its binds beyond the per-VM burst fail with
+// EAGAIN at the bucket's rate (so host address changes in IP mode stay
+// bounded: TestGIDBindRateBoundsNetlink), and the daemon writes a bounded
+// number of log lines, at every level, however many commands fail.
+func TestGIDBindFlood(t *testing.T) {
+	var lines atomic.Int64
+	e := newEnvLog(t, vdev.Limits{}, slog.New(countingHandler{&lines}))
+	const rounds = 3000
+	accepted, again := 0, 0
+	start := time.Now()
+	before := lines.Load()
+	v := e.boot(vmEvil)
+	for i := range rounds {
+		if i == rounds/2 {
+			v.Close()
+			require.Eventually(t, func() bool { return !e.connected(vmEvil) }, 5*time.Second, 5*time.Millisecond)
+			v = e.boot(vmEvil)
+		}
+		gid := hostverbs.GID{10: 0xff, 11: 0xff, 12: 10, 13: 78, 14: byte(i >> 8 & 0x0f), 15: byte(i)}
+		r := v.post(vdev.CmdCreateBind, bindReq(0, gid))
+		switch r.err {
+		case 0:
+			accepted++
+			require.Zero(t, v.post(vdev.CmdDestroyBind, vdev.DestroyBind{Index: 0, DestGID: gid}).err)
+		case uint32(syscall.EAGAIN):
+			again++
+		default:
+			t.Fatalf("bind %d: errno %d", i, r.err)
+		}
+		// Commands that fail for other reasons log too.
+		v.post(vdev.CmdDestroyBind, vdev.DestroyBind{Index: 5, DestGID: gid})
+	}
+	elapsed := time.Since(start)
+	logged := lines.Load() - before
+	t.Logf("%d rounds in %v: %d binds accepted, %d EAGAIN, %d log lines", rounds, elapsed, accepted, again, logged)
+	require.GreaterOrEqual(t, accepted, 32, "the burst is available")
+	require.LessOrEqual(t, float64(accepted), 32+2*elapsed.Seconds()+1, "binds beyond the bucket")
+	require.Equal(t, rounds, accepted+again)
+	require.Equal(t, uint64(again), e.vmStatus(vmEvil).GIDRefusals)
+	// Per 10 s interval: a handful of keys (command failed, GID refused,
+	// GID, connect, disconnect, DSR loaded) for the session and device.
+	require.Less(t, logged, int64(40), "log lines for %d failing commands", 2*rounds)
+	v.Close()
+	e.healthy()
 }
