@@ -241,7 +241,7 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 		s.lim.Warn("gid-netdev", "GID on fabric netdev", "index", index, "gid", e.GID, "bound", bound, "err", err)
 		return
 	}
-	s.lim.Info("gid", "GID", "index", index, "gid", e.GID, "type", e.Type, "bound", bound)
+	s.lim.Info(fmt.Sprintf("gid/%d", index), "GID", "index", index, "gid", e.GID, "type", e.Type, "bound", bound)
 }
 
 func (s *vmSession) status() VMStatus {
