@@ -94,3 +94,29 @@ func TestLinkLocalGID(t *testing.T) {
 	mac := []byte{0x52, 0x54, 0, 0x12, 0x34, 0x56}
 	require.Equal(t, "fe80::5054:ff:fe12:3456", linkLocalGID(mac).String())
 }
+
+// TestGIDReservationsCapped: a VM holds at most maxReservedGIDs
+// reservations; a new GID beyond them takes the place of the least
+// recently bound one the VM no longer holds, or is refused when it holds
+// them all. Another VM's reservations are never touched.
+func TestGIDReservationsCapped(t *testing.T) {
+	o := newGIDOwners()
+	addr := func(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}) }
+	all := func(netip.Addr) bool { return true }
+	require.NoError(t, o.reserve("other", addr(1000), all))
+	for i := range maxReservedGIDs {
+		require.NoError(t, o.reserve("vm", addr(i), all))
+	}
+	require.ErrorIs(t, o.reserve("vm", addr(500), all), ErrGIDRefused, "all held")
+	require.NoError(t, o.reserve("vm", addr(0), all), "rebinding a reserved GID is always fine")
+	held := func(a netip.Addr) bool { return a != addr(1) && a != addr(0) }
+	require.NoError(t, o.reserve("vm", addr(500), held))
+	res := o.reserved("vm")
+	require.Len(t, res, maxReservedGIDs)
+	require.NotContains(t, res, addr(1), "the least recently bound unheld GID was given up")
+	require.Contains(t, res, addr(0), "addr(0) was bound more recently")
+	require.ErrorIs(t, o.reserve("vm", addr(1000), held), ErrGIDRefused, "another VM's")
+	o.release("vm")
+	require.Empty(t, o.reserved("vm"))
+	require.Equal(t, []netip.Addr{addr(1000)}, o.reserved("other"))
+}
