@@ -48,7 +48,7 @@ type Daemon struct {
 	// unregistered.
 	owners *gidOwners
 	// hostAddrs lists the addresses the host holds (replaced in tests).
-	hostAddrs func() (map[netip.Addr]struct{}, error)
+	hostAddrs func() (map[netip.Addr]string, error)
 
 	mu     sync.Mutex
 	vms    map[string]*vmSession
@@ -186,23 +186,31 @@ func (d *Daemon) RemoveVM(name string) error {
 	return nil
 }
 
-// hostHolds reports whether the host holds a: one of its interface
-// addresses or the network or broadcast address of one of its IPv4
-// subnets, other than addresses the daemon added for guests' GIDs (their
-// ownership is the GID reservations'). An error means the host's
-// addresses could not be listed; the bind is then refused.
-func (d *Daemon) hostHolds(a netip.Addr) (bool, error) {
+// hostHolds returns why a guest may not bind a because the host holds
+// it, or "": one of its interface addresses, the network or broadcast
+// address of one of its IPv4 subnets, or (IP mode) of a subnet routed on
+// the fabric netdev. Addresses the daemon added for guests' GIDs are not
+// the host's (their ownership is the GID reservations'). An error means
+// the host's addresses could not be listed; the bind is then refused.
+func (d *Daemon) hostHolds(a netip.Addr) (string, error) {
 	addrs, err := d.hostAddrs()
 	if err != nil {
-		return true, err
+		return "", err
 	}
-	if _, ok := addrs[a]; !ok {
-		return false, nil
+	am := d.fabric.addrs
+	if r, ok := addrs[a]; ok && (r != reasonHostAddr || am == nil || !am.Owns(a)) {
+		return r, nil
 	}
-	if d.fabric.addrs != nil && d.fabric.addrs.Owns(a) {
-		return false, nil
+	if am != nil && a.Is4() {
+		edges, err := am.SubnetEdges()
+		if err != nil {
+			return "", err
+		}
+		if _, ok := edges[a]; ok {
+			return "the network or broadcast address of a subnet on the fabric netdev", nil
+		}
 	}
-	return true, nil
+	return "", nil
 }
 
 // Status reports the daemon's state.

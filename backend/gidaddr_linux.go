@@ -109,6 +109,33 @@ func (m *AddrManager) Owns(a netip.Addr) bool {
 	return ok
 }
 
+// SubnetEdges returns the network and broadcast addresses of the IPv4
+// subnets on the netdev: those of its addresses and of routes through it
+// (a fabric netdev may carry only a route, its addresses being guests').
+func (m *AddrManager) SubnetEdges() (map[netip.Addr]struct{}, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	routes, err := m.h.RouteList(m.link, unix.AF_INET)
+	if err != nil {
+		return nil, fmt.Errorf("routes of %s: %w", m.link.Attrs().Name, err)
+	}
+	out := make(map[netip.Addr]struct{}, 2*len(routes))
+	for _, r := range routes {
+		if r.Dst == nil {
+			continue
+		}
+		a, ok := netip.AddrFromSlice(r.Dst.IP.To4())
+		if !ok {
+			continue
+		}
+		ones, _ := r.Dst.Mask.Size()
+		if n, b, ok := subnetEdges(netip.PrefixFrom(a, ones)); ok {
+			out[n], out[b] = struct{}{}, struct{}{}
+		}
+	}
+	return out, nil
+}
+
 // Owned returns the addresses this manager has added.
 func (m *AddrManager) Owned() []netip.Addr {
 	m.mu.Lock()

@@ -3,6 +3,7 @@ package backend
 import (
 	"io"
 	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"runtime"
@@ -129,11 +130,24 @@ func TestGIDBindRateBoundsNetlink(t *testing.T) {
 		assert.Equal(t, uint64(2*accepted), changes, "each accepted bind added and removed its address")
 		assert.Empty(t, d.fabric.addrs.Owned())
 
-		// The policy applies before netlink: nothing forbidden reaches it.
-		for _, a := range []string{"127.0.0.9", "224.0.0.9", "169.254.169.254", "8.8.8.8"} {
-			e := hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr(a)), Type: hostverbs.GIDTypeRoCEv2}
-			assert.ErrorIs(t, s.checkGID(c, e), ErrGIDRefused, a)
+		// The policy applies before netlink: nothing forbidden reaches it,
+		// including the edges of a subnet routed on the fabric netdev.
+		link, err := netlink.LinkByName("fab0")
+		if !assert.NoError(t, err) {
+			return
 		}
+		assert.NoError(t, netlink.LinkSetUp(link))
+		_, dst, _ := net.ParseCIDR("10.79.0.0/16")
+		assert.NoError(t, netlink.RouteAdd(&netlink.Route{LinkIndex: link.Attrs().Index, Dst: dst, Scope: netlink.SCOPE_LINK}))
+		time.Sleep(2 * time.Second) // refill the bucket a little: these must fail on policy, not rate
+		for _, a := range []string{"127.0.0.9", "224.0.0.9", "169.254.169.254", "8.8.8.8", "10.79.255.255", "10.79.0.0"} {
+			e := hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr(a)), Type: hostverbs.GIDTypeRoCEv2}
+			err := s.checkGID(c, e)
+			assert.ErrorIs(t, err, ErrGIDRefused, a)
+			assert.NotErrorIs(t, err, syscall.EAGAIN, a)
+		}
+		err = s.checkGID(c, hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr("10.79.255.255")), Type: hostverbs.GIDTypeRoCEv2})
+		assert.ErrorContains(t, err, "subnet on the fabric netdev")
 		assert.Equal(t, changes, d.fabric.addrs.Changes())
 	})
 }

@@ -183,15 +183,21 @@ func (p gidPolicy) check(a netip.Addr) error {
 	return fmt.Errorf("%v: outside the VM's allowed prefixes %v: %w", a, FormatGIDAllow(p.allow), ErrGIDRefused)
 }
 
+// Why the host's own addresses are refused (hostAddrs' values).
+const (
+	reasonHostAddr   = "an address of the host"
+	reasonHostSubnet = "the network or broadcast address of one of the host's subnets"
+)
+
 // hostAddrs lists what the host holds in its network namespace: every
 // interface address, and the network and broadcast addresses of its IPv4
-// subnets.
-func hostAddrs() (map[netip.Addr]struct{}, error) {
+// subnets, each with the reason a guest may not bind it.
+func hostAddrs() (map[netip.Addr]string, error) {
 	ifaddrs, err := net.InterfaceAddrs()
 	if err != nil {
 		return nil, fmt.Errorf("host addresses: %w", err)
 	}
-	out := make(map[netip.Addr]struct{}, 2*len(ifaddrs))
+	out := make(map[netip.Addr]string, 3*len(ifaddrs))
 	for _, ia := range ifaddrs {
 		n, ok := ia.(*net.IPNet)
 		if !ok {
@@ -202,18 +208,27 @@ func hostAddrs() (map[netip.Addr]struct{}, error) {
 			continue
 		}
 		a = a.Unmap()
-		out[a] = struct{}{}
 		ones, bits := n.Mask.Size()
-		if a.Is4() && bits == 32 && ones < 31 {
-			pf := netip.PrefixFrom(a, ones).Masked()
-			out[pf.Addr()] = struct{}{}
-			b := pf.Addr().As4()
-			host := ^uint32(0) >> ones
-			v := (uint32(b[0])<<24 | uint32(b[1])<<16 | uint32(b[2])<<8 | uint32(b[3])) | host
-			out[netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)})] = struct{}{}
+		if a.Is4() && bits == 32 {
+			if nw, bc, ok := subnetEdges(netip.PrefixFrom(a, ones)); ok {
+				out[nw], out[bc] = reasonHostSubnet, reasonHostSubnet
+			}
 		}
+		out[a] = reasonHostAddr
 	}
 	return out, nil
+}
+
+// subnetEdges returns the network and broadcast addresses of an IPv4
+// prefix shorter than /31 (ok false otherwise).
+func subnetEdges(pf netip.Prefix) (network, broadcast netip.Addr, ok bool) {
+	if !pf.Addr().Is4() || pf.Bits() < 0 || pf.Bits() >= 31 {
+		return netip.Addr{}, netip.Addr{}, false
+	}
+	pf = pf.Masked()
+	b := pf.Addr().As4()
+	v := uint32(b[0])<<24 | uint32(b[1])<<16 | uint32(b[2])<<8 | uint32(b[3]) | ^uint32(0)>>pf.Bits()
+	return pf.Addr(), netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)}), true
 }
 
 // gidOwners reserves GIDs to VMs across the daemon: a GID one VM has

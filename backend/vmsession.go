@@ -179,22 +179,21 @@ const (
 // unregistered.
 func (s *vmSession) checkGID(c *vmConn, e hostverbs.GIDEntry) error {
 	a := e.GID.Addr()
-	var err error
-	if !s.binds.Allow() {
+	// The static rules cost nothing; the rest lists the host's addresses
+	// (netlink) and may lead to a host address change, so it is metered.
+	err := s.policy.check(a)
+	if err == nil && !s.binds.Allow() {
 		err = fmt.Errorf("%v: more than %d GID binds at once or %v a second: %w (%w)", a, gidBindBurst, gidBindRate,
 			ErrGIDRefused, syscall.EAGAIN)
 	}
 	if err == nil {
-		err = s.policy.check(a)
-	}
-	if err == nil {
-		var held bool
-		held, err = s.d.hostHolds(a)
+		var why string
+		why, err = s.d.hostHolds(a)
 		switch {
 		case err != nil:
 			err = fmt.Errorf("%v: %w: %w", a, ErrGIDRefused, err)
-		case held:
-			err = fmt.Errorf("%v: an address of the host: %w", a, ErrGIDRefused)
+		case why != "":
+			err = fmt.Errorf("%v: %s: %w", a, why, ErrGIDRefused)
 		}
 	}
 	if err == nil {
