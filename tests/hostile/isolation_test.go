@@ -71,8 +71,9 @@ func bindReq(index uint32, gid hostverbs.GID) vdev.CreateBind {
 	return vdev.CreateBind{MTU: 1024, VLAN: 0xfff, Index: index, NewGID: gid, GIDType: 2}
 }
 
-// TestGIDSquatWhileOwnerAway: a tenant reboots (its QEMU disconnects);
-// meanwhile a hostile VM tries to take the GID it had. The GID stays
+// TestGIDSquatWhileOwnerAway: a tenant's guest reboots (device reset),
+// then its QEMU disconnects; meanwhile a hostile VM tries to take the GID
+// it had. The GID stays
 // reserved to its owner until the owner is unregistered: the squatter
 // gets EBUSY and the refusal shows in its status and the metrics, and
 // the owner gets its GID back when it returns.
@@ -80,19 +81,26 @@ func TestGIDSquatWhileOwnerAway(t *testing.T) {
 	e := newEnv(t)
 	owner := e.boot(vmPeer)
 	owner.bindGID(0, gidFor(1))
+	evil := e.boot(vmEvil)
+
+	// The owner's guest reboots: its driver resets the device, which
+	// drops the GID table.
+	owner.setReg(vdev.RegCtl, vdev.CtlReset)
+	require.Empty(t, e.vmStatus(vmPeer).GIDs)
+	evil.failCmd(vdev.CmdCreateBind, bindReq(0, gidFor(1)), syscall.EBUSY)
+
+	// The owner's QEMU goes away.
 	owner.Close()
 	require.Eventually(t, func() bool { return !e.connected(vmPeer) }, 5*time.Second, 5*time.Millisecond)
 	require.Equal(t, []string{"10.77.0.1"}, e.vmStatus(vmPeer).ReservedGIDs, "reserved while away")
-
-	evil := e.boot(vmEvil)
 	evil.failCmd(vdev.CmdCreateBind, bindReq(0, gidFor(1)), syscall.EBUSY)
 	st := e.vmStatus(vmEvil)
-	require.Equal(t, uint64(1), st.GIDRefusals)
+	require.Equal(t, uint64(2), st.GIDRefusals)
 	require.Equal(t, "::ffff:10.77.0.1", st.LastRefusedGID)
 	require.Contains(t, st.LastRefusedReason, "reserved by another VM")
 	require.Empty(t, st.GIDs)
 	m := e.metrics()
-	require.Contains(t, m, `pvrdma_vm_gid_refusals_total{vm="evil"} 1`)
+	require.Contains(t, m, `pvrdma_vm_gid_refusals_total{vm="evil"} 2`)
 	require.Contains(t, m, `pvrdma_vm_reserved_gids{vm="peer"} 1`)
 
 	// The owner reboots and binds its GID again.
