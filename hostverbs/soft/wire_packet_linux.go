@@ -22,7 +22,8 @@ import (
 // own MAC as source and the address vector's DMAC (which the guest resolved
 // with its own ARP/ND) as destination, and every UDP 4791 frame crossing
 // the device is captured (promiscuous mode), whoever it is addressed to;
-// the fabric keeps those whose destination GID one of its devices owns.
+// the fabric keeps those whose destination GID one of its devices owns and
+// whose destination MAC is that device's own (DstMAC).
 //
 // A bridge does not learn source MACs from frames its own device
 // transmits, so injecting with a VM's MAC leaves that MAC on the VM's port:
