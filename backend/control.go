@@ -44,6 +44,17 @@ type VMStatus struct {
 	// not shared).
 	Fault    string            `json:"fault,omitempty"`
 	Counters map[string]uint64 `json:"counters,omitempty"`
+	// GIDAllow is the VM's allow list of GID prefixes ("none": only its
+	// own link-local GID).
+	GIDAllow []string `json:"gid_allow"`
+	// ReservedGIDs are the GIDs reserved to the VM (bound at least once
+	// since it was registered), sorted.
+	ReservedGIDs []string `json:"reserved_gids,omitempty"`
+	// GIDRefusals counts the VM's refused GID binds; LastRefusedGID and
+	// LastRefusedReason describe the latest.
+	GIDRefusals       uint64 `json:"gid_refusals"`
+	LastRefusedGID    string `json:"last_refused_gid,omitempty"`
+	LastRefusedReason string `json:"last_refused_reason,omitempty"`
 }
 
 // GIDStatus is one bound GID.
@@ -57,6 +68,10 @@ type GIDStatus struct {
 type VMRequest struct {
 	Name string `json:"name"`
 	MAC  string `json:"mac,omitempty"`
+	// GIDAllow lists the GID prefixes (CIDR, or single addresses) the VM
+	// may bind; absent means the daemon's default (serve --gid-allow),
+	// ["none"] only the VM's own MAC-derived link-local GID.
+	GIDAllow []string `json:"gid_allow,omitempty"`
 }
 
 // Controller is what the control socket serves.
@@ -70,6 +85,8 @@ type Controller interface {
 var (
 	ErrVMExists = errors.New("VM already registered")
 	ErrNoVM     = errors.New("no such VM")
+	// ErrBadMAC: a VM request's MAC is not a 48-bit MAC.
+	ErrBadMAC = errors.New("not a 48-bit MAC")
 )
 
 // ControlHandler serves the control API:
@@ -95,7 +112,7 @@ func ControlHandler(c Controller) http.Handler {
 		switch {
 		case errors.Is(err, ErrVMExists):
 			writeError(w, http.StatusConflict, err)
-		case errors.Is(err, ErrBadVMName):
+		case errors.Is(err, ErrBadVMName), errors.Is(err, ErrBadGIDPolicy), errors.Is(err, ErrBadMAC):
 			writeError(w, http.StatusBadRequest, err)
 		case err != nil:
 			writeError(w, http.StatusInternalServerError, err)
@@ -259,6 +276,14 @@ func WriteMetrics(w io.Writer, st Status) {
 	family("pvrdma_vm_gids", "gauge", "GIDs the VM has bound.")
 	for _, vm := range st.VMs {
 		fmt.Fprintf(&b, "pvrdma_vm_gids{vm=%q} %d\n", vm.Name, len(vm.GIDs))
+	}
+	family("pvrdma_vm_gid_refusals_total", "counter", "GID binds refused by the VM's GID policy.")
+	for _, vm := range st.VMs {
+		fmt.Fprintf(&b, "pvrdma_vm_gid_refusals_total{vm=%q} %d\n", vm.Name, vm.GIDRefusals)
+	}
+	family("pvrdma_vm_reserved_gids", "gauge", "GIDs reserved to the VM until it is unregistered.")
+	for _, vm := range st.VMs {
+		fmt.Fprintf(&b, "pvrdma_vm_reserved_gids{vm=%q} %d\n", vm.Name, len(vm.ReservedGIDs))
 	}
 	family("pvrdma_vm_resources", "gauge", "Live device objects by kind.")
 	for _, vm := range st.VMs {

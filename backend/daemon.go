@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"sort"
 	"sync"
@@ -34,6 +35,10 @@ type Config struct {
 	MemoryBudget uint64
 	// VMs are registered at start.
 	VMs []VMRequest
+	// GIDAllow is the allow list of GID prefixes for VMs registered without
+	// their own (VMRequest.GIDAllow); nil means DefaultGIDAllow, an empty
+	// list allows each VM only its own link-local GID.
+	GIDAllow []netip.Prefix
 	// Logger; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -45,6 +50,11 @@ type Daemon struct {
 	log    *slog.Logger
 	fabric *fabric
 	budget *vdev.Budget // shared by every VM's device
+	// owners reserves GIDs to VMs from their first bind until they are
+	// unregistered.
+	owners *gidOwners
+	// hostAddrs lists the addresses the host holds (replaced in tests).
+	hostAddrs func() (map[netip.Addr]string, error)
 
 	mu     sync.Mutex
 	vms    map[string]*vmSession
@@ -70,12 +80,19 @@ func New(cfg Config) (*Daemon, error) {
 		}
 		cfg.MemoryBudget = uint64(si.Totalram) * uint64(si.Unit) / 4
 	}
+	if cfg.GIDAllow == nil {
+		def, err := ParseGIDAllow(DefaultGIDAllow)
+		if err != nil {
+			return nil, err
+		}
+		cfg.GIDAllow = def
+	}
 	fab, err := newFabric(cfg.Fabric, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
 	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{},
-		budget: vdev.NewBudget(cfg.MemoryBudget, nil)}
+		budget: vdev.NewBudget(cfg.MemoryBudget, nil), owners: newGIDOwners(), hostAddrs: hostAddrs}
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
 			d.close()
@@ -140,10 +157,18 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if req.MAC != "" {
 		m, err := net.ParseMAC(req.MAC)
 		if err != nil || len(m) != 6 {
-			return VMStatus{}, fmt.Errorf("VM %s: MAC %q: not a 48-bit MAC", req.Name, req.MAC)
+			return VMStatus{}, fmt.Errorf("VM %s: MAC %q: %w", req.Name, req.MAC, ErrBadMAC)
 		}
 		mac = m
 	}
+	allow, err := ParseGIDAllow(req.GIDAllow...)
+	if err != nil {
+		return VMStatus{}, fmt.Errorf("VM %s: gid_allow: %w", req.Name, err)
+	}
+	if allow == nil {
+		allow = d.cfg.GIDAllow
+	}
+	pol := gidPolicy{allow: allow, linkLocal: linkLocalGID(mac)}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
@@ -152,7 +177,7 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if _, ok := d.vms[req.Name]; ok {
 		return VMStatus{}, fmt.Errorf("VM %s: %w", req.Name, ErrVMExists)
 	}
-	s, err := startVM(d, req.Name, mac)
+	s, err := startVM(d, req.Name, mac, pol)
 	if err != nil {
 		return VMStatus{}, err
 	}
@@ -170,7 +195,35 @@ func (d *Daemon) RemoveVM(name string) error {
 		return fmt.Errorf("VM %s: %w", name, ErrNoVM)
 	}
 	s.stop()
+	d.owners.release(name)
 	return nil
+}
+
+// hostHolds returns why a guest may not bind a because the host holds
+// it, or "": one of its interface addresses, the network or broadcast
+// address of one of its IPv4 subnets, or (IP mode) of a subnet routed on
+// the fabric netdev. Addresses the daemon added for guests' GIDs are not
+// the host's (their ownership is the GID reservations'). An error means
+// the host's addresses could not be listed; the bind is then refused.
+func (d *Daemon) hostHolds(a netip.Addr) (string, error) {
+	addrs, err := d.hostAddrs()
+	if err != nil {
+		return "", err
+	}
+	am := d.fabric.addrs
+	if r, ok := addrs[a]; ok && (r != reasonHostAddr || am == nil || !am.Owns(a)) {
+		return r, nil
+	}
+	if am != nil && a.Is4() {
+		edges, err := am.SubnetEdges()
+		if err != nil {
+			return "", err
+		}
+		if _, ok := edges[a]; ok {
+			return "the network or broadcast address of a subnet on the fabric netdev", nil
+		}
+	}
+	return "", nil
 }
 
 // Status reports the daemon's state.
@@ -262,7 +315,13 @@ func (f *fabric) status() FabricStatus {
 	return FabricStatus{Mode: "local"}
 }
 
-func (f *fabric) counters() map[string]uint64 { return f.soft.Counters() }
+func (f *fabric) counters() map[string]uint64 {
+	c := f.soft.Counters()
+	if f.addrs != nil {
+		c["netdev_addr_changes"] = f.addrs.Changes()
+	}
+	return c
+}
 
 func (f *fabric) gidBound(e hostverbs.GIDEntry, bound bool) error {
 	if f.addrs == nil {

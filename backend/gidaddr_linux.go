@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -25,7 +26,12 @@ type AddrManager struct {
 	link  netlink.Link
 	mu    sync.Mutex
 	owned map[netip.Addr]int // address -> references; 0 entries are deleted
+	// changes counts the addresses added and removed through netlink.
+	changes atomic.Uint64
 }
+
+// Changes returns how many addresses the manager has added or removed.
+func (m *AddrManager) Changes() uint64 { return m.changes.Load() }
 
 // NewAddrManager manages addresses on the named netdev in the current
 // network namespace.
@@ -68,6 +74,7 @@ func (m *AddrManager) Add(a netip.Addr) error {
 	case err != nil:
 		return fmt.Errorf("add %v to %s: %w", a, m.link.Attrs().Name, err)
 	}
+	m.changes.Add(1)
 	m.owned[a] = 1
 	return nil
 }
@@ -86,11 +93,47 @@ func (m *AddrManager) Remove(a netip.Addr) error {
 		return nil
 	}
 	delete(m.owned, a)
+	m.changes.Add(1)
 	err := m.h.AddrDel(m.link, &netlink.Addr{IPNet: hostPrefix(a)})
 	if err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
 		return fmt.Errorf("remove %v from %s: %w", a, m.link.Attrs().Name, err)
 	}
 	return nil
+}
+
+// Owns reports whether this manager added a (for a guest's GID).
+func (m *AddrManager) Owns(a netip.Addr) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	_, ok := m.owned[a.Unmap()]
+	return ok
+}
+
+// SubnetEdges returns the network and broadcast addresses of the IPv4
+// subnets on the netdev: those of its addresses and of routes through it
+// (a fabric netdev may carry only a route, its addresses being guests').
+func (m *AddrManager) SubnetEdges() (map[netip.Addr]struct{}, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	routes, err := m.h.RouteList(m.link, unix.AF_INET)
+	if err != nil {
+		return nil, fmt.Errorf("routes of %s: %w", m.link.Attrs().Name, err)
+	}
+	out := make(map[netip.Addr]struct{}, 2*len(routes))
+	for _, r := range routes {
+		if r.Dst == nil {
+			continue
+		}
+		a, ok := netip.AddrFromSlice(r.Dst.IP.To4())
+		if !ok {
+			continue
+		}
+		ones, _ := r.Dst.Mask.Size()
+		if n, b, ok := subnetEdges(netip.PrefixFrom(a, ones)); ok {
+			out[n], out[b] = struct{}{}, struct{}{}
+		}
+	}
+	return out, nil
 }
 
 // Owned returns the addresses this manager has added.

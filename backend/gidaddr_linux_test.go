@@ -1,16 +1,23 @@
 package backend
 
 import (
+	"io"
+	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"runtime"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 )
 
 // inNewNetns runs fn on a fresh OS thread in a new, anonymous network
@@ -79,5 +86,68 @@ func TestAddrManagerAddsRefcountsAndRemoves(t *testing.T) {
 
 		_, err = NewAddrManager("nosuchdev")
 		assert.Error(t, err)
+	})
+}
+
+// TestGIDBindRateBoundsNetlink: in IP mode every GID a guest binds becomes
+// a host address. A guest binding and unbinding in a tight loop (here its
+// session's hooks, driven directly) changes the host's addresses at most
+// twice per bind the per-VM bucket allows, and its GIDs land on the
+// netdev only as far as the policy allows.
+func TestGIDBindRateBoundsNetlink(t *testing.T) {
+	inNewNetns(t, func() {
+		veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}
+		if err := netlink.LinkAdd(veth); err != nil {
+			t.Errorf("veth: %v", err)
+			return
+		}
+		d, err := New(Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"},
+			VMs: []VMRequest{{Name: "vm1"}}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		if !assert.NoError(t, err) {
+			return
+		}
+		defer d.close()
+		s := d.vms["vm1"]
+		c := &vmConn{gids: map[int]hostverbs.GIDEntry{}}
+		start := time.Now()
+		accepted := 0
+		for i := range 2000 {
+			e := hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.AddrFrom4([4]byte{10, 78, byte(i >> 8), byte(i)})),
+				Type: hostverbs.GIDTypeRoCEv2}
+			if err := s.checkGID(c, e); err != nil {
+				assert.ErrorIs(t, err, syscall.EAGAIN)
+				continue
+			}
+			accepted++
+			s.gidChanged(c, 0, e, true)
+			s.gidChanged(c, 0, e, false)
+		}
+		elapsed := time.Since(start)
+		changes := d.fabric.addrs.Changes()
+		t.Logf("2000 binds in %v: %d accepted, %d netlink address changes", elapsed, accepted, changes)
+		assert.GreaterOrEqual(t, accepted, gidBindBurst)
+		assert.LessOrEqual(t, float64(changes), 2*(gidBindBurst+gidBindRate*elapsed.Seconds()+1))
+		assert.Equal(t, uint64(2*accepted), changes, "each accepted bind added and removed its address")
+		assert.Empty(t, d.fabric.addrs.Owned())
+
+		// The policy applies before netlink: nothing forbidden reaches it,
+		// including the edges of a subnet routed on the fabric netdev.
+		link, err := netlink.LinkByName("fab0")
+		if !assert.NoError(t, err) {
+			return
+		}
+		assert.NoError(t, netlink.LinkSetUp(link))
+		_, dst, _ := net.ParseCIDR("10.79.0.0/16")
+		assert.NoError(t, netlink.RouteAdd(&netlink.Route{LinkIndex: link.Attrs().Index, Dst: dst, Scope: netlink.SCOPE_LINK}))
+		time.Sleep(2 * time.Second) // refill the bucket a little: these must fail on policy, not rate
+		for _, a := range []string{"127.0.0.9", "224.0.0.9", "169.254.169.254", "8.8.8.8", "10.79.255.255", "10.79.0.0"} {
+			e := hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr(a)), Type: hostverbs.GIDTypeRoCEv2}
+			err := s.checkGID(c, e)
+			assert.ErrorIs(t, err, ErrGIDRefused, a)
+			assert.NotErrorIs(t, err, syscall.EAGAIN, a)
+		}
+		err = s.checkGID(c, hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr("10.79.255.255")), Type: hostverbs.GIDTypeRoCEv2})
+		assert.ErrorContains(t, err, "subnet on the fabric netdev")
+		assert.Equal(t, changes, d.fabric.addrs.Changes())
 	})
 }

@@ -6,14 +6,18 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
+	"sort"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/pcidev"
+	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
@@ -28,9 +32,18 @@ type vmSession struct {
 	log    *slog.Logger
 	srv    *vfiouser.Server
 	done   chan struct{} // closed when Serve returns
+	policy gidPolicy
+	// lim rate-limits the log lines the guest and its QEMU can provoke.
+	lim *ratelog.Limiter
+	// binds rate-limits the guest's GID binds, and with them the host
+	// address changes (IP mode) and GID table churn they cause.
+	binds *ratelog.Bucket
 
-	mu   sync.Mutex
-	conn *vmConn // the connected QEMU, if any
+	refusals atomic.Uint64
+
+	mu          sync.Mutex
+	conn        *vmConn   // the connected QEMU, if any
+	lastRefused [2]string // GID and reason of the latest refused bind
 }
 
 // vmConn is the device stack of one QEMU connection.
@@ -45,9 +58,11 @@ type vmConn struct {
 	gids map[int]hostverbs.GIDEntry
 }
 
-func startVM(d *Daemon, name string, mac net.HardwareAddr) (*vmSession, error) {
+func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy) (*vmSession, error) {
 	s := &vmSession{d: d, name: name, mac: mac, socket: SocketPath(d.cfg.SocketDir, name),
-		log: d.log.With("vm", name), done: make(chan struct{})}
+		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
+	s.lim = ratelog.New(s.log, 0)
+	s.binds = ratelog.NewBucket(gidBindRate, gidBindBurst)
 	srv, err := vfioServer(s.newDevice, s.log)
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: %w", name, err)
@@ -63,7 +78,7 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr) (*vmSession, error) {
 			s.log.Error("vfio-user server stopped", "err", err)
 		}
 	}()
-	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String())
+	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String(), "gid_allow", FormatGIDAllow(pol.allow))
 	return s, nil
 }
 
@@ -73,6 +88,7 @@ func (s *vmSession) stop() {
 	_ = s.srv.Close()
 	<-s.done
 	_ = os.Remove(s.socket)
+	s.lim.Flush()
 	s.log.Info("VM unregistered")
 }
 
@@ -99,7 +115,8 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	irq := &fnIRQ{}
 	dev, err := vdev.New(vdev.Config{
 		Memory: h.Memory, Verbs: verbs, IRQ: irq, MAC: mac, Limits: s.d.cfg.Limits, Budget: s.d.budget, Logger: h.Logger,
-		OnGID: func(index int, e hostverbs.GIDEntry, bound bool) { s.gidChanged(c, index, e, bound) },
+		OnGID:    func(index int, e hostverbs.GIDEntry, bound bool) { s.gidChanged(c, index, e, bound) },
+		CheckGID: func(index int, e hostverbs.GIDEntry) error { return s.checkGID(c, e) },
 	})
 	if err != nil {
 		verbs.Close()
@@ -115,7 +132,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	irq.fn.Store(fn)
 	c.verbs, c.dev, c.fn = verbs, dev, fn
 	s.conn = c
-	s.log.Info("QEMU connected", "conn", h.Name)
+	s.lim.Info("connect", "QEMU connected", "conn", h.Name)
 	return fn, nil
 }
 
@@ -126,7 +143,7 @@ func (s *vmSession) disconnected(c *vmConn) error {
 	c.gmu.Lock()
 	for i, e := range c.gids {
 		if gerr := s.d.fabric.gidBound(e, false); gerr != nil {
-			s.log.Warn("withdraw GID", "index", i, "gid", e.GID, "err", gerr)
+			s.lim.Warn("gid-withdraw", "withdraw GID", "index", i, "gid", e.GID, "err", gerr)
 		}
 	}
 	c.gids = nil
@@ -139,8 +156,69 @@ func (s *vmSession) disconnected(c *vmConn) error {
 		s.conn = nil
 	}
 	s.mu.Unlock()
-	s.log.Info("QEMU disconnected", "stats", fmt.Sprintf("%+v", c.dev.Stats()))
+	s.lim.Info("disconnect", "QEMU disconnected", "stats", fmt.Sprintf("%+v", c.dev.Stats()))
 	return err
+}
+
+// The guest's GID binds are rate-limited per VM (a token bucket kept
+// across reconnects): the stock driver binds each of its addresses once
+// when its netdev comes up (2-4 at boot), so a burst of gidBindBurst
+// covers many addresses and reboots, while a guest binding in a loop gets
+// gidBindRate binds a second. An excess bind fails with EAGAIN rather than
+// being deferred: the guest's GID table then says what the fabric does
+// (a deferred bind would report an address the host does not yet serve),
+// ib_core logs the failure, and nothing queues in the daemon.
+const (
+	gidBindBurst = 32
+	gidBindRate  = 2.0
+)
+
+// checkGID applies the VM's GID policy to a CREATE_BIND: the static rules
+// and allowed prefixes, the host's own addresses, and the reservations of
+// other VMs; an accepted GID is reserved to this VM until it is
+// unregistered.
+func (s *vmSession) checkGID(c *vmConn, e hostverbs.GIDEntry) error {
+	a := e.GID.Addr()
+	// The static rules cost nothing; the rest lists the host's addresses
+	// (netlink) and may lead to a host address change, so it is metered.
+	err := s.policy.check(a)
+	if err == nil && !s.binds.Allow() {
+		err = fmt.Errorf("%v: more than %d GID binds at once or %v a second: %w (%w)", a, gidBindBurst, gidBindRate,
+			ErrGIDRefused, syscall.EAGAIN)
+	}
+	if err == nil {
+		var why string
+		why, err = s.d.hostHolds(a)
+		switch {
+		case err != nil:
+			err = fmt.Errorf("%v: %w: %w", a, ErrGIDRefused, err)
+		case why != "":
+			err = fmt.Errorf("%v: %s: %w", a, why, ErrGIDRefused)
+		}
+	}
+	if err == nil {
+		err = s.d.owners.reserve(s.name, a, c.holds)
+	}
+	if err != nil {
+		s.refusals.Add(1)
+		s.mu.Lock()
+		s.lastRefused = [2]string{e.GID.String(), err.Error()}
+		s.mu.Unlock()
+		s.lim.Warn("gid-refused", "GID bind refused", "gid", e.GID, "err", err)
+	}
+	return err
+}
+
+// holds reports whether the connection's guest has a bound.
+func (c *vmConn) holds(a netip.Addr) bool {
+	c.gmu.Lock()
+	defer c.gmu.Unlock()
+	for _, e := range c.gids {
+		if e.GID.Addr() == a {
+			return true
+		}
+	}
+	return false
 }
 
 // gidChanged mirrors the guest's GID table onto the fabric attachment.
@@ -159,16 +237,22 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 		delete(c.gids, index)
 	}
 	if err := s.d.fabric.gidBound(e, bound); err != nil {
-		s.log.Warn("GID on fabric netdev", "index", index, "gid", e.GID, "bound", bound, "err", err)
+		s.lim.Warn("gid-netdev", "GID on fabric netdev", "index", index, "gid", e.GID, "bound", bound, "err", err)
 		return
 	}
-	s.log.Info("GID", "index", index, "gid", e.GID, "type", e.Type, "bound", bound)
+	s.lim.Info(fmt.Sprintf("gid/%d", index), "GID", "index", index, "gid", e.GID, "type", e.Type, "bound", bound)
 }
 
 func (s *vmSession) status() VMStatus {
-	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String()}
+	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String(),
+		GIDAllow: FormatGIDAllow(s.policy.allow), GIDRefusals: s.refusals.Load()}
+	for _, a := range s.d.owners.reserved(s.name) {
+		st.ReservedGIDs = append(st.ReservedGIDs, a.String())
+	}
+	sort.Strings(st.ReservedGIDs)
 	s.mu.Lock()
 	c := s.conn
+	st.LastRefusedGID, st.LastRefusedReason = s.lastRefused[0], s.lastRefused[1]
 	s.mu.Unlock()
 	if c == nil {
 		return st
@@ -192,7 +276,8 @@ func (s *vmSession) status() VMStatus {
 		"completions": ds.Completions, "stale_completions": ds.StaleCompletions, "cq_overflows": ds.CQOverflows,
 		"cq_notifications": ds.CQNotifications, "notify_dropped": ds.NotifyDropped,
 		"async_events": ds.AsyncEvents, "async_dropped": ds.AsyncDropped,
-		"interrupts": ds.Interrupts, "masked_interrupts": ds.MaskedInterrupts, "bad_bar_accesses": ds.BadBARAccesses,
+		"gid_refusals": ds.GIDRefusals,
+		"interrupts":   ds.Interrupts, "masked_interrupts": ds.MaskedInterrupts, "bad_bar_accesses": ds.BadBARAccesses,
 	}
 	return st
 }

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 )
 
 // ErrBadVMName: a VM name is empty, too long or has characters that cannot
@@ -64,6 +65,9 @@ type VMSpec struct {
 	Netdev string
 	// Socket is the vfio-user socket path.
 	Socket string
+	// GIDAllow is the VM's GID allow list as registered with the daemon
+	// (VMRequest.GIDAllow); nil means the daemon's default.
+	GIDAllow []string
 }
 
 // SocketPath returns the socket path of VM name in dir.
@@ -159,4 +163,39 @@ func (s VMSpec) QEMUArgs() ([]string, error) {
 		"-device", string(nic),
 		"-device", string(dev),
 	}, nil
+}
+
+// ParseVMFlag parses a `serve --vm` value: NAME, NAME=MAC, then optional
+// comma-separated options, of which there is one: gid-allow=PREFIX
+// (repeatable; a CIDR prefix, a single address, or "none"). For example
+//
+//	vm1=52:54:00:12:34:56,gid-allow=10.1.0.0/24,gid-allow=fd00:1::/64
+func ParseVMFlag(v string) (VMRequest, error) {
+	head, opts, _ := strings.Cut(v, ",")
+	name, mac, hasMAC := strings.Cut(head, "=")
+	if err := CheckVMName(name); err != nil {
+		return VMRequest{}, err
+	}
+	req := VMRequest{Name: name}
+	if hasMAC {
+		m, err := net.ParseMAC(mac)
+		if err != nil || len(m) != 6 {
+			return VMRequest{}, fmt.Errorf("VM %s: MAC %q: %w", name, mac, ErrBadMAC)
+		}
+		req.MAC = m.String()
+	}
+	if opts == "" {
+		return req, nil
+	}
+	for _, o := range strings.Split(opts, ",") {
+		k, val, ok := strings.Cut(o, "=")
+		if !ok || k != "gid-allow" {
+			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX: %w", name, o, ErrBadGIDPolicy)
+		}
+		req.GIDAllow = append(req.GIDAllow, val)
+	}
+	if _, err := ParseGIDAllow(req.GIDAllow...); err != nil {
+		return VMRequest{}, fmt.Errorf("VM %s: %w", name, err)
+	}
+	return req, nil
 }

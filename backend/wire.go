@@ -16,7 +16,7 @@ func newKernelWire(netdev string) (soft.Wire, int, error) {
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)
 	}
-	w, err := soft.NewKernelWire(soft.KernelWireConfig{})
+	w, err := soft.NewKernelWire(soft.KernelWireConfig{Interface: netdev})
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)
 	}

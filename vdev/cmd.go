@@ -69,7 +69,7 @@ func (d *Device) execCommand() {
 	if err != nil {
 		d.stats.commandErrors.Add(1)
 		d.errReg = errnoOf(err)
-		d.log.Debug("pvrdma: command failed", "err", err)
+		d.lim.Debug("command-failed", "pvrdma: command failed", "err", err)
 	} else {
 		d.errReg = 0
 	}

@@ -1,6 +1,7 @@
 package vdev
 
 import (
+	"errors"
 	"fmt"
 	"syscall"
 
@@ -130,7 +131,7 @@ func (d *Device) cmdDestroyPD(req, resp []byte) error {
 func (d *Device) destroyPD(p *pd) error {
 	d.pds.free(p.handle)
 	if err := p.hv.Dealloc(); err != nil {
-		d.log.Warn("pvrdma: provider refused to free a PD", "pd", p.handle, "err", err)
+		d.lim.Warn("free-pd", "pvrdma: provider refused to free a PD", "pd", p.handle, "err", err)
 		return fmt.Errorf("dealloc PD: %w", err)
 	}
 	return nil
@@ -163,10 +164,21 @@ func (d *Device) cmdCreateBind(req, resp []byte) error {
 		return fmt.Errorf("zero GID: %w", syscall.EINVAL)
 	}
 	prev := d.gids[r.Index]
-	if prev.bound {
-		if prev.entry == e {
-			return nil
+	if prev.bound && prev.entry == e {
+		return nil
+	}
+	if d.checkGID != nil {
+		if err := d.checkGID(int(r.Index), e); err != nil {
+			// Refused by the VM's policy: the index keeps what it had.
+			d.stats.gidRefusals.Add(1)
+			var en syscall.Errno
+			if !errors.As(err, &en) {
+				err = fmt.Errorf("%w (%w)", err, syscall.EPERM)
+			}
+			return fmt.Errorf("bind GID %d: %w", r.Index, err)
 		}
+	}
+	if prev.bound {
 		d.unbindGID(int(r.Index))
 	}
 	if err := d.verbs.SetGID(int(r.Index), e); err != nil {
@@ -205,7 +217,7 @@ func (d *Device) unbindGID(i int) {
 	e := d.gids[i].entry
 	d.gids[i] = gidSlot{}
 	if err := d.verbs.ClearGID(i); err != nil {
-		d.log.Warn("pvrdma: provider refused to clear a GID", "index", i, "err", err)
+		d.lim.Warn("clear-gid", "pvrdma: provider refused to clear a GID", "index", i, "err", err)
 	}
 	if d.onGID != nil {
 		d.onGID(i, e, false)

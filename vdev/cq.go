@@ -150,7 +150,7 @@ func (d *Device) destroyCQ(c *cq) error {
 	c.dead = true // a completion racing with Destroy is dropped
 	c.mu.Unlock()
 	if err := c.hv.Destroy(); err != nil {
-		d.log.Warn("pvrdma: provider refused to destroy a CQ", "cq", c.handle, "err", err)
+		d.lim.Warn("destroy-cq", "pvrdma: provider refused to destroy a CQ", "cq", c.handle, "err", err)
 		return fmt.Errorf("destroy CQ: %w", err)
 	}
 	return nil
@@ -208,7 +208,7 @@ func (c *cq) Complete(wc *hostverbs.WorkCompletion) {
 		c.overflowed = true
 		c.mu.Unlock()
 		d.stats.cqOverflows.Add(1)
-		d.log.Debug("pvrdma: CQ overflow", "cq", c.handle, "err", err)
+		d.lim.Debug("cq-overflow", "pvrdma: CQ overflow", "cq", c.handle, "err", err)
 		d.pushEvent(uint32(hostverbs.EventCQErr), c.handle)
 		return
 	}

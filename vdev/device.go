@@ -10,6 +10,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
 )
 
@@ -47,8 +48,8 @@ func DefaultLimits() Limits {
 		MaxQP: 1024, MaxCQ: 2048, MaxMR: 4096, MaxPD: 1024, MaxSRQ: 512, MaxAH: 4096,
 		MaxMRBytes: 4 << 30,
 		MaxQPWR:    4096, MaxCQE: 16384, MaxSRQWR: 4096, MaxSGE: 16,
-		MaxBytes:   256 << 20,
-		GIDTableLen:   16,
+		MaxBytes:    256 << 20,
+		GIDTableLen: 16,
 	}
 }
 
@@ -96,6 +97,12 @@ type Config struct {
 	// unbinds a GID, after the provider accepted it. It runs on the BAR
 	// goroutine and must not call back into the device.
 	OnGID func(index int, e hostverbs.GIDEntry, bound bool)
+	// CheckGID, if set, is asked before the provider whether the guest may
+	// bind e at index; an error refuses the CREATE_BIND (the guest sees
+	// the errno the error wraps, EPERM if none) and counts in
+	// Stats.GIDRefusals. It runs on the BAR goroutine and must not call
+	// back into the device.
+	CheckGID func(index int, e hostverbs.GIDEntry) error
 }
 
 // Errors of the device (wrapped with context; the guest sees errnos).
@@ -127,6 +134,8 @@ type Stats struct {
 	AsyncEvents, AsyncDropped      uint64
 	Interrupts, MaskedInterrupts   uint64
 	BadBARAccesses                 uint64
+	// GIDRefusals counts CREATE_BINDs that Config.CheckGID refused.
+	GIDRefusals uint64
 }
 
 type counters struct {
@@ -141,19 +150,23 @@ type counters struct {
 	asyncEvents, asyncDropped      atomic.Uint64
 	interrupts, maskedInterrupts   atomic.Uint64
 	badBARAccesses                 atomic.Uint64
+	gidRefusals                    atomic.Uint64
 }
 
 // Device is one PVRDMA function serving one VM.
 type Device struct {
-	log    *slog.Logger
-	mem    *guestmem.Memory
-	verbs  hostverbs.Device
-	irq    IRQ
-	onGID  func(int, hostverbs.GIDEntry, bool)
-	mac    [6]byte
-	limits Limits
-	caps   Caps
-	stats  counters
+	log   *slog.Logger
+	lim   *ratelog.Limiter // every log line a guest can provoke goes through it
+	mem   *guestmem.Memory
+	verbs hostverbs.Device
+	irq   IRQ
+	onGID func(int, hostverbs.GIDEntry, bool)
+	// checkGID vets guest GIDs (Config.CheckGID).
+	checkGID func(int, hostverbs.GIDEntry) error
+	mac      [6]byte
+	limits   Limits
+	caps     Caps
+	stats    counters
 
 	// Interrupt state, touched from any goroutine.
 	icr atomic.Uint32
@@ -235,7 +248,7 @@ func New(cfg Config) (*Device, error) {
 		log = slog.Default()
 	}
 	d := &Device{
-		log: log, mem: cfg.Memory, verbs: cfg.Verbs, irq: cfg.IRQ, onGID: cfg.OnGID,
+		log: log, lim: ratelog.New(log, 0), mem: cfg.Memory, verbs: cfg.Verbs, irq: cfg.IRQ, onGID: cfg.OnGID, checkGID: cfg.CheckGID,
 		mac: cfg.MAC, limits: cfg.Limits.withDefaults(),
 	}
 	d.heap = NewBudget(d.limits.MaxBytes, cfg.Budget)
@@ -275,7 +288,7 @@ func (d *Device) Stats() Stats {
 		CQNotifications: s.cqNotifications.Load(), NotifyDropped: s.notifyDropped.Load(),
 		AsyncEvents: s.asyncEvents.Load(), AsyncDropped: s.asyncDropped.Load(),
 		Interrupts: s.interrupts.Load(), MaskedInterrupts: s.maskedInterrupts.Load(),
-		BadBARAccesses: s.badBARAccesses.Load(),
+		BadBARAccesses: s.badBARAccesses.Load(), GIDRefusals: s.gidRefusals.Load(),
 	}
 }
 
@@ -299,6 +312,7 @@ func (d *Device) Close() error {
 	}
 	d.resetLocked()
 	d.closed = true
+	d.lim.Flush()
 	return nil
 }
 

@@ -1,8 +1,10 @@
 package vdev
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"syscall"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
@@ -40,11 +42,11 @@ func (d *Device) loadDSR() {
 	if err := d.loadDSRAt(gpa); err != nil {
 		d.fault = fmt.Errorf("pvrdma: device shared region at %v refused: %w", gpa, err)
 		d.errReg = errnoOf(err)
-		level := d.log.Debug
+		level := slog.LevelDebug
 		if errors.Is(err, guestmem.ErrNotShared) {
-			level = d.log.Error // an operator error, say so loudly
+			level = slog.LevelError // an operator error, say so loudly
 		}
-		level("pvrdma: refusing device shared region", "dsr", gpa, "err", err)
+		d.lim.Log(context.Background(), level, "dsr-refused", "pvrdma: refusing device shared region", "dsr", gpa, "err", err)
 		return
 	}
 	d.fault = nil
@@ -81,7 +83,7 @@ func (d *Device) loadDSRAt(gpa guestmem.GPA) error {
 		return fmt.Errorf("DSR CQ notification ring: %w", err)
 	}
 	if dsr.DriverVersion < VersionQPHandle {
-		d.log.Warn("pvrdma: guest driver predates device version 20 (QP handles); it may misbehave",
+		d.lim.Warn("old-driver", "pvrdma: guest driver predates device version 20 (QP handles); it may misbehave",
 			"driver_version", dsr.DriverVersion)
 	}
 	var caps [CapsSize]byte
@@ -96,7 +98,7 @@ func (d *Device) loadDSRAt(gpa guestmem.GPA) error {
 	d.notify = notify
 	d.notifyMu.Unlock()
 	d.dsr = st
-	d.log.Debug("pvrdma: DSR loaded", "dsr", gpa, "driver_version", dsr.DriverVersion,
+	d.lim.Debug("dsr-loaded", "pvrdma: DSR loaded", "dsr", gpa, "driver_version", dsr.DriverVersion,
 		"async_pages", dsr.AsyncRing.NumPages, "cq_pages", dsr.CQRing.NumPages)
 	return nil
 }

@@ -68,7 +68,6 @@ func pow2Ceil(v uint32) uint32 {
 	return p
 }
 
-
 func queuePages(wr, stride uint32) uint64 {
 	return (uint64(wr)*uint64(stride) + guestmem.PageSize - 1) / guestmem.PageSize
 }
@@ -399,7 +398,7 @@ func (d *Device) destroyQP(q *qp) error {
 		d.gsi = nil
 	}
 	if err != nil {
-		d.log.Warn("pvrdma: provider failed to destroy a QP", "qp", q.handle, "err", err)
+		d.lim.Warn("destroy-qp", "pvrdma: provider failed to destroy a QP", "qp", q.handle, "err", err)
 		return fmt.Errorf("destroy QP %d: %w", q.handle, err)
 	}
 	return nil
@@ -412,7 +411,7 @@ func (d *Device) errorQP(q *qp) {
 	q.state.Store(uint32(hostverbs.QPStateErr))
 	attr := hostverbs.QPAttr{State: hostverbs.QPStateErr}
 	if err := q.hv.Modify(&attr, hostverbs.AttrState); err != nil {
-		d.log.Debug("pvrdma: provider refused QP to ERR", "qp", q.handle, "err", err)
+		d.lim.Debug("qp-to-err", "pvrdma: provider refused QP to ERR", "qp", q.handle, "err", err)
 	}
 }
 
@@ -420,7 +419,7 @@ func (d *Device) errorQP(q *qp) {
 // invalid index, a ring page that vanished): ERR plus a QP_FATAL event, so
 // the guest hears about it instead of the device spinning.
 func (d *Device) qpFatal(q *qp, err error) {
-	d.log.Debug("pvrdma: QP ring unusable", "qp", q.handle, "err", err)
+	d.lim.Debug("qp-ring", "pvrdma: QP ring unusable", "qp", q.handle, "err", err)
 	if q.State() != hostverbs.QPStateErr {
 		d.errorQP(q)
 		d.pushEvent(uint32(hostverbs.EventQPFatal), q.handle)

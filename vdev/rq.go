@@ -103,7 +103,7 @@ func (d *Device) postSRQ(s *srq) {
 	}
 	n, err := s.ring.Pending()
 	if err != nil {
-		d.log.Debug("pvrdma: SRQ ring unusable", "srq", s.handle, "err", err)
+		d.lim.Debug("srq-ring", "pvrdma: SRQ ring unusable", "srq", s.handle, "err", err)
 		d.pushEvent(uint32(hostverbs.EventSRQErr), s.handle)
 		return
 	}

@@ -148,7 +148,7 @@ func (d *Device) destroySRQ(s *srq) error {
 	d.heap.Release(s.cost)
 	s.pd.refs--
 	if err := s.hv.Destroy(); err != nil {
-		d.log.Warn("pvrdma: provider failed to destroy an SRQ", "srq", s.handle, "err", err)
+		d.lim.Warn("destroy-srq", "pvrdma: provider failed to destroy an SRQ", "srq", s.handle, "err", err)
 		return fmt.Errorf("destroy SRQ %d: %w", s.handle, err)
 	}
 	return nil

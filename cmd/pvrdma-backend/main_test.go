@@ -73,3 +73,42 @@ func TestQEMUArgsRegistersAndGuardsTheMAC(t *testing.T) {
 	require.Equal(t, 0, code)
 	assert.Contains(t, out, `pvrdma_vm_connected{vm="vm2"} 0`)
 }
+
+// TestGIDAllowFlags: the GID allow list given to qemu-args reaches the
+// daemon (status shows it), a conflicting one is refused like a
+// conflicting MAC, and malformed lists fail before anything starts.
+func TestGIDAllowFlags(t *testing.T) {
+	dir := t.TempDir()
+	d, err := backend.New(backend.Config{SocketDir: dir, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	defer func() { cancel(); require.NoError(t, <-done) }()
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(filepath.Join(dir, "control.sock"))
+		return err == nil
+	}, 2*time.Second, 10*time.Millisecond)
+
+	code, _, stderr := cli(t, "qemu-args", "--vm", "t1", "--socket-dir", dir, "--gid-allow", "10.5.0.0/24, fd05::/64")
+	require.Equal(t, 0, code, stderr)
+	code, out, _ := cli(t, "status", "--socket-dir", dir, "--json")
+	require.Equal(t, 0, code)
+	assert.Contains(t, out, `"gid_allow": [
+        "10.5.0.0/24",
+        "fd05::/64"
+      ]`)
+	code, _, stderr = cli(t, "qemu-args", "--vm", "t1", "--socket-dir", dir, "--gid-allow", "10.6.0.0/24")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "registered with --gid-allow 10.5.0.0/24,fd05::/64")
+	code, _, stderr = cli(t, "qemu-args", "--vm", "t2", "--socket-dir", dir, "--gid-allow", "10.5.0.0/33")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "bad GID allow list")
+
+	code, _, stderr = cli(t, "serve", "--socket-dir", t.TempDir(), "--gid-allow", "nonsense")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "--gid-allow")
+	code, _, stderr = cli(t, "serve", "--socket-dir", t.TempDir(), "--vm", "v1,gid-allow=300.0.0.0/8")
+	assert.Equal(t, 2, code)
+	assert.Contains(t, stderr, "bad GID allow list")
+}

@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"strings"
+	"net/netip"
 
 	"golang.org/x/sys/unix"
 
@@ -14,17 +14,17 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 )
 
-// vmList collects repeated --vm NAME[=MAC] flags.
+// vmList collects repeated --vm NAME[=MAC][,gid-allow=PREFIX...] flags.
 type vmList []backend.VMRequest
 
 func (l *vmList) String() string { return fmt.Sprint(*l) }
 
 func (l *vmList) Set(v string) error {
-	name, mac, _ := strings.Cut(v, "=")
-	if err := backend.CheckVMName(name); err != nil {
+	req, err := backend.ParseVMFlag(v)
+	if err != nil {
 		return err
 	}
-	*l = append(*l, backend.VMRequest{Name: name, MAC: mac})
+	*l = append(*l, req)
 	return nil
 }
 
@@ -36,7 +36,9 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	tos := fs.Uint("default-tos", 0, "IP TOS of RoCE packets whose traffic class is 0 (default_roce_tos)")
 	transport := fs.String("transport", "soft", "host verbs provider: soft (pure-Go RoCE v2)")
 	var vms vmList
-	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC (repeatable)")
+	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC, optionally followed by ,gid-allow=PREFIX (its own GID allow list; both repeatable)")
+	gidAllow := fs.String("gid-allow", backend.DefaultGIDAllow,
+		"GID prefixes (CIDR, comma-separated; \"none\": only each VM's own link-local GID) for VMs registered without their own gid-allow")
 	lim := vdev.DefaultLimits()
 	fs.IntVar(&lim.MaxQP, "max-qp", lim.MaxQP, "QPs per VM")
 	fs.IntVar(&lim.MaxCQ, "max-cq", lim.MaxCQ, "CQs per VM")
@@ -73,8 +75,16 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if lim.MaxBytes == 0 {
 		return errors.New("--vm-memory-budget must be above 0")
 	}
+	allow, err := backend.ParseGIDAllow(*gidAllow)
+	if err != nil {
+		return fmt.Errorf("--gid-allow: %w", err)
+	}
+	if allow == nil {
+		allow = []netip.Prefix{}
+	}
 	raiseMemlock(log)
 	d, err := backend.New(backend.Config{
+		GIDAllow:     allow,
 		SocketDir:    *socketDir,
 		Fabric:       backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos)},
 		Limits:       lim,

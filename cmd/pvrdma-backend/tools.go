@@ -39,6 +39,7 @@ func (s *sizeFlag) Set(v string) error {
 
 type vmFlags struct {
 	name, mac, netdev, socketDir, bus string
+	gidAllow                          string
 	slot                              int
 	mem                               sizeFlag
 }
@@ -48,6 +49,7 @@ func (v *vmFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&v.mac, "mac", "", "vmxnet3 MAC (default: derived from the VM name)")
 	fs.StringVar(&v.netdev, "netdev", "net0", "id of the -netdev the vmxnet3 attaches to")
 	fs.StringVar(&v.socketDir, "socket-dir", defaultSocketDir, "daemon socket directory")
+	fs.StringVar(&v.gidAllow, "gid-allow", "", "GID prefixes the VM may bind (CIDR, comma-separated; \"none\": only its own link-local GID); default: the daemon's --gid-allow")
 	fs.IntVar(&v.slot, "slot", 5, "PCI slot: vmxnet3 at <slot>.0, PVRDMA at <slot>.1")
 	v.mem = 1 << 30
 	fs.Var(&v.mem, "mem", "guest RAM size, backed by a shared memfd")
@@ -66,6 +68,13 @@ func (v *vmFlags) spec() (backend.VMSpec, error) {
 		}
 		spec.MAC = mac
 	}
+	if v.gidAllow != "" {
+		allow, err := backend.ParseGIDAllow(v.gidAllow)
+		if err != nil {
+			return spec, fmt.Errorf("--gid-allow: %w", err)
+		}
+		spec.GIDAllow = backend.FormatGIDAllow(allow)
+	}
 	return spec, backend.CheckVMName(v.name)
 }
 
@@ -80,7 +89,7 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 		mac = spec.MAC
 	}
 	c := backend.NewControlClient(controlPath(socketDir))
-	_, err := c.AddVM(ctx, backend.VMRequest{Name: spec.Name, MAC: mac.String()})
+	_, err := c.AddVM(ctx, backend.VMRequest{Name: spec.Name, MAC: mac.String(), GIDAllow: spec.GIDAllow})
 	if err == nil {
 		return nil
 	}
@@ -95,6 +104,10 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 		if vm.Name == spec.Name && vm.MAC != mac.String() {
 			return fmt.Errorf("VM %s is registered with MAC %s, not %s: unregister it first (or pass --mac %s)",
 				spec.Name, vm.MAC, mac, vm.MAC)
+		}
+		if vm.Name == spec.Name && spec.GIDAllow != nil && strings.Join(vm.GIDAllow, ",") != strings.Join(spec.GIDAllow, ",") {
+			return fmt.Errorf("VM %s is registered with --gid-allow %s, not %s: unregister it first",
+				spec.Name, strings.Join(vm.GIDAllow, ","), strings.Join(spec.GIDAllow, ","))
 		}
 	}
 	return nil
@@ -220,6 +233,9 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return err
 	}
 	for _, vm := range st.VMs {
+		if vm.GIDRefusals > 0 {
+			fmt.Fprintf(stdout, "%s: %d GID binds refused, last %s (%s)\n", vm.Name, vm.GIDRefusals, vm.LastRefusedGID, vm.LastRefusedReason)
+		}
 		if vm.Fault != "" {
 			fmt.Fprintf(stdout, "%s: device fault: %s\n", vm.Name, vm.Fault)
 		}

@@ -24,6 +24,7 @@ const (
 	cntDropPadding
 	cntDropICRC
 	cntDropUnknownGID
+	cntDropWrongMAC
 	cntDropUnknownQPN
 	cntDropQPState
 	cntDropTransport
@@ -71,6 +72,7 @@ var counterNames = [numCounters]string{
 	cntDropPadding:       "drop_bad_padding",
 	cntDropICRC:          "drop_bad_icrc",
 	cntDropUnknownGID:    "drop_unknown_gid",
+	cntDropWrongMAC:      "drop_wrong_mac",
 	cntDropUnknownQPN:    "drop_unknown_qpn",
 	cntDropQPState:       "drop_qp_state",
 	cntDropTransport:     "drop_wrong_transport",

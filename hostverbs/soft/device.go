@@ -8,6 +8,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 )
 
 // Device capabilities of the soft provider. They are enforced: creating
@@ -39,6 +40,7 @@ type device struct {
 	cfg  hostverbs.DeviceConfig
 	mem  *guestmem.Memory
 	log  *slog.Logger
+	lim  *ratelog.Limiter // what a guest or peer provokes
 	attr hostverbs.DeviceAttr
 	ctrs counters
 
@@ -69,6 +71,7 @@ func newDevice(f *Fabric, cfg hostverbs.DeviceConfig) *device {
 	}
 	d := &device{
 		f: f, cfg: cfg, mem: cfg.Memory, log: lg.With("device", cfg.Name),
+		lim:    ratelog.New(lg.With("device", cfg.Name), 0),
 		all:    make(map[*qp]struct{}),
 		cqs:    make(map[*cq]struct{}),
 		srqs:   make(map[*srq]struct{}),
@@ -256,6 +259,7 @@ func (d *device) Close() error {
 	}
 	d.closed = true
 	d.closedFlag.Store(true)
+	d.lim.Flush()
 	qps := make([]*qp, 0, len(d.all))
 	for q := range d.all {
 		qps = append(qps, q)

@@ -9,7 +9,8 @@
 // hostverbs.Device per VM. Each device owns the GIDs its guest binds
 // (SetGID), and has its own QPN space (QPN 1 is its GSI QP), key space
 // (lkey == rkey, resolved in the target device) and limits. Packets are
-// demultiplexed by destination GID to a device, then by destination QPN.
+// demultiplexed by destination GID to a device (frames a Wire captured in
+// Ethernet also by the device's MAC), then by destination QPN.
 //
 // Traffic between devices of the same fabric never leaves the process: a
 // message travels as one packet whose payload refers to the sender's guest

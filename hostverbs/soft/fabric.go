@@ -12,6 +12,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
+	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 )
 
 // Config parameterises a Fabric.
@@ -47,6 +48,7 @@ type Config struct {
 type Fabric struct {
 	cfg       Config
 	log       *slog.Logger
+	lim       *ratelog.Limiter // what peers provoke
 	clock     Clock
 	wire      Wire
 	activeMTU hostverbs.MTU
@@ -80,6 +82,7 @@ func New(cfg Config) (*Fabric, error) {
 	if f.log == nil {
 		f.log = slog.Default()
 	}
+	f.lim = ratelog.New(f.log, 0)
 	if f.clock == nil {
 		f.clock = RealClock{}
 	}
@@ -162,6 +165,7 @@ func (f *Fabric) Close() error {
 	if !f.closed.CompareAndSwap(false, true) {
 		return nil
 	}
+	defer f.lim.Flush()
 	if f.wire != nil {
 		f.cancel()
 		err := f.wire.Close()
@@ -273,6 +277,7 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 	tx := newTxBatch(f)
 	tx.rx = true
 	pw, _ := f.wire.(pollingWire)
+	lw, _ := f.wire.(linkWire)
 	var rp roce.Packet
 	var p packet
 	for {
@@ -281,7 +286,7 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 			if ctx.Err() != nil || errors.Is(err, hostverbs.ErrClosed) {
 				return
 			}
-			f.log.Warn("soft fabric: receive", "err", err)
+			f.lim.Warn("receive", "soft fabric: receive", "err", err)
 			f.ctrs.inc(cntTxErrors)
 			select {
 			case <-ctx.Done():
@@ -291,7 +296,12 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 			continue
 		}
 		for i := range n {
-			f.receiveDatagram(tx, bufs[i][:lens[i]], &rp, &p)
+			if lw != nil {
+				mac := lw.DstMAC(queue, i)
+				f.receive(tx, bufs[i][:lens[i]], &mac, &rp, &p)
+				continue
+			}
+			f.receive(tx, bufs[i][:lens[i]], nil, &rp, &p)
 		}
 		// Before sending the ACKs this work produced, let the goroutines
 		// its completions woke run (a consumer answering a message is
@@ -321,6 +331,15 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 // receiveDatagram runs the stateless gate on one datagram from the wire
 // and hands it to the device owning its destination GID.
 func (f *Fabric) receiveDatagram(tx *txBatch, d []byte, rp *roce.Packet, p *packet) {
+	f.receive(tx, d, nil, rp, p)
+}
+
+// receive is receiveDatagram for a datagram captured in an Ethernet frame
+// addressed to dstMAC (nil: not captured): the device owning the
+// destination GID takes it only if the frame was addressed to that
+// device's own MAC, so a frame built for one VM's NIC cannot reach
+// another VM that binds the same address.
+func (f *Fabric) receive(tx *txBatch, d []byte, dstMAC *[6]byte, rp *roce.Packet, p *packet) {
 	f.ctrs.inc(cntRxPackets)
 	f.ctrs.add(cntRxBytes, uint64(len(d)))
 	if err := rp.Parse(d); err != nil {
@@ -335,6 +354,10 @@ func (f *Fabric) receiveDatagram(tx *txBatch, d []byte, rp *roce.Packet, p *pack
 	dev := f.lookupGID(dst)
 	if dev == nil {
 		f.ctrs.inc(cntDropUnknownGID)
+		return
+	}
+	if dstMAC != nil && *dstMAC != dev.cfg.MAC {
+		f.ctrs.inc(cntDropWrongMAC)
 		return
 	}
 	p.fromWire(rp)

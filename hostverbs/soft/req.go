@@ -98,7 +98,7 @@ func (q *qp) reqStart(w *sendWQE) bool {
 	segs, total, err := resolveSGL(q.dev, q.pd, w.wr.SGL, want, w.segs[:0])
 	w.segs = segs
 	if err != nil {
-		q.dev.log.Debug("send wqe: local access", "qpn", q.qpn, "err", err)
+		q.dev.lim.Debug("send-local-access", "send wqe: local access", "qpn", q.qpn, "err", err)
 		w.state, w.status = wqeError, hostverbs.WCLocProtErr
 		q.enterErrorLocked()
 		return false

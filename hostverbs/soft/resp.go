@@ -181,7 +181,7 @@ func (q *qp) takeRecvWQE(tx *txBatch, p *packet) (ok, failed bool) {
 	segs, total, err := resolveSGL(q.dev, q.pd, r.wqe.sgl, hostverbs.AccessLocalWrite, r.segs[:0])
 	r.segs = segs
 	if err != nil {
-		q.dev.log.Debug("recv wqe: local access", "qpn", q.qpn, "err", err)
+		q.dev.lim.Debug("recv-local-access", "recv wqe: local access", "qpn", q.qpn, "err", err)
 		q.respError(tx, p, roce.NAKRemoteOperation, hostverbs.WCLocProtErr, hostverbs.EventQPFatal)
 		return false, true
 	}

@@ -33,6 +33,15 @@ type pollingWire interface {
 	TryReceive(queue int, bufs [][]byte, lens []int) (int, error)
 }
 
+// linkWire is implemented by wires that capture Ethernet frames: the
+// fabric hands a captured datagram only to the device whose MAC the frame
+// was addressed to.
+type linkWire interface {
+	// DstMAC returns the destination MAC of datagram i of the batch the
+	// last Receive (or TryReceive) on queue returned.
+	DstMAC(queue, i int) [6]byte
+}
+
 // Datagram is one outgoing RoCE v2 packet.
 type Datagram struct {
 	// Packet is an IPv4 or IPv6 datagram carrying UDP port 4791, ICRC

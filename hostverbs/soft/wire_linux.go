@@ -52,6 +52,13 @@ type KernelWireConfig struct {
 	// SocketBuffer is the receive and send buffer size per socket
 	// (default 8 MiB; forced past the sysctl limits when permitted).
 	SocketBuffer int
+	// Interface, if set, binds the send and receive sockets to that
+	// network device (SO_BINDTODEVICE): RoCE leaves only through it, and
+	// only RoCE that arrived on it is taken, so a peer on another of the
+	// host's networks cannot reach the guests' GIDs through the host's
+	// weak-host routing. The port 4791 sinks stay unbound: they only keep
+	// the kernel from answering ICMP port unreachable, on every device.
+	Interface string
 }
 
 // rawSock is a receive socket, polled by the Go runtime.
@@ -92,11 +99,17 @@ func NewKernelWire(cfg KernelWireConfig) (w *KernelWire, err error) {
 	if w.tx4, err = openTx(unix.AF_INET, cfg.SocketBuffer, w.closedFlag); err != nil {
 		return nil, fmt.Errorf("kernel wire: ipv4 send socket: %w", err)
 	}
+	if err := bindToDevice(w.tx4.fd, cfg.Interface); err != nil {
+		return nil, err
+	}
 	rx4, err := openRaw(unix.AF_INET, unix.IPPROTO_UDP, cfg.SocketBuffer)
 	if err != nil {
 		return nil, fmt.Errorf("kernel wire: ipv4 receive socket: %w", err)
 	}
 	w.rx = append(w.rx, rx4)
+	if err := bindToDevice(rx4.fd, cfg.Interface); err != nil {
+		return nil, err
+	}
 	if err := attachFilter(rx4.fd, filterIPv4RoCE()); err != nil {
 		return nil, fmt.Errorf("kernel wire: ipv4 filter: %w", err)
 	}
@@ -107,11 +120,17 @@ func NewKernelWire(cfg KernelWireConfig) (w *KernelWire, err error) {
 		if w.tx6, err = openTx(unix.AF_INET6, cfg.SocketBuffer, w.closedFlag); err != nil {
 			return nil, fmt.Errorf("kernel wire: ipv6 send socket: %w", err)
 		}
+		if err := bindToDevice(w.tx6.fd, cfg.Interface); err != nil {
+			return nil, err
+		}
 		rx6, err := openRaw(unix.AF_INET6, unix.IPPROTO_UDP, cfg.SocketBuffer)
 		if err != nil {
 			return nil, fmt.Errorf("kernel wire: ipv6 receive socket: %w", err)
 		}
 		w.rx = append(w.rx, rx6)
+		if err := bindToDevice(rx6.fd, cfg.Interface); err != nil {
+			return nil, err
+		}
 		if err := attachFilter(rx6.fd, filterIPv6RoCE()); err != nil {
 			return nil, fmt.Errorf("kernel wire: ipv6 filter: %w", err)
 		}
@@ -157,6 +176,17 @@ func setBuffers(fd, n int) {
 }
 
 // sink binds a UDP socket to port 4791 that drops everything it gets.
+// bindToDevice binds fd to the network device dev (no-op if dev is "").
+func bindToDevice(fd int, dev string) error {
+	if dev == "" {
+		return nil
+	}
+	if err := unix.SetsockoptString(fd, unix.SOL_SOCKET, unix.SO_BINDTODEVICE, dev); err != nil {
+		return fmt.Errorf("kernel wire: bind to device %s: %w", dev, err)
+	}
+	return nil
+}
+
 func (w *KernelWire) sink(family int) error {
 	fd, err := unix.Socket(family, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_UDP)
 	if err != nil {

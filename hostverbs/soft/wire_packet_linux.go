@@ -22,7 +22,8 @@ import (
 // own MAC as source and the address vector's DMAC (which the guest resolved
 // with its own ARP/ND) as destination, and every UDP 4791 frame crossing
 // the device is captured (promiscuous mode), whoever it is addressed to;
-// the fabric keeps those whose destination GID one of its devices owns.
+// the fabric keeps those whose destination GID one of its devices owns and
+// whose destination MAC is that device's own (DstMAC).
 //
 // A bridge does not learn source MACs from frames its own device
 // transmits, so injecting with a VM's MAC leaves that MAC on the VM's port:
@@ -41,6 +42,7 @@ type PacketWire struct {
 	rxHdrs []unix.Mmsghdr
 	rxIovs []unix.Iovec
 	rxEth  [][ethHeaderSize]byte
+	rxDst  [][6]byte // destination MACs of the last batch Receive returned
 	rxK    int
 	rxN    int
 	rxErr  error
@@ -109,6 +111,7 @@ func NewPacketWire(cfg PacketWireConfig) (w *PacketWire, err error) {
 	w.rxHdrs = make([]unix.Mmsghdr, rxBatch)
 	w.rxIovs = make([]unix.Iovec, 2*rxBatch)
 	w.rxEth = make([][ethHeaderSize]byte, rxBatch)
+	w.rxDst = make([][6]byte, rxBatch)
 	w.rxFn, w.txFn = w.recvReady, w.sendReady
 	w.scratch.New = func() any { return newPacketTxScratch() }
 	return w, nil
@@ -255,6 +258,15 @@ func (w *PacketWire) recvReady(fd uintptr) bool {
 	}
 }
 
+// DstMAC returns the destination MAC of frame i of the last batch Receive
+// returned (the fabric delivers it only to the device with that MAC).
+func (w *PacketWire) DstMAC(queue, i int) [6]byte {
+	if queue != 0 || i < 0 || i >= len(w.rxDst) {
+		return [6]byte{}
+	}
+	return w.rxDst[i]
+}
+
 // Receive reads a batch of frames, scattering each Ethernet header aside
 // so that bufs[i] starts at the IP header.
 func (w *PacketWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error) {
@@ -294,6 +306,7 @@ func (w *PacketWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 				bufs[out], bufs[i] = bufs[i], bufs[out]
 			}
 			lens[out] = l
+			w.rxDst[out] = [6]byte(w.rxEth[i][0:6])
 			out++
 		}
 		if out > 0 {

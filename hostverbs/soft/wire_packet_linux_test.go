@@ -48,33 +48,7 @@ func connectL2(t *testing.T, a, b *endpoint, macA, macB [6]byte, o rcOpts) (qa, 
 // anywhere), with frames carrying the devices' own MACs, and neither bridge
 // learns its own fabric's source MAC on the uplink.
 func TestPacketWireBridgedHosts(t *testing.T) {
-	needRoot(t)
-	x, y := newNetns(t, "x"), newNetns(t, "y")
-	x.ip(t, "link", "add", "brx", "type", "bridge")
-	y.ip(t, "link", "add", "bry", "type", "bridge")
-	run(t, "ip", "link", "add", "vx", "netns", x.name, "type", "veth", "peer", "name", "vy", "netns", y.name)
-	x.ip(t, "link", "set", "vx", "master", "brx", "up")
-	y.ip(t, "link", "set", "vy", "master", "bry", "up")
-	x.ip(t, "link", "set", "brx", "up")
-	y.ip(t, "link", "set", "bry", "up")
-	// Carrier reaches the bridges through linkwatch (up to a second).
-	require.Eventually(t, func() bool {
-		return strings.Contains(x.ip(t, "link", "show", "brx"), "state UP") &&
-			strings.Contains(y.ip(t, "link", "show", "bry"), "state UP")
-	}, 10*time.Second, 50*time.Millisecond)
-
-	fabric := func(ns *netns, dev string) *Fabric {
-		var f *Fabric
-		ns.do(t, func() {
-			w, err := NewPacketWire(PacketWireConfig{Interface: dev})
-			require.NoError(t, err)
-			f, err = New(Config{Wire: w, LinkMTU: 1500})
-			require.NoError(t, err)
-		})
-		t.Cleanup(func() { f.Close() })
-		return f
-	}
-	fx, fy := fabric(x, "brx"), fabric(y, "bry")
+	x, _, fx, fy := bridgedFabrics(t)
 	a := newEndpoint(t, fx, "a", "10.9.0.1", 1<<20)
 	b := newEndpoint(t, fy, "bb", "10.9.0.2", 1<<20)
 	o := defaultRC()
@@ -113,6 +87,64 @@ func TestPacketWireBridgedHosts(t *testing.T) {
 		"brx did not learn the remote device's MAC:\n%s", fdb)
 	assert.Zero(t, fx.Counters()["drop_bad_icrc"])
 	assert.Positive(t, fy.Counters()["rx_packets"])
+}
+
+// bridgedFabrics builds two hosts (network namespaces x and y), each with
+// a bridge (brx, bry), the bridges joined by a veth, and a fabric on
+// each bridge through PacketWire.
+func bridgedFabrics(t *testing.T) (x, y *netns, fx, fy *Fabric) {
+	needRoot(t)
+	x, y = newNetns(t, "x"), newNetns(t, "y")
+	x.ip(t, "link", "add", "brx", "type", "bridge")
+	y.ip(t, "link", "add", "bry", "type", "bridge")
+	run(t, "ip", "link", "add", "vx", "netns", x.name, "type", "veth", "peer", "name", "vy", "netns", y.name)
+	x.ip(t, "link", "set", "vx", "master", "brx", "up")
+	y.ip(t, "link", "set", "vy", "master", "bry", "up")
+	x.ip(t, "link", "set", "brx", "up")
+	y.ip(t, "link", "set", "bry", "up")
+	// Carrier reaches the bridges through linkwatch (up to a second).
+	require.Eventually(t, func() bool {
+		return strings.Contains(x.ip(t, "link", "show", "brx"), "state UP") &&
+			strings.Contains(y.ip(t, "link", "show", "bry"), "state UP")
+	}, 10*time.Second, 50*time.Millisecond)
+
+	fabric := func(ns *netns, dev string) *Fabric {
+		var f *Fabric
+		ns.do(t, func() {
+			w, err := NewPacketWire(PacketWireConfig{Interface: dev})
+			require.NoError(t, err)
+			f, err = New(Config{Wire: w, LinkMTU: 1500})
+			require.NoError(t, err)
+		})
+		t.Cleanup(func() { f.Close() })
+		return f
+	}
+	return x, y, fabric(x, "brx"), fabric(y, "bry")
+}
+
+// TestPacketWireWrongMAC: in L2 mode every RoCE frame on the bridge is
+// captured, whoever it is addressed to. A frame carrying a VM's GID but
+// addressed to another MAC (a peer that resolved the GID to a different
+// NIC, or a VM that claims an address on the wire while its owner's
+// device holds the GID) must not reach the device: it is dropped and
+// counted, and the device's receive queue stays untouched.
+func TestPacketWireWrongMAC(t *testing.T) {
+	_, _, fx, fy := bridgedFabrics(t)
+	a := newEndpoint(t, fx, "a", "10.9.0.1", 1<<20)
+	b := newEndpoint(t, fy, "bb", "10.9.0.2", 1<<20)
+	o := defaultRC()
+	o.mtu = hostverbs.MTU1024
+	other := [6]byte{0x52, 0x54, 0, 0, 0, 0x99}
+	qa, qb := connectL2(t, a, b, other, harnessMAC("bb"), o) // b aims at a's GID with another MAC
+	require.NoError(t, qa.PostRecv(&hostverbs.RecvWR{WRID: 1, SGL: sge(a, 0, 4096)}))
+	msg := []byte("for a's GID, to someone else's MAC")
+	b.write(t, b.iova, msg)
+	require.NoError(t, qb.PostSend(&hostverbs.SendWR{WRID: 2, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
+		SGL: sge(b, 0, len(msg))}))
+	require.Eventually(t, func() bool { return fx.Counters()["drop_wrong_mac"] > 0 }, 10*time.Second, 10*time.Millisecond)
+	a.ccq.none(t, 200*time.Millisecond)
+	assert.Equal(t, make([]byte, len(msg)), a.read(t, a.iova, len(msg)), "the receive buffer was written")
+	assert.Zero(t, fx.Counters()["completions"], "x: %v y: %v", nonzero(fx.Counters()), nonzero(fy.Counters()))
 }
 
 // lines returns the lines of s that contain sub.

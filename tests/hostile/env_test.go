@@ -351,7 +351,7 @@ func (e *env) healthy() {
 	e.t.Helper()
 	e.closeAll()
 	e.idle()
-	a, b := e.pair(vmFresh, vmOther)
+	a, b := e.pairGIDs(vmFresh, vmOther, 201, 202, 12, 7)
 	exchange(e.t, a, b)
 	a.Close()
 	b.Close()

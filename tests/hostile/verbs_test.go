@@ -358,7 +358,15 @@ func (e *env) pair(a, b string) (*endpoint, *endpoint) { return e.pairRetry(a, b
 // pairRetry is pair with an RNR timer and retry count.
 func (e *env) pairRetry(a, b string, rnrTimer, rnrRetry uint8) (*endpoint, *endpoint) {
 	e.t.Helper()
-	pa, pb := e.endpoint(a, 1), e.endpoint(b, 2)
+	return e.pairGIDs(a, b, 1, 2, rnrTimer, rnrRetry)
+}
+
+// pairGIDs is pairRetry with the endpoints' GIDs gidFor(na) and
+// gidFor(nb). A GID stays reserved to the first VM that binds it, so
+// different VMs need different GIDs within one daemon.
+func (e *env) pairGIDs(a, b string, na, nb byte, rnrTimer, rnrRetry uint8) (*endpoint, *endpoint) {
+	e.t.Helper()
+	pa, pb := e.endpoint(a, na), e.endpoint(b, nb)
 	pa.qp.toRTSRetry(pb.qp.qpn, pb.gid, rnrTimer, rnrRetry)
 	pb.qp.toRTSRetry(pa.qp.qpn, pa.gid, rnrTimer, rnrRetry)
 	return pa, pb
