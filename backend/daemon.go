@@ -39,6 +39,11 @@ type Config struct {
 	// their own (VMRequest.GIDAllow); nil means DefaultGIDAllow, an empty
 	// list allows each VM only its own link-local GID.
 	GIDAllow []netip.Prefix
+	// GIDBindBurst and GIDBindRate meter each VM's GID binds (a token
+	// bucket: so many at once, then so many a second); 0 means the
+	// defaults, 32 and 2.
+	GIDBindBurst int
+	GIDBindRate  float64
 	// Logger; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -79,6 +84,12 @@ func New(cfg Config) (*Daemon, error) {
 			return nil, fmt.Errorf("daemon memory budget from the host's memory: %w (set it explicitly)", err)
 		}
 		cfg.MemoryBudget = uint64(si.Totalram) * uint64(si.Unit) / 4
+	}
+	if cfg.GIDBindBurst <= 0 {
+		cfg.GIDBindBurst = gidBindBurst
+	}
+	if cfg.GIDBindRate <= 0 {
+		cfg.GIDBindRate = gidBindRate
 	}
 	if cfg.GIDAllow == nil {
 		def, err := ParseGIDAllow(DefaultGIDAllow)

@@ -62,7 +62,7 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy) (*vmSe
 	s := &vmSession{d: d, name: name, mac: mac, socket: SocketPath(d.cfg.SocketDir, name),
 		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
 	s.lim = ratelog.New(s.log, 0)
-	s.binds = ratelog.NewBucket(gidBindRate, gidBindBurst)
+	s.binds = ratelog.NewBucket(d.cfg.GIDBindRate, d.cfg.GIDBindBurst)
 	srv, err := vfioServer(s.newDevice, s.log)
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: %w", name, err)
@@ -183,7 +183,7 @@ func (s *vmSession) checkGID(c *vmConn, e hostverbs.GIDEntry) error {
 	// (netlink) and may lead to a host address change, so it is metered.
 	err := s.policy.check(a)
 	if err == nil && !s.binds.Allow() {
-		err = fmt.Errorf("%v: more than %d GID binds at once or %v a second: %w (%w)", a, gidBindBurst, gidBindRate,
+		err = fmt.Errorf("%v: more than %d GID binds at once or %v a second: %w (%w)", a, s.d.cfg.GIDBindBurst, s.d.cfg.GIDBindRate,
 			ErrGIDRefused, syscall.EAGAIN)
 	}
 	if err == nil {

@@ -167,6 +167,12 @@ func newEnvLimits(t testing.TB, limits vdev.Limits) *env {
 // newEnvLog is newEnvLimits with the daemon's logger.
 func newEnvLog(t testing.TB, limits vdev.Limits, logger *slog.Logger) *env {
 	t.Helper()
+	return newEnvConfig(t, limits, logger, nil)
+}
+
+// newEnvConfig is newEnvLog with a last word on the daemon's configuration.
+func newEnvConfig(t testing.TB, limits vdev.Limits, logger *slog.Logger, tweak func(*backend.Config)) *env {
+	t.Helper()
 	warmUp.Do(func() { warm(t) })
 	runtime.GC()
 	before := measure(t)
@@ -174,6 +180,9 @@ func newEnvLog(t testing.TB, limits vdev.Limits, logger *slog.Logger) *env {
 	cfg := backend.Config{SocketDir: dir, Limits: limits, Logger: logger}
 	for _, n := range []string{vmEvil, vmPeer, vmFresh, vmOther} {
 		cfg.VMs = append(cfg.VMs, backend.VMRequest{Name: n})
+	}
+	if tweak != nil {
+		tweak(&cfg)
 	}
 	d, err := backend.New(cfg)
 	require.NoError(t, err)

@@ -11,6 +11,9 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 )
 
 // soakSessions is how many VM sessions TestSoakSessions serves in a row
@@ -39,7 +42,9 @@ func TestSoakSessions(t *testing.T) {
 		require.NoError(t, err, "PVRDMA_SOAK_SESSIONS")
 		n = v
 	}
-	e := newEnv(t)
+	// Each session binds a GID per VM, far faster than a guest rebooting
+	// would: the per-VM bind meter is opened for this test.
+	e := newEnvConfig(t, vdev.Limits{}, testLogger(t), func(c *backend.Config) { c.GIDBindBurst = 1 << 20 })
 	session := func() {
 		a, b := e.pair(vmFresh, vmOther)
 		exchange(t, a, b)
