@@ -42,9 +42,17 @@ type vmSession struct {
 	refusals atomic.Uint64
 
 	mu          sync.Mutex
-	conn        *vmConn   // the connected QEMU, if any
-	lastRefused [2]string // GID and reason of the latest refused bind
+	conn        *vmConn       // the connected QEMU, if any
+	connGone    chan struct{} // closed when conn's teardown ends
+	lastRefused [2]string     // GID and reason of the latest refused bind
 }
+
+// reconnectWait bounds how long a new QEMU connection waits for the
+// previous one's teardown (a QEMU restarted at once, or a reconnect while
+// the old session's device is still being closed) before it is refused;
+// well below QEMU's vfio-user reply timeout (x-msg-timeout, 5 s), since the
+// new QEMU's VERSION waits for it.
+const reconnectWait = 2 * time.Second
 
 // vmConn is the device stack of one QEMU connection.
 type vmConn struct {
@@ -99,7 +107,21 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.conn != nil {
-		return nil, fmt.Errorf("VM %s already has a connected QEMU (since %s)", s.name, s.conn.since.Format(time.RFC3339))
+		// The previous connection may be on its way out: wait for its
+		// teardown, bounded, rather than refuse a restarted QEMU.
+		old, gone := s.conn, s.connGone
+		s.mu.Unlock()
+		t := time.NewTimer(reconnectWait)
+		select {
+		case <-gone:
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		t.Stop()
+		s.mu.Lock()
+		if s.conn != nil {
+			return nil, fmt.Errorf("VM %s already has a connected QEMU (since %s)", s.name, old.since.Format(time.RFC3339))
+		}
 	}
 	c := &vmConn{since: time.Now(), mem: h.Memory, gids: map[int]hostverbs.GIDEntry{}}
 	var mac [6]byte
@@ -131,7 +153,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	}
 	irq.fn.Store(fn)
 	c.verbs, c.dev, c.fn = verbs, dev, fn
-	s.conn = c
+	s.conn, s.connGone = c, make(chan struct{})
 	s.lim.Info("connect", "QEMU connected", "conn", h.Name)
 	return fn, nil
 }
@@ -154,6 +176,7 @@ func (s *vmSession) disconnected(c *vmConn) error {
 	s.mu.Lock()
 	if s.conn == c {
 		s.conn = nil
+		close(s.connGone)
 	}
 	s.mu.Unlock()
 	s.lim.Info("disconnect", "QEMU disconnected", "stats", fmt.Sprintf("%+v", c.dev.Stats()))

@@ -249,16 +249,25 @@ func TestCVE_2023_1544_RingBeyondOnePageTable(t *testing.T) {
 	}), "one full page table is allowed")
 }
 
-func TestDSRHighRewriteDropsState(t *testing.T) {
+func TestDSRWriteWhileActiveRefused(t *testing.T) {
 	fv := newFakeVerbs()
 	g := probedGuest(t, fv)
 	g.bindGID(0, gidA)
 	pd := g.createPD(0)
 	cq := g.createCQ(0, 16)
 	g.createQP(qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1})
-	g.probe() // a second DSRHIGH without CTL RESET
+	// A second DSR without CTL RESET is refused, and nothing is torn down.
+	require.NoError(t, g.writeReg(RegDSRLow, uint32(g.dsr)))
+	assert.EqualValues(t, syscall.EBUSY, g.readReg(RegErr))
+	require.NoError(t, g.writeReg(RegDSRHigh, uint32(g.dsr>>32)))
+	assert.EqualValues(t, syscall.EBUSY, g.readReg(RegErr))
+	assert.Equal(t, 3, fv.count("qp")+fv.count("cq")+fv.count("pd"), "the first DSR's objects live on")
+	assert.NotEmpty(t, fv.gids)
+	assert.EqualValues(t, 1, g.createPD(0))
+	// After RESET the driver's probe loads a new DSR from scratch.
+	require.NoError(t, g.writeReg(RegCtl, CtlReset))
+	g.probe()
 	assert.Equal(t, 0, fv.count("qp")+fv.count("cq")+fv.count("pd"), "the first DSR's objects are gone")
-	assert.Empty(t, fv.gids)
 	assert.EqualValues(t, 0, g.createPD(0))
 }
 

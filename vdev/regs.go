@@ -3,6 +3,7 @@ package vdev
 import (
 	"encoding/binary"
 	"fmt"
+	"syscall"
 )
 
 // ReadBAR answers a guest read of len(p) bytes at offset off of BAR bar.
@@ -103,9 +104,20 @@ func (d *Device) WriteBAR(bar int, off uint64, p []byte) error {
 
 func (d *Device) writeReg(reg uint64, v uint32) {
 	switch reg {
-	case RegDSRLow:
-		d.dsrLow = v
-	case RegDSRHigh:
+	case RegDSRLow, RegDSRHigh:
+		if d.active {
+			// The driver writes the DSR at probe and after a RESET,
+			// never while the device runs: replacing it under live
+			// objects would tear them all down on a guest's whim.
+			d.stats.badBARAccesses.Add(1)
+			d.errReg = uint32(syscall.EBUSY)
+			d.lim.Warn("dsr-active", "pvrdma: DSR write while the device is active refused; RESET first", "reg", reg)
+			return
+		}
+		if reg == RegDSRLow {
+			d.dsrLow = v
+			return
+		}
 		d.dsrHigh = v
 		d.loadDSR()
 	case RegCtl:

@@ -214,7 +214,6 @@ var vanishing = []struct {
 	{"memory unmapped", func(v *vm) error { return v.c.DMAUnmap(0, ramSize, 0) }},
 	{"device reset", func(v *vm) error { return v.c.Reset() }},
 	{"CTL reset", func(v *vm) error { return v.c.Write32(bar1, vdev.RegCtl, vdev.CtlReset) }},
-	{"DSR reloaded", func(v *vm) error { return v.c.Write32(bar1, vdev.RegDSRHigh, uint32(v.dsr>>32)) }},
 }
 
 func TestGuestDisappearsMidTransfer(t *testing.T) {
