@@ -291,7 +291,7 @@ func TestReconnectWaitsForTeardown(t *testing.T) {
 		res <- dialed{v, err}
 	}()
 	time.Sleep(300 * time.Millisecond) // the new client is waiting on the old session
-	old.Close()
+	require.NoError(t, old.c.Close()) // the old QEMU exits
 	d := <-res
 	require.NoError(t, d.err, "the new QEMU is served once the old one is gone")
 	d.v.mapRAM()
@@ -299,5 +299,6 @@ func TestReconnectWaitsForTeardown(t *testing.T) {
 	d.v.probe()
 	require.Zero(t, d.v.createPD(0))
 	d.v.Close()
+	old.Close() // its client is closed already; this releases its RAM and eventfds
 	e.healthy()
 }
