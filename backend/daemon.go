@@ -44,6 +44,13 @@ type Config struct {
 	// defaults, 32 and 2.
 	GIDBindBurst int
 	GIDBindRate  float64
+	// SocketGroup, if set (a name or a number), owns the socket
+	// directory (mode 0750) and the VM sockets (0660): the group QEMU runs
+	// in. Without it only the daemon's user and root reach them.
+	SocketGroup string
+	// AllowUIDs and AllowGIDs are peers admitted on every socket besides
+	// root, the daemon's own user and the socket group (SO_PEERCRED).
+	AllowUIDs, AllowGIDs []uint32
 	// Logger; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -55,6 +62,7 @@ type Daemon struct {
 	log    *slog.Logger
 	fabric *fabric
 	budget *vdev.Budget // shared by every VM's device
+	access *accessPolicy
 	// owners reserves GIDs to VMs from their first bind until they are
 	// unregistered.
 	owners *gidOwners
@@ -75,8 +83,12 @@ func New(cfg Config) (*Daemon, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	if err := os.MkdirAll(cfg.SocketDir, 0o755); err != nil {
-		return nil, fmt.Errorf("socket directory: %w", err)
+	access, err := newAccessPolicy(cfg, cfg.Logger)
+	if err != nil {
+		return nil, err
+	}
+	if err := access.prepareDir(cfg.SocketDir); err != nil {
+		return nil, err
 	}
 	if cfg.MemoryBudget == 0 {
 		var si unix.Sysinfo_t
@@ -103,7 +115,7 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, err
 	}
 	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{},
-		budget: vdev.NewBudget(cfg.MemoryBudget, nil), owners: newGIDOwners(), hostAddrs: hostAddrs}
+		budget: vdev.NewBudget(cfg.MemoryBudget, nil), owners: newGIDOwners(), hostAddrs: hostAddrs, access: access}
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
 			d.close()
@@ -122,6 +134,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 		d.close()
 		return err
 	}
+	ln = d.access.listener(ln, "control")
 	srv := &http.Server{Handler: ControlHandler(d), ReadHeaderTimeout: 5 * time.Second}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
@@ -247,6 +260,10 @@ func (d *Daemon) Status() Status {
 	d.mu.Unlock()
 	sort.Slice(vms, func(i, j int) bool { return vms[i].name < vms[j].name })
 	st := Status{Transport: "soft", SocketDir: d.cfg.SocketDir, Fabric: d.fabric.status(), Counters: d.fabric.counters()}
+	if st.Counters == nil {
+		st.Counters = map[string]uint64{}
+	}
+	st.Counters["refused_peers"] = d.access.refused.Load()
 	for _, s := range vms {
 		st.VMs = append(st.VMs, s.status())
 	}

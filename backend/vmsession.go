@@ -79,10 +79,14 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy) (*vmSe
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: %w", name, err)
 	}
+	if err := d.access.openSocket(s.socket, false); err != nil {
+		_ = ln.Close()
+		return nil, fmt.Errorf("VM %s: %w", name, err)
+	}
 	s.srv = srv
 	go func() {
 		defer close(s.done)
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, vfiouser.ErrServerClosed) && !errors.Is(err, net.ErrClosed) {
+		if err := srv.Serve(d.access.listener(ln, "vm")); err != nil && !errors.Is(err, vfiouser.ErrServerClosed) && !errors.Is(err, net.ErrClosed) {
 			s.log.Error("vfio-user server stopped", "err", err)
 		}
 	}()

@@ -7,6 +7,8 @@ import (
 	"io"
 	"log/slog"
 	"net/netip"
+	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -25,6 +27,28 @@ func (l *vmList) Set(v string) error {
 		return err
 	}
 	*l = append(*l, req)
+	return nil
+}
+
+// idList collects comma-separated numeric IDs.
+type idList []uint32
+
+func (l *idList) String() string {
+	s := make([]string, len(*l))
+	for i, v := range *l {
+		s[i] = strconv.FormatUint(uint64(v), 10)
+	}
+	return strings.Join(s, ",")
+}
+
+func (l *idList) Set(v string) error {
+	for _, f := range strings.Split(v, ",") {
+		n, err := strconv.ParseUint(strings.TrimSpace(f), 10, 32)
+		if err != nil {
+			return fmt.Errorf("bad ID %q: %w", f, err)
+		}
+		*l = append(*l, uint32(n))
+	}
 	return nil
 }
 
@@ -50,6 +74,10 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.Var(&vmBudget, "vm-memory-budget", "daemon memory one VM's QPs, SRQs, CQs and MRs may cost (e.g. 256M)")
 	var daemonBudget sizeFlag
 	fs.Var(&daemonBudget, "daemon-memory-budget", "daemon memory all VMs' objects may cost together (default: a quarter of the host's memory)")
+	socketGroup := fs.String("socket-group", "", "group (name or number) owning the socket directory (0750) and the VM sockets (0660): the group QEMU runs in")
+	var allowUIDs, allowGIDs idList
+	fs.Var(&allowUIDs, "allow-uid", "also admit peers with these user IDs on the sockets (comma-separated; root, the daemon's user and --socket-group always are)")
+	fs.Var(&allowGIDs, "allow-gid", "also admit peers with these group IDs on the sockets (comma-separated)")
 	level := fs.String("log-level", "info", "debug, info, warn or error")
 	jsonLogs := fs.Bool("log-json", false, "log JSON instead of text")
 	if err := parse(fs, args); err != nil {
@@ -83,12 +111,18 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		allow = []netip.Prefix{}
 	}
 	raiseMemlock(log)
+	// Sockets and files are created private and opened up deliberately
+	// (backend: the socket group's sockets 0660, the control socket 0600).
+	unix.Umask(0o077)
 	d, err := backend.New(backend.Config{
 		GIDAllow:     allow,
 		SocketDir:    *socketDir,
 		Fabric:       backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos)},
 		Limits:       lim,
 		MemoryBudget: uint64(daemonBudget),
+		SocketGroup:  *socketGroup,
+		AllowUIDs:    allowUIDs,
+		AllowGIDs:    allowGIDs,
 		VMs:          vms,
 		Logger:       log,
 	})

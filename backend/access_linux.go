@@ -1,0 +1,186 @@
+package backend
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/user"
+	"slices"
+	"strconv"
+	"sync/atomic"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
+)
+
+// Who may reach the daemon's sockets (issue 12, least privilege):
+//   - the socket directory is mode 0750, owned by the daemon's user and
+//     by the socket group (Config.SocketGroup) if one is set, so that only
+//     that group's members (the QEMUs) can reach the sockets in it; a
+//     directory anyone may write to is refused (another user could plant
+//     or replace sockets in it);
+//   - each VM socket is 0660 in the socket group (0600 without one) and the
+//     control socket 0600: they are created 0600 (the daemon runs under
+//     umask 077) and opened up after, so there is no window;
+//   - every connection's peer credentials (SO_PEERCRED) are checked against
+//     the allowed users and groups: root, the daemon's own user, the socket
+//     group and Config.AllowUIDs/AllowGIDs; any other peer is dropped at
+//     accept, counted and logged (rate-limited).
+
+// accessPolicy is the resolved form of the daemon's access settings.
+type accessPolicy struct {
+	gid       int // the socket group, or -1
+	uids      []uint32
+	gids      []uint32
+	refused   atomic.Uint64
+	lim       *ratelog.Limiter
+	sockMode  os.FileMode
+	ctrlMode  os.FileMode
+	dirMode   os.FileMode
+	checkPeer bool
+}
+
+// ErrInsecureSocketDir: the socket directory can be written by users other
+// than the daemon's.
+var ErrInsecureSocketDir = errors.New("socket directory is writable by others")
+
+func newAccessPolicy(cfg Config, log *slog.Logger) (*accessPolicy, error) {
+	p := &accessPolicy{gid: -1, lim: ratelog.New(log, 0), sockMode: 0o600, ctrlMode: 0o600, dirMode: 0o750,
+		checkPeer: true}
+	if cfg.SocketGroup != "" {
+		gid, err := lookupGroup(cfg.SocketGroup)
+		if err != nil {
+			return nil, fmt.Errorf("socket group %q: %w", cfg.SocketGroup, err)
+		}
+		p.gid = gid
+		p.sockMode = 0o660
+		p.gids = append(p.gids, uint32(gid))
+	}
+	p.uids = append([]uint32{0, uint32(os.Geteuid())}, cfg.AllowUIDs...)
+	p.gids = append(p.gids, cfg.AllowGIDs...)
+	return p, nil
+}
+
+func lookupGroup(name string) (int, error) {
+	if n, err := strconv.Atoi(name); err == nil && n >= 0 {
+		return n, nil
+	}
+	g, err := user.LookupGroup(name)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.Atoi(g.Gid)
+}
+
+// prepareDir creates the socket directory (or checks the one there) and
+// gives it the policy's mode and group.
+func (p *accessPolicy) prepareDir(dir string) error {
+	if err := os.MkdirAll(dir, p.dirMode); err != nil {
+		return fmt.Errorf("socket directory: %w", err)
+	}
+	fi, err := os.Lstat(dir)
+	if err != nil {
+		return fmt.Errorf("socket directory: %w", err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("socket directory %s: not a directory (a symlink?)", dir)
+	}
+	if fi.Mode().Perm()&0o002 != 0 {
+		return fmt.Errorf("%s (mode %v): %w; use a directory of the daemon's own, e.g. /run/pvrdma",
+			dir, fi.Mode().Perm(), ErrInsecureSocketDir)
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok && st.Uid != uint32(os.Geteuid()) && st.Uid != 0 {
+		return fmt.Errorf("%s is owned by uid %d: %w", dir, st.Uid, ErrInsecureSocketDir)
+	}
+	if p.gid >= 0 {
+		if err := os.Chown(dir, -1, p.gid); err != nil {
+			return fmt.Errorf("socket directory group: %w", err)
+		}
+	}
+	if err := os.Chmod(dir, p.dirMode); err != nil {
+		return fmt.Errorf("socket directory mode: %w", err)
+	}
+	return nil
+}
+
+// openSocket gives a socket file the policy's group and mode (it was
+// created 0600 or stricter under the daemon's umask).
+func (p *accessPolicy) openSocket(path string, control bool) error {
+	mode := p.sockMode
+	if control {
+		mode = p.ctrlMode
+	} else if p.gid >= 0 {
+		if err := os.Chown(path, -1, p.gid); err != nil {
+			return fmt.Errorf("socket %s group: %w", path, err)
+		}
+	}
+	if err := os.Chmod(path, mode); err != nil {
+		return fmt.Errorf("socket %s mode: %w", path, err)
+	}
+	return nil
+}
+
+// allowed reports whether a peer with these credentials may talk to us.
+func (p *accessPolicy) allowed(c *unix.Ucred) bool {
+	return slices.Contains(p.uids, c.Uid) || slices.Contains(p.gids, c.Gid)
+}
+
+// listener wraps ln so that Accept returns only connections from allowed
+// peers; the others are closed at once.
+func (p *accessPolicy) listener(ln net.Listener, what string) net.Listener {
+	if !p.checkPeer {
+		return ln
+	}
+	return &credListener{Listener: ln, p: p, what: what}
+}
+
+type credListener struct {
+	net.Listener
+	p    *accessPolicy
+	what string
+}
+
+func (l *credListener) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		cred, err := peerCred(c)
+		if err == nil && l.p.allowed(cred) {
+			return c, nil
+		}
+		_ = c.Close()
+		l.p.refused.Add(1)
+		if err != nil {
+			l.p.lim.Warn("peer-"+l.what, "connection refused: no peer credentials", "socket", l.what, "err", err)
+		} else {
+			l.p.lim.Warn("peer-"+l.what, "connection refused: peer not allowed", "socket", l.what,
+				"uid", cred.Uid, "gid", cred.Gid, "pid", cred.Pid)
+		}
+	}
+}
+
+// peerCred reads SO_PEERCRED of a unix connection.
+func peerCred(c net.Conn) (*unix.Ucred, error) {
+	uc, ok := c.(*net.UnixConn)
+	if !ok {
+		return nil, errors.New("not a unix socket")
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cred *unix.Ucred
+	var gerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, gerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, err
+	}
+	return cred, gerr
+}

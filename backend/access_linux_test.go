@@ -1,0 +1,125 @@
+package backend
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// The unprivileged peer of these tests: nobody, and a group it is not in.
+const (
+	nobodyUID = 65534
+	testGID   = 4791
+)
+
+// dialAs connects to the unix socket path as uid (primary group gid,
+// supplementary groups groups) with perl from perl-base, and reports what
+// the daemon did within a second: "open" (kept the connection), "eof"
+// (closed it at once) or the connect error.
+func dialAs(t *testing.T, path string, uid, gid int, groups string) string {
+	t.Helper()
+	script := `use IO::Socket::UNIX; my $s = IO::Socket::UNIX->new(Peer => $ARGV[0]) or do { print "connect: $!\n"; exit 0 };
+vec(my $r = "", fileno($s), 1) = 1; if (select($r, undef, undef, 1.0) > 0) { my $n = sysread($s, my $x, 1); print $n ? "data\n" : "eof\n" } else { print "open\n" }`
+	args := []string{"--reuid", strconv.Itoa(uid), "--regid", strconv.Itoa(gid)}
+	if groups == "" {
+		args = append(args, "--clear-groups")
+	} else {
+		args = append(args, "--groups", groups)
+	}
+	out, err := exec.Command("setpriv", append(args, "perl", "-e", script, path)...).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	return strings.TrimSpace(string(out))
+}
+
+func needRootTools(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (setpriv to another user)")
+	}
+	for _, tool := range []string{"setpriv", "perl"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("needs %s", tool)
+		}
+	}
+}
+
+// TestSocketAccess plays a local user who is not QEMU's: the socket
+// directory and sockets carry the socket group's permissions, a peer that
+// passes the file permissions only through a supplementary group but whose
+// credentials are not allowed is dropped at accept (and counted), and an
+// allowed uid is served.
+func TestSocketAccess(t *testing.T) {
+	needRootTools(t)
+	top, err := os.MkdirTemp("", "pvrdma-access-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(top) })
+	require.NoError(t, os.Chmod(top, 0o755)) // others may traverse it, as /run
+	dir := filepath.Join(top, "pvrdma")
+
+	start := func(allow []uint32) (*Daemon, func()) {
+		d, err := New(Config{SocketDir: dir, VMs: []VMRequest{{Name: "vm1"}}, SocketGroup: strconv.Itoa(testGID),
+			AllowUIDs: allow, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		require.NoError(t, err)
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- d.Run(ctx) }()
+		require.Eventually(t, func() bool {
+			_, err := os.Stat(filepath.Join(dir, "control.sock"))
+			return err == nil
+		}, 2*time.Second, 10*time.Millisecond)
+		return d, func() { cancel(); require.NoError(t, <-done) }
+	}
+	d, stop := start(nil)
+	mode := func(p string) (os.FileMode, uint32) {
+		fi, err := os.Stat(p)
+		require.NoError(t, err)
+		return fi.Mode().Perm(), fi.Sys().(*syscall.Stat_t).Gid
+	}
+	m, g := mode(dir)
+	assert.Equal(t, os.FileMode(0o750), m, "socket directory")
+	assert.EqualValues(t, testGID, g)
+	m, g = mode(d.SocketPath("vm1"))
+	assert.Equal(t, os.FileMode(0o660), m, "VM socket")
+	assert.EqualValues(t, testGID, g)
+	m, _ = mode(filepath.Join(dir, "control.sock"))
+	assert.Equal(t, os.FileMode(0o600), m, "control socket")
+
+	// nobody, outside the group, cannot even reach the socket.
+	assert.Contains(t, dialAs(t, d.SocketPath("vm1"), nobodyUID, nobodyUID, ""), "connect:")
+	// In the group only as a supplementary group: the files let it through,
+	// its credentials (uid nobody, gid nobody) do not.
+	assert.Equal(t, "eof", dialAs(t, d.SocketPath("vm1"), nobodyUID, nobodyUID, strconv.Itoa(testGID)))
+	assert.NotZero(t, d.Status().Counters["refused_peers"])
+	// With the socket group as its group, it is QEMU's peer: served.
+	assert.Equal(t, "open", dialAs(t, d.SocketPath("vm1"), nobodyUID, testGID, strconv.Itoa(testGID)))
+	stop()
+
+	// An allowed uid is served whatever its group.
+	d, stop = start([]uint32{nobodyUID})
+	assert.Equal(t, "open", dialAs(t, d.SocketPath("vm1"), nobodyUID, nobodyUID, strconv.Itoa(testGID)))
+	stop()
+}
+
+// A socket directory others may write to (where another user could plant
+// or replace sockets) is refused at start.
+func TestWorldWritableSocketDirRefused(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.Chmod(dir, 0o777))
+	_, err := New(Config{SocketDir: dir, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	require.ErrorIs(t, err, ErrInsecureSocketDir)
+	sticky := t.TempDir()
+	require.NoError(t, os.Chmod(sticky, 0o1777)) // as /tmp
+	_, err = New(Config{SocketDir: sticky, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	require.ErrorIs(t, err, ErrInsecureSocketDir)
+}
