@@ -40,6 +40,9 @@ type VMStatus struct {
 	GIDs        []GIDStatus    `json:"gids,omitempty"`
 	Resources   map[string]int `json:"resources,omitempty"`
 	LockedBytes uint64         `json:"locked_bytes"`
+	// LockedLimit is what the VM's QEMU may have the daemon map and lock
+	// (its registered RAM plus LockSlack, or the daemon-wide cap).
+	LockedLimit uint64 `json:"locked_limit"`
 	// Fault is why the device refused the guest, if it did (e.g. guest RAM
 	// not shared).
 	Fault    string            `json:"fault,omitempty"`
@@ -72,6 +75,11 @@ type VMRequest struct {
 	// may bind; absent means the daemon's default (serve --gid-allow),
 	// ["none"] only the VM's own MAC-derived link-local GID.
 	GIDAllow []string `json:"gid_allow,omitempty"`
+	// MemBytes is the VM's RAM size: the guest memory its QEMU may map
+	// and the daemon lock (plus LockSlack for firmware maps). 0 leaves
+	// the VM bounded by the daemon-wide cap only (serve
+	// --max-locked-memory).
+	MemBytes uint64 `json:"mem_bytes,omitempty"`
 }
 
 // Controller is what the control socket serves.

@@ -44,6 +44,10 @@ type Config struct {
 	// defaults, 32 and 2.
 	GIDBindBurst int
 	GIDBindRate  float64
+	// MaxLockedMemory caps the guest memory all VMs' QEMUs may have the
+	// daemon map and lock together; 0 means three quarters of the host's
+	// memory. Each VM is also capped by its registered size.
+	MaxLockedMemory uint64
 	// SocketGroup, if set (a name or a number), owns the socket
 	// directory (mode 0750) and the VM sockets (0660): the group QEMU runs
 	// in. Without it only the daemon's user and root reach them.
@@ -62,6 +66,7 @@ type Daemon struct {
 	log    *slog.Logger
 	fabric *fabric
 	budget *vdev.Budget // shared by every VM's device
+	locked *vdev.Budget // guest memory mapped and locked, all VMs
 	access *accessPolicy
 	// owners reserves GIDs to VMs from their first bind until they are
 	// unregistered.
@@ -97,6 +102,13 @@ func New(cfg Config) (*Daemon, error) {
 		}
 		cfg.MemoryBudget = uint64(si.Totalram) * uint64(si.Unit) / 4
 	}
+	if cfg.MaxLockedMemory == 0 {
+		var si unix.Sysinfo_t
+		if err := unix.Sysinfo(&si); err != nil {
+			return nil, fmt.Errorf("locked memory cap from the host's memory: %w (set it explicitly)", err)
+		}
+		cfg.MaxLockedMemory = uint64(si.Totalram) * uint64(si.Unit) / 4 * 3
+	}
 	if cfg.GIDBindBurst <= 0 {
 		cfg.GIDBindBurst = gidBindBurst
 	}
@@ -115,7 +127,7 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, err
 	}
 	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{},
-		budget: vdev.NewBudget(cfg.MemoryBudget, nil), owners: newGIDOwners(), hostAddrs: hostAddrs, access: access}
+		budget: vdev.NewBudget(cfg.MemoryBudget, nil), locked: vdev.NewBudget(cfg.MaxLockedMemory, nil), owners: newGIDOwners(), hostAddrs: hostAddrs, access: access}
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
 			d.close()
@@ -201,7 +213,11 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if _, ok := d.vms[req.Name]; ok {
 		return VMStatus{}, fmt.Errorf("VM %s: %w", req.Name, ErrVMExists)
 	}
-	s, err := startVM(d, req.Name, mac, pol)
+	lockLimit := d.cfg.MaxLockedMemory
+	if req.MemBytes > 0 {
+		lockLimit = min(lockLimit, req.MemBytes+LockSlack)
+	}
+	s, err := startVM(d, req.Name, mac, pol, vdev.NewBudget(lockLimit, d.locked))
 	if err != nil {
 		return VMStatus{}, err
 	}
@@ -373,6 +389,10 @@ func (f *fabric) close() error {
 
 // vfioServer returns a vfio-user server whose connections get devices from
 // newDevice.
-func vfioServer(newDevice vfiouser.NewDeviceFunc, log *slog.Logger) (*vfiouser.Server, error) {
-	return vfiouser.NewServer(vfiouser.Config{NewDevice: newDevice, Logger: log})
+func vfioServer(newDevice vfiouser.NewDeviceFunc, log *slog.Logger, locked vfiouser.LockBudget) (*vfiouser.Server, error) {
+	return vfiouser.NewServer(vfiouser.Config{NewDevice: newDevice, Logger: log, LockBudget: locked})
 }
+
+// LockSlack is what a VM's QEMU may map beyond its registered RAM size:
+// firmware and option ROM maps.
+const LockSlack = 16 << 20

@@ -40,6 +40,7 @@ type vmSession struct {
 	binds *ratelog.Bucket
 
 	refusals atomic.Uint64
+	locked   *vdev.Budget // the guest memory its QEMU may map and lock
 
 	mu          sync.Mutex
 	conn        *vmConn       // the connected QEMU, if any
@@ -66,12 +67,13 @@ type vmConn struct {
 	gids map[int]hostverbs.GIDEntry
 }
 
-func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy) (*vmSession, error) {
+func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, locked *vdev.Budget) (*vmSession, error) {
 	s := &vmSession{d: d, name: name, mac: mac, socket: SocketPath(d.cfg.SocketDir, name),
 		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
 	s.lim = ratelog.New(s.log, 0)
 	s.binds = ratelog.NewBucket(d.cfg.GIDBindRate, d.cfg.GIDBindBurst)
-	srv, err := vfioServer(s.newDevice, s.log)
+	s.locked = locked
+	srv, err := vfioServer(s.newDevice, s.log, locked)
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: %w", name, err)
 	}
@@ -272,7 +274,7 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 
 func (s *vmSession) status() VMStatus {
 	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String(),
-		GIDAllow: FormatGIDAllow(s.policy.allow), GIDRefusals: s.refusals.Load()}
+		GIDAllow: FormatGIDAllow(s.policy.allow), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit()}
 	for _, a := range s.d.owners.reserved(s.name) {
 		st.ReservedGIDs = append(st.ReservedGIDs, a.String())
 	}

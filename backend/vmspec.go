@@ -189,13 +189,40 @@ func ParseVMFlag(v string) (VMRequest, error) {
 	}
 	for _, o := range strings.Split(opts, ",") {
 		k, val, ok := strings.Cut(o, "=")
-		if !ok || k != "gid-allow" {
-			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX: %w", name, o, ErrBadGIDPolicy)
+		switch {
+		case ok && k == "gid-allow":
+			req.GIDAllow = append(req.GIDAllow, val)
+		case ok && k == "mem":
+			n, err := ParseSize(val)
+			if err != nil || n == 0 {
+				return VMRequest{}, fmt.Errorf("VM %s: mem=%q: want a size such as 4G or 512M", name, val)
+			}
+			req.MemBytes = n
+		default:
+			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX or mem=SIZE: %w", name, o, ErrBadGIDPolicy)
 		}
-		req.GIDAllow = append(req.GIDAllow, val)
 	}
 	if _, err := ParseGIDAllow(req.GIDAllow...); err != nil {
 		return VMRequest{}, fmt.Errorf("VM %s: %w", name, err)
 	}
 	return req, nil
+}
+
+// ParseSize parses a byte count: digits with an optional K, M or G suffix
+// (powers of 1024), at most 1 PiB.
+func ParseSize(v string) (uint64, error) {
+	mult := uint64(1)
+	switch {
+	case strings.HasSuffix(v, "K"):
+		mult, v = 1<<10, strings.TrimSuffix(v, "K")
+	case strings.HasSuffix(v, "M"):
+		mult, v = 1<<20, strings.TrimSuffix(v, "M")
+	case strings.HasSuffix(v, "G"):
+		mult, v = 1<<30, strings.TrimSuffix(v, "G")
+	}
+	n, err := strconv.ParseUint(v, 10, 64)
+	if err != nil || n > (1<<50)/mult {
+		return 0, fmt.Errorf("bad size %q", v)
+	}
+	return n * mult, nil
 }

@@ -50,6 +50,10 @@ type conn struct {
 	peer       peerCaps
 	dmaMaps    int
 	warnedRAM  bool
+	// fdMaps are the file ranges mapped, by file: one range of a file
+	// may be mapped once (aliases would lock the same pages many times).
+	fdMu   sync.Mutex
+	fdMaps map[fileID][]fileSpan
 
 	cur ownedMsg // the command being handled
 	out []byte   // reply buffer: header + payload

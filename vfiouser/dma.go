@@ -49,13 +49,24 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 		if d.Offset > 1<<62 {
 			return 0, fmt.Errorf("DMA_MAP offset %#x: %w", d.Offset, ErrInvalid)
 		}
-		if err := c.checkMemFD(m.fds[0], d.Offset, d.Size); err != nil {
-			return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
-		}
-		var err error
-		spec, err = guestmem.MapFD(base, d.Size, prot, m.fds[0], int64(d.Offset))
+		id, err := c.checkMemFD(m.fds[0], d.Offset, d.Size)
 		if err != nil {
 			return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
+		}
+		span := fileSpan{d.Offset, d.Offset + d.Size}
+		if err := c.claimFile(id, span); err != nil {
+			return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
+		}
+		spec, err = guestmem.MapFD(base, d.Size, prot, m.fds[0], int64(d.Offset))
+		if err != nil {
+			c.releaseFile(id, span)
+			return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
+		}
+		unmap := spec.Release
+		spec.Release = func() error {
+			err := unmap()
+			c.releaseFile(id, span)
+			return err
 		}
 		m.fds[0] = -1 // owned by spec now; Release closes it
 	} else {
@@ -93,28 +104,78 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 // here, anything else (a regular or hugetlbfs file, a memfd whose seals
 // are sealed) is refused. QEMU's memory-backend-memfd has the seal already
 // (seal=on, its default).
-func (c *conn) checkMemFD(fd int, off, size uint64) error {
+func (c *conn) checkMemFD(fd int, off, size uint64) (fileID, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
-		return fmt.Errorf("fstat: %w", err)
+		return fileID{}, fmt.Errorf("fstat: %w", err)
 	}
+	id := fileID{st.Dev, st.Ino}
 	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return nil // device memory etc.: mmap decides
+		return id, nil // device memory etc.: mmap decides
 	}
 	if end := off + size; end < off || end > uint64(st.Size) {
-		return fmt.Errorf("file of %#x bytes is too short for offset %#x size %#x: %w", st.Size, off, size, ErrInvalid)
+		return id, fmt.Errorf("file of %#x bytes is too short for offset %#x size %#x: %w", st.Size, off, size, ErrInvalid)
 	}
 	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
 	if err == nil && seals&unix.F_SEAL_SHRINK != 0 {
-		return nil
+		return id, nil
 	}
 	if err == nil {
 		if _, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err == nil {
-			return nil
+			return id, nil
 		}
 	}
-	return fmt.Errorf("guest memory file cannot be sealed against shrinking (%v): use QEMU's memory-backend-memfd "+
+	return id, fmt.Errorf("guest memory file cannot be sealed against shrinking (%v): use QEMU's memory-backend-memfd "+
 		"with seal=on (the default): %w", err, ErrInvalid)
+}
+
+// fileID names a file (device and inode); fileSpan is a byte range of it.
+type (
+	fileID   struct{ dev, ino uint64 }
+	fileSpan struct{ off, end uint64 }
+)
+
+// claimFile records that span of file id is mapped, refusing a range that
+// overlaps one mapped already (the same pages twice would be locked, and
+// counted, twice) and charging the lock budget.
+func (c *conn) claimFile(id fileID, span fileSpan) error {
+	c.fdMu.Lock()
+	defer c.fdMu.Unlock()
+	for _, s := range c.fdMaps[id] {
+		if span.off < s.end && s.off < span.end {
+			return fmt.Errorf("file range %#x-%#x is mapped already at %#x-%#x (aliased guest memory): %w",
+				span.off, span.end, s.off, s.end, ErrInvalid)
+		}
+	}
+	if b := c.cfg.LockBudget; b != nil {
+		if err := b.Charge(span.end - span.off); err != nil {
+			return fmt.Errorf("guest memory to lock: %w (%w)", err, ErrInvalid)
+		}
+	}
+	if c.fdMaps == nil {
+		c.fdMaps = map[fileID][]fileSpan{}
+	}
+	c.fdMaps[id] = append(c.fdMaps[id], span)
+	return nil
+}
+
+// releaseFile undoes claimFile once the range is unmapped.
+func (c *conn) releaseFile(id fileID, span fileSpan) {
+	c.fdMu.Lock()
+	defer c.fdMu.Unlock()
+	spans := c.fdMaps[id]
+	for i, s := range spans {
+		if s == span {
+			c.fdMaps[id] = append(spans[:i], spans[i+1:]...)
+			if b := c.cfg.LockBudget; b != nil {
+				b.Release(span.end - span.off)
+			}
+			break
+		}
+	}
+	if len(c.fdMaps[id]) == 0 {
+		delete(c.fdMaps, id)
+	}
 }
 
 func (c *conn) handleDMAUnmap(m *ownedMsg) (int, error) {

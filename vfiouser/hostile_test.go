@@ -178,7 +178,8 @@ func TestHostileMessages(t *testing.T) {
 		{"100 fds (kernel truncates)", vfiouser.CmdDeviceSetIRQs, irqSet(2, efdTrig, 0, 4, nil), efds(100), syscall.EINVAL},
 		{"fds on a region read", vfiouser.CmdRegionRead, regionAccess(1, 0, 4, nil), efds(2), syscall.EINVAL},
 		// DMA maps.
-		{"map overlap", vfiouser.CmdDMAMap, dmaMap(rw, 0, 0x14000, 0x8000), withMemfd, syscall.EEXIST},
+		{"map overlap", vfiouser.CmdDMAMap, dmaMap(rw, 0xc000, 0x14000, 0x4000), withMemfd, syscall.EEXIST},
+		{"map aliased file range", vfiouser.CmdDMAMap, dmaMap(rw, 0x4000, 0x30000, 0x1000), withMemfd, syscall.EINVAL},
 		{"map over fd-less", vfiouser.CmdDMAMap, dmaMap(rw, 0, 0x100000, 0x1000), nil, syscall.EEXIST},
 		{"map misaligned addr", vfiouser.CmdDMAMap, dmaMap(rw, 0, 0x40800, 0x1000), withMemfd, syscall.EINVAL},
 		{"map misaligned size", vfiouser.CmdDMAMap, dmaMap(rw, 0, 0x40000, 0x1001), withMemfd, syscall.EINVAL},

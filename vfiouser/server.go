@@ -35,6 +35,16 @@ type Config struct {
 	// DMATimeout bounds a server-to-client DMA_READ/DMA_WRITE round trip.
 	// Default 5 s (QEMU's own reply timeout).
 	DMATimeout time.Duration
+	// LockBudget, if set, is charged the bytes of every DMA map with a file
+	// descriptor (each is mapped and mlocked) while it lasts: a map it
+	// refuses is refused. It spans connections (one per VM).
+	LockBudget LockBudget
+}
+
+// LockBudget meters the guest memory a server maps and locks.
+type LockBudget interface {
+	Charge(n uint64) error
+	Release(n uint64)
 }
 
 func (c *Config) setDefaults() error {

@@ -72,6 +72,8 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.Uint64Var(&lim.MaxMRBytes, "max-mr-bytes", lim.MaxMRBytes, "registered memory bytes per VM")
 	vmBudget := sizeFlag(lim.MaxBytes)
 	fs.Var(&vmBudget, "vm-memory-budget", "daemon memory one VM's QPs, SRQs, CQs and MRs may cost (e.g. 256M)")
+	var maxLocked sizeFlag
+	fs.Var(&maxLocked, "max-locked-memory", "guest memory all VMs may have the daemon map and lock, and RLIMIT_MEMLOCK (default: three quarters of the host's memory)")
 	var daemonBudget sizeFlag
 	fs.Var(&daemonBudget, "daemon-memory-budget", "daemon memory all VMs' objects may cost together (default: a quarter of the host's memory)")
 	socketGroup := fs.String("socket-group", "", "group (name or number) owning the socket directory (0750) and the VM sockets (0660): the group QEMU runs in")
@@ -110,21 +112,29 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if allow == nil {
 		allow = []netip.Prefix{}
 	}
-	raiseMemlock(log)
+	if maxLocked == 0 {
+		var si unix.Sysinfo_t
+		if err := unix.Sysinfo(&si); err != nil {
+			return fmt.Errorf("--max-locked-memory: no default from the host's memory: %w", err)
+		}
+		maxLocked = sizeFlag(uint64(si.Totalram) * uint64(si.Unit) / 4 * 3)
+	}
+	setMemlock(log, uint64(maxLocked))
 	// Sockets and files are created private and opened up deliberately
 	// (backend: the socket group's sockets 0660, the control socket 0600).
 	unix.Umask(0o077)
 	d, err := backend.New(backend.Config{
-		GIDAllow:     allow,
-		SocketDir:    *socketDir,
-		Fabric:       backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos)},
-		Limits:       lim,
-		MemoryBudget: uint64(daemonBudget),
-		SocketGroup:  *socketGroup,
-		AllowUIDs:    allowUIDs,
-		AllowGIDs:    allowGIDs,
-		VMs:          vms,
-		Logger:       log,
+		GIDAllow:        allow,
+		SocketDir:       *socketDir,
+		Fabric:          backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos)},
+		Limits:          lim,
+		MemoryBudget:    uint64(daemonBudget),
+		MaxLockedMemory: uint64(maxLocked),
+		SocketGroup:     *socketGroup,
+		AllowUIDs:       allowUIDs,
+		AllowGIDs:       allowGIDs,
+		VMs:             vms,
+		Logger:          log,
 	})
 	if err != nil {
 		return err
@@ -132,12 +142,13 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	return d.Run(ctx)
 }
 
-// raiseMemlock lifts RLIMIT_MEMLOCK so guest RAM can be locked. Without
-// CAP_SYS_RESOURCE this fails; CAP_IPC_LOCK then still allows mlock, and
+// setMemlock sets RLIMIT_MEMLOCK to the daemon's locked-memory cap (finite:
+// the daemon also enforces it, and per VM, itself). Raising it needs
+// CAP_SYS_RESOURCE; without it CAP_IPC_LOCK still allows mlock, and
 // without either, DMA_MAP reports the mlock failure to the VM's QEMU.
-func raiseMemlock(log *slog.Logger) {
-	inf := unix.Rlimit{Cur: unix.RLIM_INFINITY, Max: unix.RLIM_INFINITY}
-	if err := unix.Setrlimit(unix.RLIMIT_MEMLOCK, &inf); err != nil {
+func setMemlock(log *slog.Logger, n uint64) {
+	lim := unix.Rlimit{Cur: n, Max: n}
+	if err := unix.Setrlimit(unix.RLIMIT_MEMLOCK, &lim); err != nil {
 		var cur unix.Rlimit
 		_ = unix.Getrlimit(unix.RLIMIT_MEMLOCK, &cur)
 		log.Debug("RLIMIT_MEMLOCK unchanged (CAP_IPC_LOCK still allows locking guest RAM)", "err", err, "cur", cur.Cur)

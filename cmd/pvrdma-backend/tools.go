@@ -89,7 +89,7 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 		mac = spec.MAC
 	}
 	c := backend.NewControlClient(controlPath(socketDir))
-	_, err := c.AddVM(ctx, backend.VMRequest{Name: spec.Name, MAC: mac.String(), GIDAllow: spec.GIDAllow})
+	_, err := c.AddVM(ctx, backend.VMRequest{Name: spec.Name, MAC: mac.String(), GIDAllow: spec.GIDAllow, MemBytes: spec.MemBytes})
 	if err == nil {
 		return nil
 	}

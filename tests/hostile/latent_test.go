@@ -291,7 +291,7 @@ func TestReconnectWaitsForTeardown(t *testing.T) {
 		res <- dialed{v, err}
 	}()
 	time.Sleep(300 * time.Millisecond) // the new client is waiting on the old session
-	require.NoError(t, old.c.Close()) // the old QEMU exits
+	require.NoError(t, old.c.Close())  // the old QEMU exits
 	d := <-res
 	require.NoError(t, d.err, "the new QEMU is served once the old one is gone")
 	d.v.mapRAM()

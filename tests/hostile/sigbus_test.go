@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
@@ -56,4 +57,62 @@ func TestTruncatedGuestRAM(t *testing.T) {
 	pd := v.createPD(0)
 	v.mustCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: pd})
 	e.healthy()
+}
+
+// TestLockedMemoryBounded: a QEMU makes the daemon lock more guest memory
+// than its VM has. Registered with its RAM size, the VM may have that
+// (plus backend.LockSlack) mapped and locked, no more: a sparse memfd of
+// 2 GiB is refused, and so is mapping the same file range twice at other
+// guest addresses (aliases lock the same pages again); overlapping guest
+// ranges are refused too. Before, one sparse memfd locked 2 GiB for a
+// 16 MiB VM.
+func TestLockedMemoryBounded(t *testing.T) {
+	e := newEnvConfig(t, vdev.Limits{}, testLogger(t), func(c *backend.Config) {
+		for i := range c.VMs {
+			c.VMs[i].MemBytes = ramSize
+		}
+	})
+	require.EqualValues(t, ramSize+backend.LockSlack, e.vmStatus(vmEvil).LockedLimit)
+	v, err := e.dial(vmEvil)
+	require.NoError(t, err)
+	rw := uint32(vfiouser.DMAFlagRead | vfiouser.DMAFlagWrite)
+
+	const sparse = 2 << 30
+	big, _, err := guestRAMNoMap(sparse)
+	require.NoError(t, err)
+	err = v.c.DMAMap(1<<32, sparse, rw, big, 0)
+	require.NoError(t, unix.Close(big))
+	require.ErrorIs(t, err, syscall.EINVAL, "2 GiB for a VM of %d MiB", ramSize>>20)
+	require.Zero(t, e.vmStatus(vmEvil).LockedBytes)
+
+	v.mapRAM()
+	err = v.c.DMAMap(1<<32, ramSize, rw, v.ramFD, 0)
+	require.ErrorIs(t, err, syscall.EINVAL, "the same RAM again at another address")
+	err = v.c.DMAMap(1<<32, 4096, rw, v.ramFD, ramSize-4096)
+	require.ErrorIs(t, err, syscall.EINVAL, "one page of it again")
+	err = v.c.DMAMap(4096, 4096, rw, v.ramFD, 0)
+	require.Error(t, err, "a guest range that overlaps RAM")
+	require.EqualValues(t, ramSize, e.vmStatus(vmEvil).LockedBytes)
+
+	v.pciSetup()
+	v.probe()
+	v.Close()
+	// The budget came back with the disconnect: the VM boots again.
+	e.healthy()
+	w := e.boot(vmEvil)
+	w.Close()
+}
+
+// guestRAMNoMap is guestRAM of size bytes, not mapped here (sparse: nothing
+// is allocated until someone touches it).
+func guestRAMNoMap(size int) (int, []byte, error) {
+	fd, err := unix.MemfdCreate("hostile-sparse", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return -1, nil, err
+	}
+	if err := unix.Ftruncate(fd, int64(size)); err != nil {
+		_ = unix.Close(fd)
+		return -1, nil, err
+	}
+	return fd, nil, nil
 }
