@@ -203,7 +203,11 @@ func TestReadFloodFairness(t *testing.T) {
 		ctr(target, "drop_duplicate_read_limited"), ctr(target, "rx_held_behind_read"))
 	assert.Greater(t, served, uint64(phases*2000), "the flood is served while the ping-pong runs")
 	assert.NotZero(t, ctr(target, "drop_duplicate_read_limited"), "duplicate replays are rate-limited")
-	assert.LessOrEqual(t, pl, 3*pu, "ping-pong p99 under the flood")
+	// On an idle 2-vCPU machine the unloaded p99 can be 8 us, the cost of
+	// one goroutine hand-off that waits for the other vCPU; the flood keeps
+	// one vCPU busy, so the baseline is taken as at least noiseFloor.
+	const noiseFloor = 15 * time.Microsecond
+	assert.LessOrEqual(t, pl, 3*max(pu, noiseFloor), "ping-pong p99 under the flood")
 }
 
 // TestReadQueueOrder: a SEND that follows large READs on one QP is not
