@@ -62,6 +62,7 @@ type vmConn struct {
 	verbs hostverbs.Device
 	dev   *vdev.Device
 	fn    *pcidev.Function
+	irq   *fnIRQ
 
 	gmu  sync.Mutex
 	gids map[int]hostverbs.GIDEntry
@@ -140,25 +141,27 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: open fabric device: %w", s.name, err)
 	}
-	irq := &fnIRQ{}
+	irq := newFnIRQ()
 	dev, err := vdev.New(vdev.Config{
 		Memory: h.Memory, Verbs: verbs, IRQ: irq, MAC: mac, Limits: s.d.cfg.Limits, Budget: s.d.budget, Logger: h.Logger,
 		OnGID:    func(index int, e hostverbs.GIDEntry, bound bool) { s.gidChanged(c, index, e, bound) },
 		CheckGID: func(index int, e hostverbs.GIDEntry) error { return s.checkGID(c, e) },
 	})
 	if err != nil {
+		irq.stop()
 		verbs.Close()
 		return nil, fmt.Errorf("VM %s: %w", s.name, err)
 	}
 	events.set(dev)
 	fn, err := pcidev.New(h, pciConfig(dev, func() error { return s.disconnected(c) }))
 	if err != nil {
+		irq.stop()
 		dev.Close()
 		verbs.Close()
 		return nil, fmt.Errorf("VM %s: %w", s.name, err)
 	}
 	irq.fn.Store(fn)
-	c.verbs, c.dev, c.fn = verbs, dev, fn
+	c.verbs, c.dev, c.fn, c.irq = verbs, dev, fn, irq
 	s.conn, s.connGone = c, make(chan struct{})
 	s.lim.Info("connect", "QEMU connected", "conn", h.Name)
 	return fn, nil
@@ -168,6 +171,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 // callback, after the last access).
 func (s *vmSession) disconnected(c *vmConn) error {
 	err := c.dev.Close()
+	c.irq.stop()
 	c.gmu.Lock()
 	for i, e := range c.gids {
 		if gerr := s.d.fabric.gidBound(e, false); gerr != nil {
@@ -345,14 +349,64 @@ func pciConfig(dev *vdev.Device, onClose func() error) pcidev.Config {
 // fnIRQ raises a device's interrupts through its PCI function (MSI-X, or
 // INTx when the guest runs without MSI-X). The function is set once it
 // exists; provider goroutines may trigger concurrently.
+//
+// The interrupts of one connection are signalled by that connection's own
+// goroutine (run), never by the goroutine that produced them: a CQ's
+// completion comes from whoever moved the data (another VM's command path,
+// the fabric's receive loop), and signalling means writing to an eventfd
+// the VM's QEMU controls, so a QEMU that makes its eventfds block stalls
+// only its own interrupts. Trigger sets the vector's bit and wakes the
+// signaller; the vectors raised between two wake-ups go out once each
+// (coalesced, as an eventfd counts but an interrupt is pending or not).
 type fnIRQ struct {
-	fn atomic.Pointer[pcidev.Function]
+	fn      atomic.Pointer[pcidev.Function]
+	pending atomic.Uint64 // vectors to signal
+	wake    chan struct{}
+	done    chan struct{}
+	stopped chan struct{}
+}
+
+func newFnIRQ() *fnIRQ {
+	i := &fnIRQ{wake: make(chan struct{}, 1), done: make(chan struct{}), stopped: make(chan struct{})}
+	go i.run()
+	return i
 }
 
 func (i *fnIRQ) Trigger(vector int) {
-	if fn := i.fn.Load(); fn != nil {
-		fn.Trigger(vector)
+	if vector < 0 || vector >= 64 {
+		return
 	}
+	i.pending.Or(1 << vector)
+	select {
+	case i.wake <- struct{}{}:
+	default: // a wake-up is pending and will see the bit
+	}
+}
+
+// run is the connection's interrupt signaller.
+func (i *fnIRQ) run() {
+	defer close(i.stopped)
+	for {
+		select {
+		case <-i.done:
+			return
+		case <-i.wake:
+		}
+		bits := i.pending.Swap(0)
+		fn := i.fn.Load()
+		for v := 0; bits != 0 && fn != nil; v++ {
+			if bits&(1<<v) != 0 {
+				bits &^= 1 << v
+				fn.Trigger(v)
+			}
+		}
+	}
+}
+
+// stop ends the signaller (the connection is gone) and waits for it.
+func (i *fnIRQ) stop() {
+	close(i.done)
+	<-i.stopped
 }
 
 // eventRelay forwards provider async events to the device once it exists.
