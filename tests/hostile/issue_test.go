@@ -427,6 +427,7 @@ func TestPostedWriteFlood(t *testing.T) {
 	p := e.endpoint(vmEvil, 1)
 	v := p.v
 	var b [4]byte
+	commands := e.counter(vmEvil, "commands")
 	start := time.Now()
 	for i := 0; i < 20000; i++ {
 		binary.LittleEndian.PutUint32(b[:], vdev.UARCQPoll|p.scq.handle)
@@ -439,9 +440,12 @@ func TestPostedWriteFlood(t *testing.T) {
 	t.Logf("20000 posted doorbells and 20 posted commands in %v", time.Since(start))
 	require.EqualValues(t, 20000, e.counter(vmEvil, "poll_doorbells"))
 	require.NoError(t, v.c.ExpectSilence(50*time.Millisecond), "posted writes are never answered")
+	require.EqualValues(t, 20, e.counter(vmEvil, "commands")-commands, "every posted REQUEST ran")
+	// Their response interrupts may coalesce (one per signaller wake-up).
 	n, err := v.waitIRQ(vdev.VectorResponse, irqTimeout)
 	require.NoError(t, err)
-	require.EqualValues(t, 20, n, "every posted REQUEST ran")
+	require.NotZero(t, n)
+	require.LessOrEqual(t, n, uint64(20))
 	e.healthy()
 }
 
