@@ -22,18 +22,11 @@ type sizeFlag uint64
 func (s *sizeFlag) String() string { return strconv.FormatUint(uint64(*s), 10) }
 
 func (s *sizeFlag) Set(v string) error {
-	mult := uint64(1)
-	switch {
-	case strings.HasSuffix(v, "G"):
-		mult, v = 1<<30, strings.TrimSuffix(v, "G")
-	case strings.HasSuffix(v, "M"):
-		mult, v = 1<<20, strings.TrimSuffix(v, "M")
-	}
-	n, err := strconv.ParseUint(v, 10, 64)
-	if err != nil || n > (1<<46)/mult {
+	n, err := backend.ParseSize(v)
+	if err != nil || n > 1<<46 {
 		return fmt.Errorf("bad size %q (want e.g. 512M or 1G)", v)
 	}
-	*s = sizeFlag(n * mult)
+	*s = sizeFlag(n)
 	return nil
 }
 

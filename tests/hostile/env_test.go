@@ -89,17 +89,23 @@ func daemonGoroutines() int {
 // vmLck reads VmLck (kB of mlocked memory) from /proc/self/status.
 func vmLck(tb testing.TB) int64 {
 	tb.Helper()
+	return procStatusKB(tb, "VmLck")
+}
+
+// procStatusKB reads a kB field of /proc/self/status.
+func procStatusKB(tb testing.TB, field string) int64 {
+	tb.Helper()
 	b, err := os.ReadFile("/proc/self/status")
 	require.NoError(tb, err)
 	sc := bufio.NewScanner(bytes.NewReader(b))
 	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "VmLck:"); ok {
+		if v, ok := strings.CutPrefix(sc.Text(), field+":"); ok {
 			n, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
 			require.NoError(tb, err)
 			return n
 		}
 	}
-	tb.Fatal("no VmLck in /proc/self/status")
+	tb.Fatalf("no %s in /proc/self/status", field)
 	return 0
 }
 

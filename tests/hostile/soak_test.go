@@ -1,13 +1,10 @@
 package hostile
 
 import (
-	"bufio"
-	"bytes"
 	"os"
 	"runtime"
 	"runtime/debug"
 	"strconv"
-	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -77,16 +74,5 @@ func rss(t testing.TB) int64 {
 	t.Helper()
 	runtime.GC()
 	debug.FreeOSMemory()
-	b, err := os.ReadFile("/proc/self/status")
-	require.NoError(t, err)
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
-			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
-			require.NoError(t, err)
-			return kb << 10
-		}
-	}
-	t.Fatal("no VmRSS in /proc/self/status")
-	return 0
+	return procStatusKB(t, "VmRSS") << 10
 }
