@@ -11,7 +11,7 @@ GO ?= go
 UNIT_TIMEOUT ?= 20m
 VM_TIMEOUT ?= 40m
 
-.PHONY: all build bin deps image test unit vmtest demo bench bench-vm soak check clean-cache
+.PHONY: all build bin deps image test unit vmtest demo bench bench-vm soak check clean-cache deb
 
 all: build
 
@@ -21,6 +21,18 @@ build:
 # The daemon binary.
 bin:
 	$(GO) build -o bin/pvrdma-backend ./cmd/pvrdma-backend
+
+# The Debian package (dist/pvrdma-backend_VERSION_ARCH.deb): the binary, its systemd
+# unit, /etc/default/pvrdma-backend and the man page, built by nfpm (packaging/nfpm.yaml).
+# The binary is static (no cgo), so the package depends on no C library.
+NFPM_VERSION ?= v2.44.0
+DEB_VERSION ?= 0.1.0~git$(shell git log -1 --format=%cd.%h --date=format:%Y%m%d 2>/dev/null || echo 0)
+DIST ?= dist
+deb:
+	@command -v nfpm >/dev/null || $(GO) install github.com/goreleaser/nfpm/v2/cmd/nfpm@$(NFPM_VERSION)
+	CGO_ENABLED=0 $(GO) build -trimpath -o bin/pvrdma-backend ./cmd/pvrdma-backend
+	mkdir -p $(DIST)
+	VERSION=$(DEB_VERSION) ARCH=$$($(GO) env GOARCH) nfpm package --config packaging/nfpm.yaml --packager deb --target $(DIST)/
 
 deps:
 	./scripts/deps.sh

@@ -6,7 +6,9 @@ set -eu
 # gcc-12/make/binutils build vmw_pvrdma.ko; libelf1 and libssl3 are what the unpacked
 # linux-kbuild-6.1 tools link against; kmod gives depmod; xz-utils and dpkg unpack;
 # libibverbs-dev builds the interop checker the soft transport's rxe tests run in a guest.
-pkgs="ca-certificates gcc gcc-12 make libc6-dev binutils bc libelf1 libssl3 kmod xz-utils apt dpkg iproute2 libibverbs-dev"
+# debootstrap and systemd-container (systemd-nspawn) let the package test install the
+# .deb in a clean bookworm root and start its unit under systemd.
+pkgs="ca-certificates gcc gcc-12 make libc6-dev binutils bc libelf1 libssl3 kmod xz-utils apt dpkg iproute2 libibverbs-dev debootstrap systemd-container"
 missing=""
 for p in $pkgs; do
 	if ! dpkg-query -W -f '${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then

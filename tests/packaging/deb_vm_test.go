@@ -1,0 +1,136 @@
+//go:build vm
+
+package packaging
+
+import (
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+)
+
+// pkgScript runs inside the container once it has booted: install, check the service,
+// register a VM, remove. Each step's output is bracketed so the test can pick it out.
+const pkgScript = `#!/bin/sh
+step() { echo "=== $1"; shift; "$@" 2>&1; echo "=== rc $?"; }
+waitstatus() {
+	i=0
+	while [ $i -lt 100 ]; do
+		pvrdma-backend status >/dev/null 2>&1 && return 0
+		sleep 0.1; i=$((i+1))
+	done
+	return 1
+}
+step install dpkg -i /root/pvrdma-backend.deb
+step enabled systemctl is-enabled pvrdma-backend.service
+step wait waitstatus
+step active systemctl is-active pvrdma-backend.service
+step status pvrdma-backend status
+step status-json pvrdma-backend status --json
+step group getent group pvrdma
+step dir stat -c '%a %U %G' /run/pvrdma
+step control stat -c '%a %U %G' /run/pvrdma/control.sock
+step qemu-args pvrdma-backend qemu-args --vm pkgvm --mem 256M
+step vmsock stat -c '%a %U %G' /run/pvrdma/pkgvm.sock
+step man test -s /usr/share/man/man8/pvrdma-backend.8
+step conffile cat /var/lib/dpkg/info/pvrdma-backend.conffiles
+step security sh -c 'systemd-analyze security pvrdma-backend.service | tail -1'
+step journal journalctl -b -u pvrdma-backend.service --no-pager -o cat
+step remove dpkg -r pvrdma-backend
+step after-remove systemctl is-active pvrdma-backend.service
+step binary-gone test ! -e /usr/bin/pvrdma-backend
+`
+
+// runner is the oneshot unit that runs pkgScript at boot and powers the container off.
+const runner = `[Unit]
+Description=package test
+After=multi-user.target
+[Service]
+Type=oneshot
+StandardOutput=append:/root/pkgtest.out
+StandardError=inherit
+ExecStart=/root/pkgtest.sh
+ExecStopPost=/bin/systemctl --no-block poweroff
+[Install]
+WantedBy=multi-user.target
+`
+
+// TestDebInstallsService builds the package with `make deb`, installs it with dpkg in
+// a clean bookworm root booted under systemd, and checks what an operator sees: the
+// service enabled and running, `status` answering, the socket directory and sockets
+// with the documented owners and modes, and nothing running after removal.
+func TestDebInstallsService(t *testing.T) {
+	root := cleanRoot(t)
+	dist := t.TempDir()
+	start := time.Now()
+	mk := exec.Command("make", "deb", "DIST="+dist)
+	mk.Dir = repoRoot(t)
+	out, err := mk.CombinedOutput()
+	require.NoError(t, err, "make deb:\n%s", out)
+	debs, _ := filepath.Glob(filepath.Join(dist, "pvrdma-backend_*.deb"))
+	require.Len(t, debs, 1, "make deb:\n%s", out)
+	t.Logf("make deb: %s in %v", filepath.Base(debs[0]), time.Since(start).Round(100*time.Millisecond))
+	deb, err := os.ReadFile(debs[0])
+	require.NoError(t, err)
+
+	require.NoError(t, os.WriteFile(filepath.Join(root, "root/pvrdma-backend.deb"), deb, 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(root, "root/pkgtest.sh"), []byte(pkgScript), 0o755))
+	unit := filepath.Join(root, "etc/systemd/system/pkgtest.service")
+	require.NoError(t, os.WriteFile(unit, []byte(runner), 0o644))
+	require.NoError(t, os.Symlink("/etc/systemd/system/pkgtest.service",
+		filepath.Join(root, "etc/systemd/system/multi-user.target.wants/pkgtest.service")))
+
+	start = time.Now()
+	console := boot(t, root, 3*time.Minute)
+	raw, err := os.ReadFile(filepath.Join(root, "root/pkgtest.out"))
+	require.NoError(t, err, "the package test did not run; console:\n%s", tail(console, 4000))
+	t.Logf("container boot, install, checks and power-off in %v; script output:\n%s", time.Since(start).Round(100*time.Millisecond), raw)
+	steps := parseSteps(string(raw))
+
+	ok := func(name string) string {
+		t.Helper()
+		s, found := steps[name]
+		require.True(t, found, "step %s did not run", name)
+		require.Equal(t, "0", s.rc, "step %s failed:\n%s", name, s.out)
+		return strings.TrimSpace(s.out)
+	}
+	ok("install")
+	require.Equal(t, "enabled", ok("enabled"))
+	ok("wait")
+	require.Equal(t, "active", ok("active"))
+	require.Contains(t, ok("status"), "transport soft")
+	var st backend.Status
+	require.NoError(t, json.Unmarshal([]byte(ok("status-json")), &st))
+	require.Equal(t, "/run/pvrdma", st.SocketDir)
+	require.Regexp(t, `^pvrdma:x:\d+:`, ok("group"))
+	require.Equal(t, "750 root pvrdma", ok("dir"))
+	require.Equal(t, "600 root root", ok("control"))
+	require.Contains(t, ok("qemu-args"), "vfio-user-pci")
+	require.Equal(t, "660 root pvrdma", ok("vmsock"))
+	ok("man")
+	require.Equal(t, "/etc/default/pvrdma-backend", ok("conffile"))
+	t.Logf("systemd-analyze security: %s", steps["security"].out)
+	ok("remove")
+	require.Equal(t, "inactive", strings.TrimSpace(steps["after-remove"].out))
+	ok("binary-gone")
+}
+
+type step struct{ out, rc string }
+
+var stepRE = regexp.MustCompile(`(?ms)^=== (\S+)\n(.*?)^=== rc (\d+)$`)
+
+func parseSteps(s string) map[string]step {
+	m := map[string]step{}
+	for _, g := range stepRE.FindAllStringSubmatch(s, -1) {
+		m[g[1]] = step{out: g[2], rc: g[3]}
+	}
+	return m
+}

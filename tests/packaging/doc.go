@@ -1,0 +1,7 @@
+// Package packaging tests the Debian package (`make deb`) the way an operator meets
+// it: installed with dpkg in a clean Debian root booted under systemd
+// (systemd-nspawn), its service started, and the daemon answering `status`.
+// The tests carry the build tag vm: they need root, systemd-nspawn and debootstrap
+// (scripts/deps.sh installs them), and the first run fetches a minimal bookworm
+// root into the VM image cache.
+package packaging
