@@ -3,6 +3,7 @@
 //
 //	pvrdma-backend serve      run the daemon
 //	pvrdma-backend qemu-args  print the QEMU arguments for a VM (and register it)
+//	pvrdma-backend libvirt-xml  print a libvirt domain for a VM (and register it)
 //	pvrdma-backend attach     hot-plug the device into a running VM over QMP
 //	pvrdma-backend status     show the daemon's VMs, devices and counters
 package main
@@ -32,6 +33,7 @@ func commands() []command {
 	return []command{
 		{"serve", "run the daemon", runServe},
 		{"qemu-args", "print the QEMU arguments for a VM and register it with the daemon", runQEMUArgs},
+		{"libvirt-xml", "print a libvirt domain giving a VM the device, and register it with the daemon", runLibvirtXML},
 		{"attach", "hot-plug the device into a running VM over QMP", runAttach},
 		{"status", "show the daemon's VMs, devices and counters", runStatus},
 	}
@@ -41,7 +43,7 @@ func usage(w io.Writer) {
 	fmt.Fprintln(w, "usage: pvrdma-backend <command> [flags]")
 	fmt.Fprintln(w)
 	for _, c := range commands() {
-		fmt.Fprintf(w, "  %-10s %s\n", c.name, c.summary)
+		fmt.Fprintf(w, "  %-12s %s\n", c.name, c.summary)
 	}
 	fmt.Fprintln(w, "\nRun 'pvrdma-backend <command> -h' for a command's flags.")
 }

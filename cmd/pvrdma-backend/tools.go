@@ -235,3 +235,35 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	}
 	return nil
 }
+
+func runLibvirtXML(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlags("libvirt-xml", "--vm NAME [flags]", stderr)
+	var v vmFlags
+	v.register(fs)
+	var o backend.LibvirtOptions
+	fs.StringVar(&o.DomainType, "domain-type", "kvm", "libvirt domain type: kvm, or qemu (TCG)")
+	fs.IntVar(&o.VCPUs, "vcpus", 1, "vCPUs")
+	fs.StringVar(&o.NIC, "nic", "network:default", "the vmxnet3's network: network:NAME, bridge:NAME or user")
+	fs.StringVar(&o.Emulator, "emulator", "", "QEMU binary for <emulator> (>= 10.1, with vfio-user-pci); default: libvirt's")
+	lock := fs.Bool("lock", true, "<locked/>: QEMU locks guest RAM too (libvirt raises its RLIMIT_MEMLOCK, which needs CAP_SYS_RESOURCE); the daemon locks what it maps either way")
+	register := fs.Bool("register", true, "register the VM with the running daemon so its socket exists before libvirt starts QEMU")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	o.NoLock = !*lock
+	spec, err := v.spec()
+	if err != nil {
+		return err
+	}
+	x, err := spec.LibvirtDomainXML(o)
+	if err != nil {
+		return err
+	}
+	if *register {
+		if err := registerVM(ctx, v.socketDir, spec); err != nil {
+			return err
+		}
+	}
+	_, err = io.WriteString(stdout, x)
+	return err
+}

@@ -50,6 +50,31 @@ func (img *Image) QEMUCommand(ctx context.Context, args ...string) *exec.Cmd {
 	return img.qemu().command(ctx, args...)
 }
 
+// WriteQEMUWrapper writes an executable shell script at path that runs the image's
+// qemu-system-x86_64 as QEMUCommand does, with the script's arguments: an emulator
+// for programs that take one binary path (libvirt's <emulator>).
+func (img *Image) WriteQEMUWrapper(path string) error {
+	cmd := img.QEMUCommand(context.Background())
+	var b strings.Builder
+	b.WriteString("#!/bin/sh\n# The VM test bed's QEMU, through its own loader and libraries.\n")
+	for _, e := range cmd.Env {
+		if strings.HasPrefix(e, "QEMU_MODULE_DIR=") {
+			b.WriteString("export " + shQuote(e) + "\n")
+		}
+	}
+	b.WriteString("exec")
+	for _, a := range cmd.Args {
+		b.WriteString(" " + shQuote(a))
+	}
+	b.WriteString(" \"$@\"\n")
+	if err := os.WriteFile(path, []byte(b.String()), 0o755); err != nil {
+		return fmt.Errorf("qemu wrapper: %w", err)
+	}
+	return nil
+}
+
+func shQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
+
 // ImageOptions configure EnsureImage. The zero value uses the defaults.
 type ImageOptions struct {
 	// CacheDir defaults to DefaultCacheDir().

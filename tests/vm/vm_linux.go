@@ -85,6 +85,28 @@ type Config struct {
 	// QuietConsole stops copying the kernel console into the test log (it is still kept
 	// for error messages).
 	QuietConsole bool
+	// Launch, if set, starts the guest in place of the harness's own QEMU command line
+	// (through libvirt, for example). It gets the boot files and returns a command, not
+	// yet started, that runs as long as the guest does; the harness starts it in its own
+	// process group, copies its output to the console and kills the group at cleanup.
+	// The guest's first serial port is its console; its second must connect to
+	// Boot.ResultSocket. Launch needs a nil Network; NICs only tell the guest's init which
+	// interfaces to configure.
+	Launch func(b Boot) (*exec.Cmd, error)
+}
+
+// Boot is what a Config.Launch needs to boot the test bed's guest.
+type Boot struct {
+	Name string
+	// Kernel and Initrd are host paths; Append is the kernel command line.
+	Kernel, Initrd, Append string
+	// ResultSocket is the host socket (listening) the guest's second serial port
+	// (ttyS1) must connect to.
+	ResultSocket string
+	// MemMiB is the guest RAM.
+	MemMiB int
+	// Image is the test bed image (its QEMU, for an emulator wrapper).
+	Image *Image
 }
 
 func (cfg *Config) modules() []string {
@@ -250,6 +272,7 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 	if err := v.writeInitrd(img, initrd); err != nil {
 		return fmt.Errorf("initrd: %w", err)
 	}
+	appendLine := strings.TrimSpace("console=ttyS0 quiet loglevel=3 panic=-1 no_timer_check rdinit=/init " + v.cfg.KernelArgs)
 	args := []string{
 		"-name", v.cfg.Name,
 		"-machine", "q35,memory-backend=ram",
@@ -265,7 +288,7 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 		"-initrd", initrd,
 		// no_timer_check: under TCG on a loaded host the kernel's IO-APIC timer
 		// check can miss its window and panic ("IO-APIC + timer doesn't work").
-		"-append", strings.TrimSpace("console=ttyS0 quiet loglevel=3 panic=-1 no_timer_check rdinit=/init " + v.cfg.KernelArgs),
+		"-append", appendLine,
 		"-chardev", "stdio,id=con,signal=off",
 		"-serial", "chardev:con",
 		"-chardev", "socket,id=res,path=" + filepath.Join(v.dir, "res.sock"),
@@ -273,6 +296,9 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 		"-qmp", "unix:" + v.qmp + ",server=on,wait=off",
 	}
 	for i, n := range v.cfg.NICs {
+		if v.cfg.Launch != nil {
+			break
+		}
 		id := "n" + strconv.Itoa(i)
 		if nw != nil {
 			tap, err := nw.addTap()
@@ -302,7 +328,19 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 	v.readers.Add(1)
 	go v.readResults()
 
-	v.cmd = img.QEMUCommand(context.Background(), args...)
+	if v.cfg.Launch != nil {
+		if nw != nil {
+			return errors.New("Config.Launch needs a nil Network")
+		}
+		v.cmd, err = v.cfg.Launch(Boot{Name: v.cfg.Name, Kernel: img.Kernel, Initrd: initrd, Append: appendLine,
+			ResultSocket: filepath.Join(v.dir, "res.sock"), MemMiB: v.cfg.MemMiB, Image: img})
+		if err != nil {
+			return fmt.Errorf("launch: %w", err)
+		}
+		args = v.cmd.Args
+	} else {
+		v.cmd = img.QEMUCommand(context.Background(), args...)
+	}
 	v.cmd.Stdin = nil
 	v.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	stdout, err := v.cmd.StdoutPipe()

@@ -1,0 +1,147 @@
+package backend
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+)
+
+// LibvirtOptions are the parts of a libvirt domain that the host decides,
+// not the device.
+type LibvirtOptions struct {
+	// DomainType is "kvm" (default) or "qemu" (TCG).
+	DomainType string
+	// VCPUs is the vCPU count (default 1).
+	VCPUs int
+	// NIC is how the paired vmxnet3 reaches the network: "network:NAME"
+	// (default "network:default"), "bridge:NAME", or "user" (QEMU's user-mode
+	// network, for tests and unprivileged sessions).
+	NIC string
+	// NoLock leaves out <locked/>: libvirt then does not raise QEMU's
+	// RLIMIT_MEMLOCK (which needs CAP_SYS_RESOURCE) and QEMU does not lock guest
+	// RAM itself. The device still works: the daemon locks the RAM it maps.
+	NoLock bool
+	// Emulator, if set, is the QEMU binary libvirt runs (<emulator>); it must
+	// have the vfio-user-pci client (QEMU >= 10.1).
+	Emulator string
+}
+
+// LibvirtDomainXML returns a libvirt domain that gives the VM the PVRDMA
+// device, the libvirt form of QEMUArgs: RAM in a shared, preallocated,
+// locked memfd (<memoryBacking>), the paired vmxnet3 at Slot.0 on the root
+// bus (<interface>), and our vfio-user-pci function at Slot.1, which libvirt
+// has no element for, as a <qemu:commandline> -device. The domain has no
+// disk or OS yet: add them (virsh edit, virt-xml) before starting it.
+func (s VMSpec) LibvirtDomainXML(o LibvirtOptions) (string, error) {
+	if err := s.check(); err != nil {
+		return "", fmt.Errorf("libvirt xml: %w", err)
+	}
+	if s.Bus != "" {
+		return "", fmt.Errorf("libvirt xml: a named bus (%s) is not supported; the device sits on the root bus", s.Bus)
+	}
+	if s.MemBytes%(1<<20) != 0 {
+		return "", fmt.Errorf("libvirt xml: memory %d bytes: want whole MiB", s.MemBytes)
+	}
+	domType := o.DomainType
+	if domType == "" {
+		domType = "kvm"
+	}
+	if domType != "kvm" && domType != "qemu" {
+		return "", fmt.Errorf("libvirt xml: domain type %q: want kvm or qemu", domType)
+	}
+	vcpus := o.VCPUs
+	if vcpus == 0 {
+		vcpus = 1
+	}
+	if vcpus < 0 || vcpus > 1024 {
+		return "", fmt.Errorf("libvirt xml: %d vCPUs: want 1..1024", vcpus)
+	}
+	nic, err := libvirtInterface(o.NIC)
+	if err != nil {
+		return "", fmt.Errorf("libvirt xml: %w", err)
+	}
+	dev, err := json.Marshal(s.DeviceJSON(""))
+	if err != nil {
+		return "", fmt.Errorf("libvirt xml: %w", err)
+	}
+	var b strings.Builder
+	w := func(format string, args ...any) {
+		for i, a := range args {
+			if v, ok := a.(string); ok {
+				args[i] = xmlEscape(v)
+			}
+		}
+		fmt.Fprintf(&b, format+"\n", args...)
+	}
+	w("<!-- pvrdma-backend: VM %s, device socket %s (libvirt-xml). -->", s.Name, s.Socket)
+	w("<domain type='%s' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>", domType)
+	w("  <name>%s</name>", s.Name)
+	w("  <memory unit='MiB'>%d</memory>", s.MemBytes>>20)
+	if o.NoLock {
+		w("  <!-- the device reads guest RAM in place: one shared memfd, preallocated (the daemon locks what it maps) -->")
+	} else {
+		w("  <!-- the device reads guest RAM in place: one shared memfd, preallocated and locked -->")
+	}
+	w("  <memoryBacking>")
+	w("    <source type='memfd'/>")
+	w("    <access mode='shared'/>")
+	w("    <allocation mode='immediate'/>")
+	if !o.NoLock {
+		w("    <locked/>")
+	}
+	w("  </memoryBacking>")
+	w("  <vcpu>%d</vcpu>", vcpus)
+	w("  <os>")
+	w("    <type arch='x86_64' machine='q35'>hvm</type>")
+	w("  </os>")
+	w("  <features>")
+	w("    <acpi/>")
+	w("  </features>")
+	w("  <devices>")
+	if o.Emulator != "" {
+		w("    <emulator>%s</emulator>", o.Emulator)
+	}
+	w("    <!-- the vmxnet3 the PVRDMA function pairs with: function 0 of the device's slot -->")
+	w("    <interface type='%s'>", nic.typ)
+	if nic.source != "" {
+		w("      <source %s='%s'/>", nic.sourceAttr, nic.source)
+	}
+	w("      <mac address='%s'/>", s.mac().String())
+	w("      <model type='vmxnet3'/>")
+	w("      <address type='pci' domain='0x0000' bus='0x00' slot='0x%02x' function='0x0' multifunction='on'/>", s.Slot)
+	w("    </interface>")
+	w("    <memballoon model='none'/>")
+	w("  </devices>")
+	w("  <!-- the PVRDMA function (vfio-user; libvirt has no element for it) at function 1 -->")
+	w("  <qemu:commandline>")
+	w("    <qemu:arg value='-device'/>")
+	w("    <qemu:arg value='%s'/>", string(dev))
+	w("  </qemu:commandline>")
+	w("</domain>")
+	return b.String(), nil
+}
+
+type libvirtNIC struct{ typ, sourceAttr, source string }
+
+func libvirtInterface(spec string) (libvirtNIC, error) {
+	if spec == "" {
+		spec = "network:default"
+	}
+	kind, name, _ := strings.Cut(spec, ":")
+	switch {
+	case kind == "network" && name != "":
+		return libvirtNIC{"network", "network", name}, nil
+	case kind == "bridge" && name != "":
+		return libvirtNIC{"bridge", "bridge", name}, nil
+	case spec == "user":
+		return libvirtNIC{typ: "user"}, nil
+	}
+	return libvirtNIC{}, fmt.Errorf("NIC %q: want network:NAME, bridge:NAME or user", spec)
+}
+
+// xmlEscape escapes text for element content and single-quoted attributes
+// (double quotes stay as they are: the device's JSON reads as JSON).
+var xmlEscaper = strings.NewReplacer("&", "&amp;", "<", "&lt;", ">", "&gt;", "'", "&apos;",
+	"\n", "&#xA;", "\r", "&#xD;", "\t", "&#x9;")
+
+func xmlEscape(s string) string { return xmlEscaper.Replace(s) }

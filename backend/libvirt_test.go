@@ -1,0 +1,106 @@
+package backend
+
+import (
+	"encoding/json"
+	"encoding/xml"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// domainXML is the part of libvirt's domain schema the test reads back.
+type domainXML struct {
+	Type   string `xml:"type,attr"`
+	Name   string `xml:"name"`
+	Memory struct {
+		Unit  string `xml:"unit,attr"`
+		Value int    `xml:",chardata"`
+	} `xml:"memory"`
+	Backing struct {
+		Source struct {
+			Type string `xml:"type,attr"`
+		} `xml:"source"`
+		Access struct {
+			Mode string `xml:"mode,attr"`
+		} `xml:"access"`
+		Locked *struct{} `xml:"locked"`
+	} `xml:"memoryBacking"`
+	Iface struct {
+		Type   string `xml:"type,attr"`
+		Source struct {
+			Bridge  string `xml:"bridge,attr"`
+			Network string `xml:"network,attr"`
+		} `xml:"source"`
+		MAC struct {
+			Address string `xml:"address,attr"`
+		} `xml:"mac"`
+		Model struct {
+			Type string `xml:"type,attr"`
+		} `xml:"model"`
+		Addr struct {
+			Slot          string `xml:"slot,attr"`
+			Function      string `xml:"function,attr"`
+			Multifunction string `xml:"multifunction,attr"`
+		} `xml:"address"`
+	} `xml:"devices>interface"`
+	Args []struct {
+		Value string `xml:"value,attr"`
+	} `xml:"http://libvirt.org/schemas/domain/qemu/1.0 commandline>arg"`
+}
+
+func TestLibvirtDomainXML(t *testing.T) {
+	spec := VMSpec{Name: "vm1", Slot: 6, MemBytes: 2 << 30, Netdev: "net0", Socket: "/run/pvrdma/vm1's.sock"}
+	x, err := spec.LibvirtDomainXML(LibvirtOptions{NIC: "bridge:br0"})
+	require.NoError(t, err)
+	var d domainXML
+	require.NoError(t, xml.Unmarshal([]byte(x), &d), x)
+	require.Equal(t, "kvm", d.Type)
+	require.Equal(t, "vm1", d.Name)
+	require.Equal(t, "MiB", d.Memory.Unit)
+	require.Equal(t, 2048, d.Memory.Value)
+	require.Equal(t, "memfd", d.Backing.Source.Type)
+	require.Equal(t, "shared", d.Backing.Access.Mode)
+	require.NotNil(t, d.Backing.Locked)
+	require.Equal(t, "bridge", d.Iface.Type)
+	require.Equal(t, "br0", d.Iface.Source.Bridge)
+	require.Equal(t, DefaultMAC("vm1").String(), d.Iface.MAC.Address)
+	require.Equal(t, "vmxnet3", d.Iface.Model.Type)
+	require.Equal(t, "0x06", d.Iface.Addr.Slot)
+	require.Equal(t, "0x0", d.Iface.Addr.Function)
+	require.Equal(t, "on", d.Iface.Addr.Multifunction)
+	require.Len(t, d.Args, 2)
+	require.Equal(t, "-device", d.Args[0].Value)
+	var dev map[string]any
+	require.NoError(t, json.Unmarshal([]byte(d.Args[1].Value), &dev), "the escaped attribute reads back as the device's JSON")
+	require.Equal(t, spec.DeviceJSON("")["addr"], dev["addr"])
+	require.Equal(t, "vfio-user-pci", dev["driver"])
+	require.Equal(t, map[string]any{"type": "unix", "path": "/run/pvrdma/vm1's.sock"}, dev["socket"])
+	require.Equal(t, true, dev["x-no-posted-writes"])
+
+	x, err = spec.LibvirtDomainXML(LibvirtOptions{NoLock: true, DomainType: "qemu"})
+	require.NoError(t, err)
+	d = domainXML{}
+	require.NoError(t, xml.Unmarshal([]byte(x), &d))
+	require.Nil(t, d.Backing.Locked)
+	require.Equal(t, "network", d.Iface.Type)
+	require.Equal(t, "default", d.Iface.Source.Network)
+	require.Equal(t, "qemu", d.Type)
+}
+
+func TestLibvirtDomainXMLErrors(t *testing.T) {
+	good := VMSpec{Name: "vm1", Slot: 5, MemBytes: 1 << 30, Netdev: "net0", Socket: "/run/pvrdma/vm1.sock"}
+	for name, tc := range map[string]struct {
+		spec VMSpec
+		opts LibvirtOptions
+	}{
+		"bad name":         {VMSpec{Name: "../x", Slot: 5, MemBytes: 1 << 30, Netdev: "n", Socket: "s"}, LibvirtOptions{}},
+		"named bus":        {VMSpec{Name: "vm1", Bus: "pci.1", Slot: 0, MemBytes: 1 << 30, Netdev: "n", Socket: "s"}, LibvirtOptions{}},
+		"domain type":      {good, LibvirtOptions{DomainType: "xen"}},
+		"vcpus":            {good, LibvirtOptions{VCPUs: -1}},
+		"nic":              {good, LibvirtOptions{NIC: "macvtap:eth0"}},
+		"nic without name": {good, LibvirtOptions{NIC: "bridge:"}},
+	} {
+		_, err := tc.spec.LibvirtDomainXML(tc.opts)
+		require.Error(t, err, name)
+	}
+}

@@ -1,0 +1,195 @@
+//go:build vm
+
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
+)
+
+// libvirtScript runs Debian's libvirtd for one transient domain in a private mount
+// namespace (tmpfs over libvirt's config, state, log and cache directories, and a
+// libvirt-qemu user added to a private copy of /etc/passwd), so the host's files are
+// never touched: QEMU runs as root, without cgroups, namespaces or a security driver.
+// $1 is the domain XML, $2 the domain's name, $3 a host directory for the console log,
+// libvirt's QEMU log and QEMU's PID.
+const libvirtScript = `set -eu
+xml=$1 name=$2 out=$3
+T=$(mktemp -d)
+cp /etc/passwd /etc/group "$T"/
+grep -q '^libvirt-qemu:' "$T"/passwd || echo 'libvirt-qemu:x:64055:64055:libvirt:/var/lib/libvirt:/usr/sbin/nologin' >> "$T"/passwd
+grep -q '^libvirt-qemu:' "$T"/group || echo 'libvirt-qemu:x:64055:' >> "$T"/group
+mount --bind "$T"/passwd /etc/passwd
+mount --bind "$T"/group /etc/group
+for d in /etc/libvirt /run/libvirt /var/lib/libvirt /var/log/libvirt /var/cache/libvirt; do
+	mount -t tmpfs -o mode=0755 tmpfs "$d"
+done
+cat > /etc/libvirt/qemu.conf <<'EOC'
+user = "root"
+group = "root"
+dynamic_ownership = 0
+remember_owner = 0
+security_driver = "none"
+cgroup_controllers = [ ]
+namespaces = [ ]
+stdio_handler = "file"
+EOC
+cat > /etc/libvirt/libvirtd.conf <<'EOC'
+unix_sock_rw_perms = "0700"
+auth_unix_rw = "none"
+log_outputs = "3:stderr"
+EOC
+libvirtd -p /run/libvirt/libvirtd.pid 2>"$out"/libvirtd.log &
+lv=$!
+i=0
+until [ -S /run/libvirt/libvirt-sock ]; do
+	i=$((i+1)); [ $i -lt 300 ] || { echo "libvirtd did not start"; cat "$out"/libvirtd.log; exit 1; }
+	sleep 0.1
+done
+libvirtd --version
+: > "$out"/console.log
+tail -n +1 -F "$out"/console.log 2>/dev/null &
+tailer=$!
+rc=0
+virsh -c qemu:///system create "$xml" || rc=$?
+if [ $rc -eq 0 ]; then
+	cat /run/libvirt/qemu/"$name".pid > "$out"/qemu.pid
+	echo "libvirt: domain $name running, QEMU pid $(cat "$out"/qemu.pid)"
+	while virsh -c qemu:///system domstate "$name" 2>/dev/null | grep -q running; do sleep 0.5; done
+fi
+cp /var/log/libvirt/qemu/"$name".log "$out"/qemu.log 2>/dev/null || true
+sleep 0.2
+kill $tailer $lv 2>/dev/null || true
+wait $lv 2>/dev/null || true
+exit $rc
+`
+
+// TestLibvirtDomain: the domain `pvrdma-backend libvirt-xml` prints, started by
+// Debian 12's libvirt with the test bed's QEMU 11 as its emulator (only the boot files
+// and serial ports of the test bed added), gives a stock guest our device with its
+// port ACTIVE, and verbs work through it.
+func TestLibvirtDomain(t *testing.T) {
+	for _, tool := range []string{"libvirtd", "virsh", "virt-xml-validate", "unshare"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Fatalf("%s is missing: scripts/deps.sh installs libvirt-daemon-driver-qemu, libvirt-clients, libxml2-utils", tool)
+		}
+	}
+	img := image(t)
+	// libvirt's directories must exist on the host for the namespace's tmpfs mounts.
+	for _, d := range []string{"/etc/libvirt", "/run/libvirt", "/var/lib/libvirt", "/var/log/libvirt", "/var/cache/libvirt"} {
+		require.NoError(t, os.MkdirAll(d, 0o755))
+	}
+	work := t.TempDir()
+	sockDir := filepath.Join(work, "sock")
+	daemon(t, backend.Config{SocketDir: sockDir})
+	bin := filepath.Join(work, "pvrdma-backend")
+	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
+	build.Dir = repoDir(t)
+	out, err := build.CombinedOutput()
+	require.NoError(t, err, "build: %s", out)
+	emulator := filepath.Join(work, "qemu-system-x86_64")
+	require.NoError(t, img.WriteQEMUWrapper(emulator))
+
+	const name = "lv1"
+	out, err = exec.Command(bin, "libvirt-xml", "--vm", name, "--socket-dir", sockDir, "--mem", "512M",
+		"--domain-type", "qemu", "--nic", "user", "--emulator", emulator, "--lock="+strconv.FormatBool(canRaiseMemlock())).CombinedOutput()
+	require.NoError(t, err, "libvirt-xml: %s", out)
+	domain := string(out)
+	t.Logf("pvrdma-backend libvirt-xml:\n%s", domain)
+	validate := func(path string) {
+		out, err := exec.Command("virt-xml-validate", path, "domain").CombinedOutput()
+		require.NoError(t, err, "virt-xml-validate: %s", out)
+		t.Logf("virt-xml-validate: %s", strings.TrimSpace(string(out)))
+	}
+	require.NoError(t, os.WriteFile(filepath.Join(work, "printed.xml"), out, 0o644))
+	validate(filepath.Join(work, "printed.xml"))
+
+	script := filepath.Join(work, "libvirt.sh")
+	require.NoError(t, os.WriteFile(script, []byte(libvirtScript), 0o755))
+	logs := filepath.Join(work, "logs")
+	require.NoError(t, os.Mkdir(logs, 0o755))
+	t.Cleanup(func() { // libvirt daemonizes QEMU out of the launcher's process group
+		if b, err := os.ReadFile(filepath.Join(logs, "qemu.pid")); err == nil {
+			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && pid > 1 {
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+			}
+		}
+	})
+	cfg := vm.Config{
+		Name: name,
+		NICs: []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: backend.DefaultMAC(name).String(), IP: "10.0.2.15/24"}},
+		Scenario: `
+ibv_devinfo -v
+cat /sys/class/infiniband/vmw_pvrdma0/ports/1/state
+ibv_rc_pingpong -d vmw_pvrdma0 -g 1 -n 100 -s 4096 > /tmp/server.log 2>&1 &
+sleep 1
+pvt_retry 5 ibv_rc_pingpong -d vmw_pvrdma0 -g 1 -n 100 -s 4096 127.0.0.1
+wait
+cat /tmp/server.log
+`,
+		Launch: func(b vm.Boot) (*exec.Cmd, error) {
+			x := strings.Replace(domain, "</os>", fmt.Sprintf(
+				"  <kernel>%s</kernel>\n    <initrd>%s</initrd>\n    <cmdline>%s</cmdline>\n  </os>\n"+
+					"  <on_poweroff>destroy</on_poweroff>\n  <on_reboot>destroy</on_reboot>\n  <on_crash>destroy</on_crash>",
+				b.Kernel, b.Initrd, b.Append), 1)
+			x = strings.Replace(x, "</devices>", fmt.Sprintf(
+				"  <serial type='file'><source path='%s'/><target port='0'/></serial>\n"+
+					"    <serial type='unix'><source mode='connect' path='%s'/><target port='1'/></serial>\n  </devices>",
+				filepath.Join(logs, "console.log"), b.ResultSocket), 1)
+			path := filepath.Join(work, "domain.xml")
+			if err := os.WriteFile(path, []byte(x), 0o644); err != nil {
+				return nil, err
+			}
+			validate(path)
+			return exec.Command("unshare", "--mount", "--propagation", "private", "sh", script, path, name, logs), nil
+		},
+	}
+	ctx := context.Background()
+	g, err := vm.Start(ctx, t, img, nil, cfg)
+	require.NoError(t, err)
+	res, err := g.WaitOK(ctx)
+	if qlog, rerr := os.ReadFile(filepath.Join(logs, "qemu.log")); rerr == nil {
+		t.Logf("libvirt's QEMU log (its command line):\n%s", qlog)
+	}
+	require.NoError(t, err)
+	require.Contains(t, res.Output, "hca_id:\tvmw_pvrdma0")
+	require.Regexp(t, regexp.MustCompile(`state:\s+PORT_ACTIVE \(4\)`), res.Output)
+	require.Regexp(t, regexp.MustCompile(`(?m)^\s*819200 bytes in .* seconds = .*Mbit/sec`), res.Output)
+}
+
+// canRaiseMemlock reports whether this process may raise RLIMIT_MEMLOCK
+// (CAP_SYS_RESOURCE), as libvirt must for a domain with <locked/>. The sandboxes
+// these tests run in may lack it; the domain is then printed with --lock=false.
+func canRaiseMemlock() bool {
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(unix.RLIMIT_MEMLOCK, &lim); err != nil {
+		return false
+	}
+	if lim.Max == unix.RLIM_INFINITY {
+		return true
+	}
+	caps, err := unix.PrctlRetInt(unix.PR_CAPBSET_READ, unix.CAP_SYS_RESOURCE, 0, 0, 0)
+	return err == nil && caps == 1
+}
+
+// repoDir is the module's root directory.
+func repoDir(t *testing.T) string {
+	t.Helper()
+	out, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}").Output()
+	require.NoError(t, err)
+	return strings.TrimSpace(string(out))
+}
