@@ -104,6 +104,12 @@ func TestLibvirtDomain(t *testing.T) {
 	emulator := filepath.Join(work, "qemu-system-x86_64")
 	require.NoError(t, img.WriteQEMUWrapper(emulator))
 
+	// doctor, given the test bed's QEMU, finds what the VM needs.
+	out, err = exec.Command(bin, "doctor", "--qemu", emulator, "--socket-dir", sockDir).CombinedOutput()
+	t.Logf("pvrdma-backend doctor --qemu %s:\n%s", emulator, out)
+	require.Regexp(t, `(?m)^OK +qemu +QEMU 1\d\.\d+\.\d+ at .*, with vfio-user-pci, vmxnet3 and memory-backend-memfd$`, string(out))
+	require.Regexp(t, `(?m)^OK +memfd-seal `, string(out))
+
 	const name = "lv1"
 	out, err = exec.Command(bin, "libvirt-xml", "--vm", name, "--socket-dir", sockDir, "--mem", "512M",
 		"--domain-type", "qemu", "--nic", "user", "--emulator", emulator, "--lock="+strconv.FormatBool(canRaiseMemlock())).CombinedOutput()

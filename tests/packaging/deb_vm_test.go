@@ -43,6 +43,7 @@ step vmsock stat -c '%a %U %G' /run/pvrdma/pkgvm.sock
 step man test -s /usr/share/man/man8/pvrdma-backend.8
 step conffile cat /var/lib/dpkg/info/pvrdma-backend.conffiles
 step security sh -c 'systemd-analyze security pvrdma-backend.service | tail -1'
+step doctor pvrdma-backend doctor
 step journal journalctl -b -u pvrdma-backend.service --no-pager -o cat
 step remove dpkg -r pvrdma-backend
 step after-remove systemctl is-active pvrdma-backend.service
@@ -118,6 +119,10 @@ func TestDebInstallsService(t *testing.T) {
 	ok("man")
 	require.Equal(t, "/etc/default/pvrdma-backend", ok("conffile"))
 	t.Logf("systemd-analyze security: %s", steps["security"].out)
+	// No QEMU in the clean root: doctor says so, with the fix, and exits 1.
+	require.Equal(t, "1", steps["doctor"].rc, steps["doctor"].out)
+	require.Regexp(t, `(?m)^FAIL +qemu +no qemu-system-x86_64 on PATH\n +fix: install QEMU >= 10.1`, steps["doctor"].out)
+	require.Regexp(t, `(?m)^OK +socket-dir +/run/pvrdma: mode 0750, owner root, group pvrdma$`, steps["doctor"].out)
 	ok("remove")
 	require.Equal(t, "inactive", strings.TrimSpace(steps["after-remove"].out))
 	ok("binary-gone")

@@ -1,0 +1,532 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Check statuses, from best to worst.
+const (
+	statusOK   = "OK"
+	statusWarn = "WARN"
+	statusFail = "FAIL"
+)
+
+// checkResult is one line of `doctor`.
+type checkResult struct {
+	Name   string `json:"name"`
+	Status string `json:"status"`
+	Detail string `json:"detail"`
+	Fix    string `json:"fix,omitempty"`
+}
+
+func ok(name, format string, args ...any) checkResult {
+	return checkResult{Name: name, Status: statusOK, Detail: fmt.Sprintf(format, args...)}
+}
+
+func warn(name, fix, format string, args ...any) checkResult {
+	return checkResult{Name: name, Status: statusWarn, Detail: fmt.Sprintf(format, args...), Fix: fix}
+}
+
+func fail(name, fix, format string, args ...any) checkResult {
+	return checkResult{Name: name, Status: statusFail, Detail: fmt.Sprintf(format, args...), Fix: fix}
+}
+
+// doctorOpts are what the daemon would be run with.
+type doctorOpts struct {
+	qemu, socketDir, netdev, bridge, transport, ibdev, socketGroup string
+	maxLocked                                                      uint64
+}
+
+// hostEnv is the host as the checks see it; tests point it at fake trees.
+type hostEnv struct {
+	proc, sys, dev, modules string // /proc, /sys, /dev, /lib/modules
+	libDirs                 []string
+	lookPath                func(string) (string, error)
+	run                     func(ctx context.Context, name string, args ...string) ([]byte, error)
+	memlock                 func() (unix.Rlimit, error)
+	kernel                  string // uname -r
+}
+
+func realHost() hostEnv {
+	var uts unix.Utsname
+	_ = unix.Uname(&uts)
+	return hostEnv{
+		proc: "/proc", sys: "/sys", dev: "/dev", modules: "/lib/modules",
+		libDirs:  []string{"/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"},
+		lookPath: exec.LookPath,
+		run: func(ctx context.Context, name string, args ...string) ([]byte, error) {
+			return exec.CommandContext(ctx, name, args...).CombinedOutput()
+		},
+		memlock: func() (unix.Rlimit, error) {
+			var l unix.Rlimit
+			err := unix.Getrlimit(unix.RLIMIT_MEMLOCK, &l)
+			return l, err
+		},
+		kernel: unix.ByteSliceToString(uts.Release[:]),
+	}
+}
+
+func runDoctor(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlags("doctor", "[flags]", stderr)
+	var o doctorOpts
+	fs.StringVar(&o.qemu, "qemu", "", "QEMU binary the VMs use (default: qemu-system-x86_64 on PATH)")
+	fs.StringVar(&o.socketDir, "socket-dir", defaultSocketDir, "the daemon's socket directory")
+	fs.StringVar(&o.netdev, "fabric-netdev", "", "IP mode: the fabric netdev")
+	fs.StringVar(&o.bridge, "fabric-bridge", "", "L2 mode: the fabric bridge")
+	fs.StringVar(&o.transport, "transport", "soft", "host verbs provider: soft or ibverbs")
+	fs.StringVar(&o.ibdev, "ibdev", "", "ibverbs: the RDMA device to relay to")
+	fs.StringVar(&o.socketGroup, "socket-group", "", "the daemon's --socket-group")
+	var maxLocked sizeFlag
+	fs.Var(&maxLocked, "max-locked-memory", "the daemon's --max-locked-memory (checked against RLIMIT_MEMLOCK)")
+	asJSON := fs.Bool("json", false, "print JSON")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	o.maxLocked = uint64(maxLocked)
+	res := doctor(ctx, realHost(), o)
+	if err := printChecks(stdout, res, *asJSON); err != nil {
+		return err
+	}
+	n := 0
+	for _, r := range res {
+		if r.Status == statusFail {
+			n++
+		}
+	}
+	if n > 0 {
+		return fmt.Errorf("%d of %d checks failed", n, len(res))
+	}
+	return nil
+}
+
+func printChecks(w io.Writer, res []checkResult, asJSON bool) error {
+	if asJSON {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(res)
+	}
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	for _, r := range res {
+		fmt.Fprintf(tw, "%s\t%s\t%s\n", r.Status, r.Name, r.Detail)
+		if r.Fix != "" {
+			fmt.Fprintf(tw, "\t\tfix: %s\n", r.Fix)
+		}
+	}
+	return tw.Flush()
+}
+
+// doctor runs every check that applies to o.
+func doctor(ctx context.Context, h hostEnv, o doctorOpts) []checkResult {
+	res := []checkResult{checkQEMU(ctx, h, o.qemu), checkMemlock(h, o.maxLocked), checkMemfdSeal(),
+		checkSocketDir(o.socketDir, o.socketGroup)}
+	switch {
+	case o.netdev != "" && o.bridge != "":
+		res = append(res, fail("fabric", "give one of them", "--fabric-netdev and --fabric-bridge are exclusive"))
+	case o.netdev != "":
+		res = append(res, checkNetdev(h, o.netdev, false), checkARPIgnore(h, o.netdev))
+	case o.bridge != "":
+		res = append(res, checkNetdev(h, o.bridge, true))
+	default:
+		res = append(res, ok("fabric", "none given: VMs of this daemon reach each other in process only"))
+	}
+	res = append(res, checkUDP4791(h, o.netdev != ""))
+	switch o.transport {
+	case "soft":
+		res = append(res, ok("transport", "soft: needs no RDMA hardware or rdma-core"))
+	case "ibverbs":
+		res = append(res, fail("transport", "run with --transport soft",
+			"ibverbs: this build has no libibverbs relay yet (serve refuses it)"))
+		res = append(res, checkLibibverbs(h), checkIBDev(h, o.ibdev))
+	default:
+		res = append(res, fail("transport", "--transport soft or ibverbs", "unknown transport %q", o.transport))
+	}
+	res = append(res, checkRXE(h), checkKVM(h))
+	return res
+}
+
+var qemuVersionRE = regexp.MustCompile(`QEMU emulator version (\d+)\.(\d+)(?:\.(\d+))?`)
+
+// checkQEMU: the QEMU the VMs will use has the vfio-user-pci client (>= 10.1)
+// and memfd memory backends.
+func checkQEMU(ctx context.Context, h hostEnv, path string) checkResult {
+	const name = "qemu"
+	const install = "install QEMU >= 10.1 with vfio-user (Debian: qemu-system-x86 from trixie or bookworm-backports' trixie-backports), or pass --qemu PATH"
+	if path == "" {
+		p, err := h.lookPath("qemu-system-x86_64")
+		if err != nil {
+			return fail(name, install, "no qemu-system-x86_64 on PATH")
+		}
+		path = p
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	out, err := h.run(ctx, path, "--version")
+	if err != nil {
+		return fail(name, install, "%s --version: %v: %s", path, err, firstLine(out))
+	}
+	m := qemuVersionRE.FindStringSubmatch(string(out))
+	if m == nil {
+		return fail(name, install, "%s: not a QEMU version line: %q", path, firstLine(out))
+	}
+	major, _ := strconv.Atoi(m[1])
+	minor, _ := strconv.Atoi(m[2])
+	version := strings.TrimPrefix(m[0], "QEMU emulator version ")
+	devs, err := h.run(ctx, path, "-device", "help")
+	if err != nil {
+		return fail(name, install, "QEMU %s at %s: -device help: %v", version, path, err)
+	}
+	if !bytes.Contains(devs, []byte(`"vfio-user-pci"`)) {
+		why := "built without vfio-user"
+		if major < 10 || major == 10 && minor < 1 {
+			why = "older than 10.1"
+		}
+		return fail(name, install, "QEMU %s at %s has no vfio-user-pci device (%s)", version, path, why)
+	}
+	if !bytes.Contains(devs, []byte(`"vmxnet3"`)) {
+		return fail(name, install, "QEMU %s at %s has no vmxnet3 device (the NIC the PVRDMA function pairs with)", version, path)
+	}
+	objs, err := h.run(ctx, path, "-object", "help")
+	if err != nil || !bytes.Contains(objs, []byte("memory-backend-memfd")) {
+		return fail(name, install, "QEMU %s at %s has no memory-backend-memfd (guest RAM must be a shared memfd)", version, path)
+	}
+	return ok(name, "QEMU %s at %s, with vfio-user-pci, vmxnet3 and memory-backend-memfd", version, path)
+}
+
+func firstLine(b []byte) string {
+	s, _, _ := strings.Cut(strings.TrimSpace(string(b)), "\n")
+	return s
+}
+
+// Capability bits of /proc/PID/status CapEff.
+const (
+	capIPCLock     = 14
+	capSysResource = 24
+)
+
+// checkMemlock: this process may lock the guest RAM the daemon maps: an
+// unlimited or large enough RLIMIT_MEMLOCK, or CAP_IPC_LOCK (mlock is then not
+// bound by the limit), or CAP_SYS_RESOURCE (serve raises the limit itself).
+func checkMemlock(h hostEnv, want uint64) checkResult {
+	const name = "memlock"
+	const fix = "run the daemon as root or with CAP_IPC_LOCK (the package's unit does: LimitMEMLOCK=infinity, CAP_IPC_LOCK)"
+	lim, err := h.memlock()
+	if err != nil {
+		return fail(name, fix, "getrlimit: %v", err)
+	}
+	limit := "unlimited"
+	if lim.Cur != unix.RLIM_INFINITY {
+		limit = fmt.Sprintf("%d MiB", lim.Cur>>20)
+	}
+	caps, err := effectiveCaps(h)
+	if err != nil {
+		return fail(name, fix, "RLIMIT_MEMLOCK %s; capabilities unknown: %v", limit, err)
+	}
+	switch {
+	case caps&(1<<capIPCLock) != 0:
+		return ok(name, "CAP_IPC_LOCK (locking is not bound by RLIMIT_MEMLOCK, here %s)", limit)
+	case lim.Cur == unix.RLIM_INFINITY:
+		return ok(name, "RLIMIT_MEMLOCK unlimited")
+	case caps&(1<<capSysResource) != 0:
+		return ok(name, "CAP_SYS_RESOURCE: serve raises RLIMIT_MEMLOCK (%s now) to --max-locked-memory", limit)
+	case want > 0 && lim.Cur >= want:
+		return ok(name, "RLIMIT_MEMLOCK %s covers --max-locked-memory", limit)
+	}
+	return fail(name, fix, "RLIMIT_MEMLOCK %s and neither CAP_IPC_LOCK nor CAP_SYS_RESOURCE: guests' RAM cannot be locked", limit)
+}
+
+func effectiveCaps(h hostEnv) (uint64, error) {
+	f, err := os.Open(filepath.Join(h.proc, "self/status"))
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, found := strings.CutPrefix(sc.Text(), "CapEff:"); found {
+			return strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+		}
+	}
+	return 0, errors.New("no CapEff in status")
+}
+
+// checkMemfdSeal: the kernel seals memfds against shrinking, which the daemon
+// requires of guest RAM (a truncated RAM file would crash it with SIGBUS).
+func checkMemfdSeal() checkResult {
+	const name = "memfd-seal"
+	const fix = "a Linux kernel >= 3.17 with memfd_create and file sealing"
+	fd, err := unix.MemfdCreate("pvrdma-doctor", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return fail(name, fix, "memfd_create: %v", err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Ftruncate(fd, 4096); err != nil {
+		return fail(name, fix, "ftruncate: %v", err)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err != nil {
+		return fail(name, fix, "F_ADD_SEALS: %v", err)
+	}
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil || seals&unix.F_SEAL_SHRINK == 0 {
+		return fail(name, fix, "F_GET_SEALS: %#x, %v", seals, err)
+	}
+	return ok(name, "memfds can be sealed against shrinking")
+}
+
+// checkSocketDir: the socket directory is one the daemon accepts (not
+// writable by others, owned by root or this user), or can be created.
+func checkSocketDir(dir, group string) checkResult {
+	const name = "socket-dir"
+	var gid = -1
+	if group != "" {
+		g, err := lookupGroup(group)
+		if err != nil {
+			return fail(name, "create it (groupadd --system "+group+"; the package creates pvrdma) or pass another --socket-group",
+				"--socket-group %s: %v", group, err)
+		}
+		gid = g
+	}
+	st, err := os.Stat(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		parent := filepath.Dir(dir)
+		if unix.Access(parent, unix.W_OK|unix.X_OK) != nil {
+			return fail(name, "create "+dir+" (mode 0750) or pass --socket-dir", "%s is missing and %s is not writable", dir, parent)
+		}
+		return ok(name, "%s does not exist yet; serve creates it (0750)", dir)
+	}
+	if err != nil {
+		return fail(name, "pass a --socket-dir the daemon can use", "%s: %v", dir, err)
+	}
+	if !st.IsDir() {
+		return fail(name, "remove it or pass another --socket-dir", "%s is not a directory", dir)
+	}
+	sys := st.Sys().(*syscall.Stat_t)
+	mode := st.Mode().Perm()
+	desc := fmt.Sprintf("%s: mode %04o, owner %s, group %s", dir, mode, userName(sys.Uid), groupName(sys.Gid))
+	if mode&0o002 != 0 {
+		return fail(name, "chmod o-w "+dir+" (serve makes it 0750)", "%s: other users may write to it; serve refuses it", desc)
+	}
+	if sys.Uid != 0 && int(sys.Uid) != os.Geteuid() {
+		return fail(name, "chown root "+dir, "%s: owned by another user; serve refuses it", desc)
+	}
+	if gid >= 0 && int(sys.Gid) != gid {
+		return warn(name, "serve gives it to "+group+" at start", "%s, not --socket-group %s", desc, group)
+	}
+	return ok(name, "%s", desc)
+}
+
+func lookupGroup(name string) (int, error) {
+	if n, err := strconv.Atoi(name); err == nil {
+		return n, nil
+	}
+	g, err := user.LookupGroup(name)
+	if err != nil {
+		return 0, err
+	}
+	return strconv.Atoi(g.Gid)
+}
+
+func userName(uid uint32) string {
+	if u, err := user.LookupId(strconv.FormatUint(uint64(uid), 10)); err == nil {
+		return u.Username
+	}
+	return strconv.FormatUint(uint64(uid), 10)
+}
+
+func groupName(gid uint32) string {
+	if g, err := user.LookupGroupId(strconv.FormatUint(uint64(gid), 10)); err == nil {
+		return g.Name
+	}
+	return strconv.FormatUint(uint64(gid), 10)
+}
+
+// checkNetdev: the fabric netdev (IP mode) or bridge (L2 mode) exists and is up.
+func checkNetdev(h hostEnv, name string, bridge bool) checkResult {
+	check := "fabric-netdev"
+	if bridge {
+		check = "fabric-bridge"
+	}
+	ifi, err := net.InterfaceByName(name)
+	if err != nil {
+		return fail(check, "create it or name an existing interface", "%s: %v", name, err)
+	}
+	if bridge {
+		if _, err := os.Stat(filepath.Join(h.sys, "class/net", name, "bridge")); err != nil {
+			return fail(check, "L2 mode needs the bridge the VMs' NICs are on (ip link add "+name+" type bridge)", "%s is not a bridge", name)
+		}
+	}
+	addrs, _ := ifi.Addrs()
+	var list []string
+	for _, a := range addrs {
+		list = append(list, a.String())
+	}
+	desc := fmt.Sprintf("%s (MTU %d), addresses: %s", name, ifi.MTU, strings.Join(list, ", "))
+	if len(list) == 0 {
+		desc = fmt.Sprintf("%s (MTU %d), no addresses", name, ifi.MTU)
+	}
+	if ifi.Flags&net.FlagUp == 0 {
+		return warn(check, "ip link set "+name+" up", "%s is down", desc)
+	}
+	if ifi.MTU < 1500 {
+		return warn(check, "raise its MTU (RoCE's 1024-byte path MTU needs 1082 bytes of IP, 4096 needs 4154)", "%s", desc)
+	}
+	return ok(check, "%s", desc)
+}
+
+// checkARPIgnore: in IP mode guests' GIDs become addresses on the netdev;
+// with arp_ignore >= 1 the host answers ARP for them only on that netdev.
+func checkARPIgnore(h hostEnv, netdev string) checkResult {
+	const name = "arp-ignore"
+	read := func(dev string) (int, error) {
+		b, err := os.ReadFile(filepath.Join(h.proc, "sys/net/ipv4/conf", dev, "arp_ignore"))
+		if err != nil {
+			return 0, err
+		}
+		return strconv.Atoi(strings.TrimSpace(string(b)))
+	}
+	all, err := read("all")
+	if err != nil {
+		return warn(name, "", "net.ipv4.conf.all.arp_ignore: %v", err)
+	}
+	dev, err := read(netdev)
+	if err != nil {
+		return warn(name, "", "net.ipv4.conf.%s.arp_ignore: %v", netdev, err)
+	}
+	if eff := max(all, dev); eff < 1 {
+		return warn(name, "sysctl -w net.ipv4.conf.all.arp_ignore=1 (and in /etc/sysctl.d)",
+			"arp_ignore is %d: the host answers ARP for guests' GIDs (addresses on %s) on every interface", eff, netdev)
+	}
+	return ok(name, "arp_ignore %d on %s", max(all, dev), netdev)
+}
+
+// checkUDP4791: who else has RoCE v2's port. In IP mode the daemon binds a
+// socket per GID on it; kernel rxe or another stack on the same addresses would
+// take the packets.
+func checkUDP4791(h hostEnv, ipMode bool) checkResult {
+	const name = "udp-4791"
+	n := 0
+	for _, f := range []string{"net/udp", "net/udp6"} {
+		b, err := os.ReadFile(filepath.Join(h.proc, f))
+		if err != nil {
+			continue
+		}
+		n += countUDPPort(b, 4791)
+	}
+	var rdma []string
+	if ents, err := os.ReadDir(filepath.Join(h.sys, "class/infiniband")); err == nil {
+		for _, e := range ents {
+			rdma = append(rdma, e.Name())
+		}
+	}
+	desc := fmt.Sprintf("%d sockets bound to UDP 4791", n)
+	if len(rdma) > 0 {
+		desc += "; RDMA devices: " + strings.Join(rdma, ", ")
+	}
+	if n > 0 && ipMode {
+		return warn(name, "make sure no rxe device or other RoCE stack uses the fabric netdev's addresses",
+			"%s (kernel rxe or another RoCE stack?); the daemon binds UDP 4791 on each guest GID", desc)
+	}
+	return ok(name, "%s", desc)
+}
+
+// countUDPPort counts the sockets of a /proc/net/udp{,6} table bound to port.
+func countUDPPort(table []byte, port int) int {
+	want := fmt.Sprintf(":%04X", port)
+	n := 0
+	sc := bufio.NewScanner(bytes.NewReader(table))
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) > 2 && f[0] != "sl" && strings.HasSuffix(f[1], want) {
+			n++
+		}
+	}
+	return n
+}
+
+// checkLibibverbs: rdma-core's verbs library is installed (the relay's).
+func checkLibibverbs(h hostEnv) checkResult {
+	const name = "libibverbs"
+	for _, d := range h.libDirs {
+		p := filepath.Join(d, "libibverbs.so.1")
+		if _, err := os.Stat(p); err == nil {
+			return ok(name, "%s", p)
+		}
+	}
+	return fail(name, "apt install libibverbs1 ibverbs-providers", "libibverbs.so.1 not found in %s", strings.Join(h.libDirs, ", "))
+}
+
+// checkIBDev: the RDMA device to relay to exists; its port 1 state.
+func checkIBDev(h hostEnv, dev string) checkResult {
+	const name = "rdma-device"
+	if dev == "" {
+		return fail(name, "pass --ibdev NAME (rdma link show lists them)", "no --ibdev given")
+	}
+	dir := filepath.Join(h.sys, "class/infiniband", dev)
+	if _, err := os.Stat(dir); err != nil {
+		return fail(name, "rdma link add rxe0 type rxe netdev IFACE, or load the HCA's driver", "no RDMA device %s", dev)
+	}
+	state, err := os.ReadFile(filepath.Join(dir, "ports/1/state"))
+	if err != nil {
+		return warn(name, "", "%s: port 1: %v", dev, err)
+	}
+	s := strings.TrimSpace(string(state))
+	if !strings.Contains(s, "ACTIVE") {
+		return warn(name, "bring its netdev up (ip link set IFACE up)", "%s port 1 is %s", dev, s)
+	}
+	return ok(name, "%s port 1 %s", dev, s)
+}
+
+// checkRXE: Soft-RoCE, for the relay over rxe, is loaded or loadable.
+func checkRXE(h hostEnv) checkResult {
+	const name = "rxe"
+	if _, err := os.Stat(filepath.Join(h.sys, "module/rdma_rxe")); err == nil {
+		return ok(name, "rdma_rxe is loaded")
+	}
+	found := ""
+	_ = filepath.WalkDir(filepath.Join(h.modules, h.kernel), func(p string, d fs.DirEntry, err error) error {
+		if err != nil || found != "" {
+			return fs.SkipDir
+		}
+		if strings.HasPrefix(d.Name(), "rdma_rxe.ko") {
+			found = p
+			return fs.SkipAll
+		}
+		return nil
+	})
+	if found != "" {
+		return ok(name, "rdma_rxe is available (%s): modprobe rdma_rxe", found)
+	}
+	return warn(name, "a kernel with CONFIG_RDMA_RXE (Debian's has it)",
+		"no rdma_rxe module for kernel %s: no Soft-RoCE on this host (the soft transport does not need it)", h.kernel)
+}
+
+// checkKVM: without /dev/kvm QEMU emulates the CPU (TCG), slowly.
+func checkKVM(h hostEnv) checkResult {
+	const name = "kvm"
+	p := filepath.Join(h.dev, "kvm")
+	f, err := os.OpenFile(p, os.O_RDWR, 0)
+	if err != nil {
+		return warn(name, "enable virtualization (VT-x/AMD-V) and load kvm_intel or kvm_amd", "%s: %v: VMs run under TCG, slowly", p, err)
+	}
+	f.Close()
+	return ok(name, "%s opens (QEMU can use KVM where the CPU allows it)", p)
+}

@@ -1,0 +1,201 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// fakeQEMU writes a script that answers --version, -device help and -object help
+// like QEMU does.
+func fakeQEMU(t *testing.T, version string, devices, objects []string) string {
+	t.Helper()
+	var dev, obj strings.Builder
+	for _, d := range devices {
+		dev.WriteString(`name "` + d + `", bus PCI\n`)
+	}
+	for _, o := range objects {
+		obj.WriteString("  " + o + "\n")
+	}
+	p := filepath.Join(t.TempDir(), "qemu-system-x86_64")
+	script := "#!/bin/sh\ncase \"$1\" in\n" +
+		"--version) echo 'QEMU emulator version " + version + " (Debian)';;\n" +
+		"-device) printf '" + dev.String() + "';;\n" +
+		"-object) printf 'List of user creatable objects:\\n" + obj.String() + "';;\n" +
+		"esac\n"
+	require.NoError(t, os.WriteFile(p, []byte(script), 0o755))
+	return p
+}
+
+// fakeHost is a host whose /proc, /sys, /dev and /lib/modules are temp trees.
+func fakeHost(t *testing.T) hostEnv {
+	root := t.TempDir()
+	h := hostEnv{
+		proc: filepath.Join(root, "proc"), sys: filepath.Join(root, "sys"), dev: filepath.Join(root, "dev"),
+		modules: filepath.Join(root, "modules"), kernel: "6.1.0-test",
+		libDirs:  []string{filepath.Join(root, "lib")},
+		lookPath: func(string) (string, error) { return "", exec.ErrNotFound },
+		run: func(ctx context.Context, name string, args ...string) ([]byte, error) {
+			return exec.CommandContext(ctx, name, args...).CombinedOutput()
+		},
+		memlock: func() (unix.Rlimit, error) { return unix.Rlimit{Cur: 8 << 20, Max: 8 << 20}, nil },
+	}
+	for _, d := range []string{"proc/self", "proc/net", "proc/sys/net/ipv4/conf/all", "proc/sys/net/ipv4/conf/lo", "sys/class/net", "dev", "lib", "modules"} {
+		require.NoError(t, os.MkdirAll(filepath.Join(root, d), 0o755))
+	}
+	writeFile(t, filepath.Join(h.proc, "self/status"), "Name:\tx\nCapEff:\t0000000000000000\n")
+	return h
+}
+
+func writeFile(t *testing.T, p, s string) {
+	t.Helper()
+	require.NoError(t, os.MkdirAll(filepath.Dir(p), 0o755))
+	require.NoError(t, os.WriteFile(p, []byte(s), 0o644))
+}
+
+func TestCheckQEMU(t *testing.T) {
+	h := fakeHost(t)
+	ctx := context.Background()
+	good := fakeQEMU(t, "11.1.3", []string{"vmxnet3", "vfio-user-pci"}, []string{"memory-backend-memfd"})
+	r := checkQEMU(ctx, h, good)
+	require.Equal(t, statusOK, r.Status, r.Detail)
+	require.Contains(t, r.Detail, "QEMU 11.1.3")
+
+	old := fakeQEMU(t, "7.2.19", []string{"vmxnet3", "vfio-pci"}, []string{"memory-backend-memfd"})
+	r = checkQEMU(ctx, h, old)
+	require.Equal(t, statusFail, r.Status)
+	require.Contains(t, r.Detail, "no vfio-user-pci device (older than 10.1)")
+	require.Contains(t, r.Fix, "trixie")
+
+	noMemfd := fakeQEMU(t, "10.1.0", []string{"vmxnet3", "vfio-user-pci"}, []string{"memory-backend-file"})
+	require.Equal(t, statusFail, checkQEMU(ctx, h, noMemfd).Status)
+
+	r = checkQEMU(ctx, h, "")
+	require.Equal(t, statusFail, r.Status)
+	require.Contains(t, r.Detail, "no qemu-system-x86_64 on PATH")
+	r = checkQEMU(ctx, h, "/nonexistent/qemu")
+	require.Equal(t, statusFail, r.Status)
+	notQEMU := filepath.Join(t.TempDir(), "true")
+	require.NoError(t, os.WriteFile(notQEMU, []byte("#!/bin/sh\necho hello\n"), 0o755))
+	require.Contains(t, checkQEMU(ctx, h, notQEMU).Detail, "not a QEMU version line")
+}
+
+func TestCheckMemlock(t *testing.T) {
+	h := fakeHost(t)
+	r := checkMemlock(h, 0)
+	require.Equal(t, statusFail, r.Status, "8 MiB, no capabilities")
+	require.Contains(t, r.Detail, "8 MiB")
+	require.Equal(t, statusOK, checkMemlock(h, 4<<20).Status, "the limit covers --max-locked-memory")
+	writeFile(t, filepath.Join(h.proc, "self/status"), "CapEff:\t0000000000004000\n")
+	require.Contains(t, checkMemlock(h, 0).Detail, "CAP_IPC_LOCK")
+	writeFile(t, filepath.Join(h.proc, "self/status"), "CapEff:\t0000000001000000\n")
+	require.Contains(t, checkMemlock(h, 0).Detail, "CAP_SYS_RESOURCE")
+	writeFile(t, filepath.Join(h.proc, "self/status"), "CapEff:\t0000000000000000\n")
+	h.memlock = func() (unix.Rlimit, error) { return unix.Rlimit{Cur: unix.RLIM_INFINITY, Max: unix.RLIM_INFINITY}, nil }
+	require.Equal(t, statusOK, checkMemlock(h, 0).Status)
+}
+
+func TestCheckSocketDir(t *testing.T) {
+	dir := t.TempDir()
+	require.Equal(t, statusOK, checkSocketDir(filepath.Join(dir, "pvrdma"), "").Status, "missing, parent writable")
+	require.Equal(t, statusFail, checkSocketDir("/nonexistent/x/pvrdma", "").Status, "missing, parent missing")
+	require.NoError(t, os.Chmod(dir, 0o777))
+	r := checkSocketDir(dir, "")
+	require.Equal(t, statusFail, r.Status)
+	require.Contains(t, r.Detail, "other users may write to it")
+	require.NoError(t, os.Chmod(dir, 0o750))
+	require.Equal(t, statusOK, checkSocketDir(dir, "").Status)
+	require.Equal(t, statusFail, checkSocketDir(dir, "no-such-group-pvrdma-test").Status)
+	f := filepath.Join(dir, "file")
+	writeFile(t, f, "")
+	require.Contains(t, checkSocketDir(f, "").Detail, "not a directory")
+}
+
+func TestCheckARPIgnoreAndUDP(t *testing.T) {
+	h := fakeHost(t)
+	writeFile(t, filepath.Join(h.proc, "sys/net/ipv4/conf/all/arp_ignore"), "0\n")
+	writeFile(t, filepath.Join(h.proc, "sys/net/ipv4/conf/lo/arp_ignore"), "0\n")
+	require.Equal(t, statusWarn, checkARPIgnore(h, "lo").Status)
+	writeFile(t, filepath.Join(h.proc, "sys/net/ipv4/conf/all/arp_ignore"), "1\n")
+	require.Equal(t, statusOK, checkARPIgnore(h, "lo").Status, "all=1 is enough")
+	require.Equal(t, statusWarn, checkARPIgnore(h, "eth9").Status, "unknown netdev")
+
+	// /proc/net/udp with one socket on 0.0.0.0:4791 (0x12B7) and one on 53.
+	udp := "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode ref pointer drops\n" +
+		"  0: 00000000:12B7 00000000:0000 07 00000000:00000000 00:00000000 00000000     0        0 1234 2 0000000000000000 0\n" +
+		"  1: 0100007F:0035 00000000:0000 07 00000000:00000000 00:00000000 00000000     0        0 1235 2 0000000000000000 0\n"
+	require.Equal(t, 1, countUDPPort([]byte(udp), 4791))
+	require.Equal(t, 0, countUDPPort([]byte(udp), 4792))
+	writeFile(t, filepath.Join(h.proc, "net/udp"), udp)
+	r := checkUDP4791(h, true)
+	require.Equal(t, statusWarn, r.Status)
+	require.Contains(t, r.Detail, "1 sockets bound")
+	require.Equal(t, statusOK, checkUDP4791(h, false).Status, "L2 mode does not bind UDP")
+	writeFile(t, filepath.Join(h.sys, "class/infiniband/rxe0/ports/1/state"), "4: ACTIVE\n")
+	require.Contains(t, checkUDP4791(h, false).Detail, "RDMA devices: rxe0")
+}
+
+func TestCheckRelayPieces(t *testing.T) {
+	h := fakeHost(t)
+	require.Equal(t, statusFail, checkLibibverbs(h).Status)
+	writeFile(t, filepath.Join(h.libDirs[0], "libibverbs.so.1"), "")
+	require.Equal(t, statusOK, checkLibibverbs(h).Status)
+	require.Equal(t, statusFail, checkIBDev(h, "").Status)
+	require.Equal(t, statusFail, checkIBDev(h, "rxe0").Status)
+	writeFile(t, filepath.Join(h.sys, "class/infiniband/rxe0/ports/1/state"), "1: DOWN\n")
+	require.Equal(t, statusWarn, checkIBDev(h, "rxe0").Status)
+	writeFile(t, filepath.Join(h.sys, "class/infiniband/rxe0/ports/1/state"), "4: ACTIVE\n")
+	require.Equal(t, statusOK, checkIBDev(h, "rxe0").Status)
+
+	require.Equal(t, statusWarn, checkRXE(h).Status)
+	writeFile(t, filepath.Join(h.modules, h.kernel, "kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko.xz"), "")
+	require.Contains(t, checkRXE(h).Detail, "modprobe rdma_rxe")
+	require.NoError(t, os.MkdirAll(filepath.Join(h.sys, "module/rdma_rxe"), 0o755))
+	require.Contains(t, checkRXE(h).Detail, "loaded")
+
+	require.Equal(t, statusWarn, checkKVM(h).Status)
+}
+
+func TestDoctorOutputAndExit(t *testing.T) {
+	h := fakeHost(t)
+	h.memlock = func() (unix.Rlimit, error) { return unix.Rlimit{Cur: unix.RLIM_INFINITY, Max: unix.RLIM_INFINITY}, nil }
+	good := fakeQEMU(t, "11.1.3", []string{"vmxnet3", "vfio-user-pci"}, []string{"memory-backend-memfd"})
+	res := doctor(context.Background(), h, doctorOpts{qemu: good, socketDir: filepath.Join(t.TempDir(), "s"), transport: "soft"})
+	for _, r := range res {
+		require.NotEqual(t, statusFail, r.Status, "%+v", r)
+	}
+	var buf bytes.Buffer
+	require.NoError(t, printChecks(&buf, res, true))
+	var back []checkResult
+	require.NoError(t, json.Unmarshal(buf.Bytes(), &back))
+	require.Equal(t, res, back)
+	buf.Reset()
+	require.NoError(t, printChecks(&buf, []checkResult{fail("x", "do y", "broken")}, false))
+	require.Regexp(t, `^FAIL +x +broken\n +fix: do y\n$`, buf.String())
+
+	res = doctor(context.Background(), h, doctorOpts{qemu: good, socketDir: t.TempDir(), transport: "ibverbs", netdev: "a", bridge: "b"})
+	var names []string
+	for _, r := range res {
+		if r.Status == statusFail {
+			names = append(names, r.Name)
+		}
+	}
+	require.Equal(t, []string{"fabric", "transport", "libibverbs", "rdma-device"}, names)
+
+	// The command exits 1 on a FAIL (no QEMU at the given path).
+	var out, errb bytes.Buffer
+	rc := run(context.Background(), []string{"doctor", "--qemu", "/nonexistent/qemu", "--json"}, &out, &errb)
+	require.Equal(t, 1, rc, errb.String())
+	require.Contains(t, errb.String(), "checks failed")
+	require.NoError(t, json.Unmarshal(out.Bytes(), &back))
+	require.Equal(t, "qemu", back[0].Name)
+	require.Equal(t, statusFail, back[0].Status)
+}
