@@ -8,9 +8,9 @@ set -eu
 # libibverbs-dev builds the interop checker the soft transport's rxe tests run in a guest.
 # debootstrap and systemd-container (systemd-nspawn) let the package test install the
 # .deb in a clean bookworm root and start its unit under systemd.
-# libvirt-daemon-driver-qemu, libvirt-clients and libxml2-utils (virt-xml-validate) run
+# libvirt-daemon (libvirtd), its QEMU driver, libvirt-clients and libxml2-utils (virt-xml-validate) run
 # the libvirt test: libvirtd in a private mount namespace, with the test bed's QEMU.
-pkgs="ca-certificates gcc gcc-12 make libc6-dev binutils bc libelf1 libssl3 kmod xz-utils apt dpkg iproute2 libibverbs-dev debootstrap systemd-container libvirt-daemon-driver-qemu libvirt-clients libxml2-utils"
+pkgs="ca-certificates gcc gcc-12 make libc6-dev binutils bc libelf1 libssl3 kmod xz-utils apt dpkg iproute2 libibverbs-dev debootstrap systemd-container libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils"
 missing=""
 for p in $pkgs; do
 	if ! dpkg-query -W -f '${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then

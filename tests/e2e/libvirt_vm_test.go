@@ -85,7 +85,7 @@ exit $rc
 func TestLibvirtDomain(t *testing.T) {
 	for _, tool := range []string{"libvirtd", "virsh", "virt-xml-validate", "unshare"} {
 		if _, err := exec.LookPath(tool); err != nil {
-			t.Fatalf("%s is missing: scripts/deps.sh installs libvirt-daemon-driver-qemu, libvirt-clients, libxml2-utils", tool)
+			t.Fatalf("%s is missing: scripts/deps.sh installs libvirt-daemon, libvirt-daemon-driver-qemu, libvirt-clients, libxml2-utils", tool)
 		}
 	}
 	img := image(t)
