@@ -58,3 +58,34 @@ func (m *Memory) Slice(gpa GPA, n uint64, write bool) ([]byte, Pin, error) {
 	}
 	return r.Data[off : off+n : off+n], Pin{r: r}, nil
 }
+
+// ErrNoFile: a region has no backing file descriptor (FileRange).
+var ErrNoFile = errors.New("guest region has no backing file")
+
+// FileRange returns the file that backs [gpa, gpa+n), the offset of gpa in
+// it, and a Pin that keeps the region (and so the descriptor) alive until
+// Release: a provider that maps the same pages again (an ibverbs MR alias)
+// must map them before releasing the pin. The range must lie inside one
+// region that has a file (ErrNotContiguous, ErrUnmapped or ErrNoFile
+// otherwise).
+func (m *Memory) FileRange(gpa GPA, n uint64) (fd int, offset int64, pin Pin, err error) {
+	if _, ok := gpa.Add(n); !ok {
+		return -1, 0, Pin{}, fmt.Errorf("file range %v+%#x: %w", gpa, n, ErrRange)
+	}
+	r := m.find(gpa)
+	if r == nil {
+		return -1, 0, Pin{}, fmt.Errorf("file range %v+%#x: %w", gpa, n, ErrUnmapped)
+	}
+	off := uint64(gpa) - uint64(r.Base)
+	switch {
+	case n > r.Size-off:
+		err = ErrNotContiguous
+	case r.FD < 0 || r.Data == nil:
+		err = ErrNoFile
+	}
+	if err != nil {
+		r.exit()
+		return -1, 0, Pin{}, fmt.Errorf("file range %v+%#x: %w", gpa, n, err)
+	}
+	return r.FD, r.Offset + int64(off), Pin{r: r}, nil
+}

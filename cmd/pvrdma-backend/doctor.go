@@ -143,9 +143,9 @@ func doctor(ctx context.Context, h hostEnv, o doctorOpts) []checkResult {
 	case o.netdev != "" && o.bridge != "":
 		res = append(res, fail("fabric", "give one of them", "--fabric-netdev and --fabric-bridge are exclusive"))
 	case o.netdev != "":
-		res = append(res, checkNetdev(h, o.netdev, false), checkARPIgnore(h, o.netdev))
+		res = append(res, checkNetdev(h, o.netdev, false), checkARPIgnore(h, o.netdev), checkNetCaps(h, true))
 	case o.bridge != "":
-		res = append(res, checkNetdev(h, o.bridge, true))
+		res = append(res, checkNetdev(h, o.bridge, true), checkNetCaps(h, false))
 	default:
 		res = append(res, ok("fabric", "none given: VMs of this daemon reach each other in process only"))
 	}
@@ -269,6 +269,35 @@ func effectiveCaps(h hostEnv) (uint64, error) {
 	return 0, errors.New("no CapEff in status")
 }
 
+// Capability bits the fabric needs.
+const (
+	capNetAdmin = 12
+	capNetRaw   = 13
+)
+
+// checkNetCaps: the fabric's sockets need CAP_NET_RAW (raw and packet
+// sockets, SO_BINDTODEVICE), IP mode also CAP_NET_ADMIN (guests' GIDs as
+// addresses on the netdev).
+func checkNetCaps(h hostEnv, ipMode bool) checkResult {
+	const name = "net-caps"
+	const fix = "run the daemon as root or with CAP_NET_RAW and CAP_NET_ADMIN (the package's unit has both)"
+	caps, err := effectiveCaps(h)
+	if err != nil {
+		return fail(name, fix, "capabilities unknown: %v", err)
+	}
+	var missing []string
+	if caps&(1<<capNetRaw) == 0 {
+		missing = append(missing, "CAP_NET_RAW")
+	}
+	if ipMode && caps&(1<<capNetAdmin) == 0 {
+		missing = append(missing, "CAP_NET_ADMIN")
+	}
+	if len(missing) > 0 {
+		return fail(name, fix, "this process lacks %s: the fabric cannot start", strings.Join(missing, " and "))
+	}
+	return ok(name, "this process has the capabilities the fabric needs")
+}
+
 // checkMemfdSeal: the kernel seals memfds against shrinking, which the daemon
 // requires of guest RAM (a truncated RAM file would crash it with SIGBUS).
 func checkMemfdSeal() checkResult {
@@ -307,11 +336,18 @@ func checkSocketDir(dir, group string) checkResult {
 	}
 	st, err := os.Stat(dir)
 	if errors.Is(err, fs.ErrNotExist) {
+		// serve creates the directory and any missing parents.
 		parent := filepath.Dir(dir)
+		for {
+			if _, err := os.Stat(parent); err == nil || parent == filepath.Dir(parent) {
+				break
+			}
+			parent = filepath.Dir(parent)
+		}
 		if unix.Access(parent, unix.W_OK|unix.X_OK) != nil {
 			return fail(name, "create "+dir+" (mode 0750) or pass --socket-dir", "%s is missing and %s is not writable", dir, parent)
 		}
-		return ok(name, "%s does not exist yet; serve creates it (0750)", dir)
+		return ok(name, "%s does not exist yet; serve creates it (0750) in %s", dir, parent)
 	}
 	if err != nil {
 		return fail(name, "pass a --socket-dir the daemon can use", "%s: %v", dir, err)
@@ -371,7 +407,7 @@ func checkNetdev(h hostEnv, name string, bridge bool) checkResult {
 	}
 	if bridge {
 		if _, err := os.Stat(filepath.Join(h.sys, "class/net", name, "bridge")); err != nil {
-			return fail(check, "L2 mode needs the bridge the VMs' NICs are on (ip link add "+name+" type bridge)", "%s is not a bridge", name)
+			return warn(check, "give the bridge the VMs' NICs are on", "%s is not a bridge: L2 mode sees only the frames that reach it", name)
 		}
 	}
 	addrs, _ := ifi.Addrs()
@@ -384,7 +420,7 @@ func checkNetdev(h hostEnv, name string, bridge bool) checkResult {
 		desc = fmt.Sprintf("%s (MTU %d), no addresses", name, ifi.MTU)
 	}
 	if ifi.Flags&net.FlagUp == 0 {
-		return warn(check, "ip link set "+name+" up", "%s is down", desc)
+		return warn(check, "ip link set "+name+" up", "%s; it is down", desc)
 	}
 	if ifi.MTU < 1500 {
 		return warn(check, "raise its MTU (RoCE's 1024-byte path MTU needs 1082 bytes of IP, 4096 needs 4154)", "%s", desc)
@@ -392,12 +428,17 @@ func checkNetdev(h hostEnv, name string, bridge bool) checkResult {
 	return ok(check, "%s", desc)
 }
 
-// checkARPIgnore: in IP mode guests' GIDs become addresses on the netdev;
-// with arp_ignore >= 1 the host answers ARP for them only on that netdev.
+// checkARPIgnore: in IP mode guests' GIDs become addresses on the netdev.
+// The kernel answers ARP for a local address on whichever interface the
+// request arrives, unless that interface's arp_ignore (the larger of its
+// own and "all") is at least 1: so every interface but the netdev (and lo)
+// needs it, "default" too for interfaces made later; "all" covers them all.
 func checkARPIgnore(h hostEnv, netdev string) checkResult {
 	const name = "arp-ignore"
+	const fix = "sysctl -w net.ipv4.conf.all.arp_ignore=1 (and in /etc/sysctl.d)"
+	dir := filepath.Join(h.proc, "sys/net/ipv4/conf")
 	read := func(dev string) (int, error) {
-		b, err := os.ReadFile(filepath.Join(h.proc, "sys/net/ipv4/conf", dev, "arp_ignore"))
+		b, err := os.ReadFile(filepath.Join(dir, dev, "arp_ignore"))
 		if err != nil {
 			return 0, err
 		}
@@ -405,17 +446,28 @@ func checkARPIgnore(h hostEnv, netdev string) checkResult {
 	}
 	all, err := read("all")
 	if err != nil {
-		return warn(name, "", "net.ipv4.conf.all.arp_ignore: %v", err)
+		return warn(name, fix, "net.ipv4.conf.all.arp_ignore: %v", err)
 	}
-	dev, err := read(netdev)
+	if all >= 1 {
+		return ok(name, "net.ipv4.conf.all.arp_ignore is %d", all)
+	}
+	ents, err := os.ReadDir(dir)
 	if err != nil {
-		return warn(name, "", "net.ipv4.conf.%s.arp_ignore: %v", netdev, err)
+		return warn(name, fix, "%s: %v", dir, err)
 	}
-	if eff := max(all, dev); eff < 1 {
-		return warn(name, "sysctl -w net.ipv4.conf.all.arp_ignore=1 (and in /etc/sysctl.d)",
-			"arp_ignore is %d: the host answers ARP for guests' GIDs (addresses on %s) on every interface", eff, netdev)
+	var answering []string
+	for _, e := range ents {
+		if n := e.Name(); n != "all" && n != "lo" && n != netdev {
+			if v, err := read(n); err == nil && v < 1 {
+				answering = append(answering, n)
+			}
+		}
 	}
-	return ok(name, "arp_ignore %d on %s", max(all, dev), netdev)
+	if len(answering) > 0 {
+		return warn(name, fix, "arp_ignore is 0 on %s: the host answers ARP there for guests' GIDs (addresses on %s)",
+			strings.Join(answering, ", "), netdev)
+	}
+	return ok(name, "arp_ignore >= 1 on every interface but %s", netdev)
 }
 
 // checkUDP4791: who else has RoCE v2's port. In IP mode the daemon binds a
@@ -442,8 +494,8 @@ func checkUDP4791(h hostEnv, ipMode bool) checkResult {
 		desc += "; RDMA devices: " + strings.Join(rdma, ", ")
 	}
 	if n > 0 && ipMode {
-		return warn(name, "make sure no rxe device or other RoCE stack uses the fabric netdev's addresses",
-			"%s (kernel rxe or another RoCE stack?); the daemon binds UDP 4791 on each guest GID", desc)
+		return fail(name, "stop what holds it (kernel rxe on this host? another pvrdma-backend?)",
+			"%s: IP mode binds UDP 4791 on the wildcard address and cannot start while another socket holds it", desc)
 	}
 	return ok(name, "%s", desc)
 }

@@ -106,7 +106,10 @@ func TestCheckMemlock(t *testing.T) {
 func TestCheckSocketDir(t *testing.T) {
 	dir := t.TempDir()
 	require.Equal(t, statusOK, checkSocketDir(filepath.Join(dir, "pvrdma"), "").Status, "missing, parent writable")
-	require.Equal(t, statusFail, checkSocketDir("/nonexistent/x/pvrdma", "").Status, "missing, parent missing")
+	require.Equal(t, statusOK, checkSocketDir(filepath.Join(dir, "a/b/pvrdma"), "").Status, "missing parents are created")
+	notDir := filepath.Join(dir, "file-parent")
+	writeFile(t, notDir, "")
+	require.Equal(t, statusFail, checkSocketDir(filepath.Join(notDir, "x/pvrdma"), "").Status, "nearest existing ancestor unusable")
 	require.NoError(t, os.Chmod(dir, 0o777))
 	r := checkSocketDir(dir, "")
 	require.Equal(t, statusFail, r.Status)
@@ -121,12 +124,20 @@ func TestCheckSocketDir(t *testing.T) {
 
 func TestCheckARPIgnoreAndUDP(t *testing.T) {
 	h := fakeHost(t)
-	writeFile(t, filepath.Join(h.proc, "sys/net/ipv4/conf/all/arp_ignore"), "0\n")
-	writeFile(t, filepath.Join(h.proc, "sys/net/ipv4/conf/lo/arp_ignore"), "0\n")
-	require.Equal(t, statusWarn, checkARPIgnore(h, "lo").Status)
-	writeFile(t, filepath.Join(h.proc, "sys/net/ipv4/conf/all/arp_ignore"), "1\n")
-	require.Equal(t, statusOK, checkARPIgnore(h, "lo").Status, "all=1 is enough")
-	require.Equal(t, statusWarn, checkARPIgnore(h, "eth9").Status, "unknown netdev")
+	conf := filepath.Join(h.proc, "sys/net/ipv4/conf")
+	writeFile(t, filepath.Join(conf, "all/arp_ignore"), "0\n")
+	writeFile(t, filepath.Join(conf, "lo/arp_ignore"), "0\n")
+	writeFile(t, filepath.Join(conf, "fab0/arp_ignore"), "0\n")
+	writeFile(t, filepath.Join(conf, "eth0/arp_ignore"), "0\n")
+	writeFile(t, filepath.Join(conf, "default/arp_ignore"), "1\n")
+	r := checkARPIgnore(h, "fab0")
+	require.Equal(t, statusWarn, r.Status)
+	require.Contains(t, r.Detail, "arp_ignore is 0 on eth0:", "eth0 answers for the fabric's addresses; lo and fab0 itself do not count")
+	writeFile(t, filepath.Join(conf, "eth0/arp_ignore"), "1\n")
+	require.Equal(t, statusOK, checkARPIgnore(h, "fab0").Status, "every other interface ignores")
+	writeFile(t, filepath.Join(conf, "eth0/arp_ignore"), "0\n")
+	writeFile(t, filepath.Join(conf, "all/arp_ignore"), "1\n")
+	require.Equal(t, statusOK, checkARPIgnore(h, "fab0").Status, "all=1 is enough")
 
 	// /proc/net/udp with one socket on 0.0.0.0:4791 (0x12B7) and one on 53.
 	udp := "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode ref pointer drops\n" +
@@ -135,8 +146,8 @@ func TestCheckARPIgnoreAndUDP(t *testing.T) {
 	require.Equal(t, 1, countUDPPort([]byte(udp), 4791))
 	require.Equal(t, 0, countUDPPort([]byte(udp), 4792))
 	writeFile(t, filepath.Join(h.proc, "net/udp"), udp)
-	r := checkUDP4791(h, true)
-	require.Equal(t, statusWarn, r.Status)
+	r = checkUDP4791(h, true)
+	require.Equal(t, statusFail, r.Status, "IP mode cannot bind 4791")
 	require.Contains(t, r.Detail, "1 sockets bound")
 	require.Equal(t, statusOK, checkUDP4791(h, false).Status, "L2 mode does not bind UDP")
 	writeFile(t, filepath.Join(h.sys, "class/infiniband/rxe0/ports/1/state"), "4: ACTIVE\n")
@@ -162,6 +173,13 @@ func TestCheckRelayPieces(t *testing.T) {
 	require.Contains(t, checkRXE(h).Detail, "loaded")
 
 	require.Equal(t, statusWarn, checkKVM(h).Status)
+
+	r := checkNetCaps(h, true)
+	require.Equal(t, statusFail, r.Status)
+	require.Contains(t, r.Detail, "CAP_NET_RAW and CAP_NET_ADMIN")
+	writeFile(t, filepath.Join(h.proc, "self/status"), "CapEff:\t0000000000002000\n")
+	require.Equal(t, statusOK, checkNetCaps(h, false).Status, "L2 mode needs only CAP_NET_RAW")
+	require.Equal(t, statusFail, checkNetCaps(h, true).Status)
 }
 
 func TestDoctorOutputAndExit(t *testing.T) {
@@ -189,6 +207,14 @@ func TestDoctorOutputAndExit(t *testing.T) {
 		}
 	}
 	require.Equal(t, []string{"fabric", "transport", "libibverbs", "rdma-device"}, names)
+	res = doctor(context.Background(), h, doctorOpts{qemu: good, socketDir: t.TempDir(), transport: "soft", bridge: "no-such-br0"})
+	names = nil
+	for _, r := range res {
+		if r.Status == statusFail {
+			names = append(names, r.Name)
+		}
+	}
+	require.Equal(t, []string{"fabric-bridge", "net-caps"}, names, "a missing bridge, no CAP_NET_RAW")
 
 	// The command exits 1 on a FAIL (no QEMU at the given path).
 	var out, errb bytes.Buffer
