@@ -1,0 +1,44 @@
+package guestmem
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+func TestFileRange(t *testing.T) {
+	fd, err := unix.MemfdCreate("fr", unix.MFD_CLOEXEC)
+	require.NoError(t, err)
+	require.NoError(t, unix.Ftruncate(fd, 0x4000))
+	spec, err := MapFD(0x10000, 0x2000, ProtRead|ProtWrite, fd, 0x1000)
+	require.NoError(t, err)
+	m := New()
+	require.NoError(t, m.Add(spec))
+	require.NoError(t, m.Add(Bytes(0x12000, make([]byte, 0x1000), ProtRead|ProtWrite)))
+
+	gotFD, off, pin, err := m.FileRange(0x11000, 0x1000)
+	require.NoError(t, err)
+	require.Equal(t, fd, gotFD)
+	require.Equal(t, int64(0x2000), off, "the region's file offset plus the page's")
+	// A removal waits for the pin: the descriptor stays valid while mapping.
+	removed := make(chan struct{})
+	go func() { _, _ = m.Remove(0x10000, 0x2000); close(removed) }()
+	select {
+	case <-removed:
+		t.Fatal("Remove did not wait for the pin")
+	case <-time.After(50 * time.Millisecond):
+	}
+	pin.Release()
+	<-removed
+
+	_, _, _, err = m.FileRange(0x12000, 0x1000)
+	require.ErrorIs(t, err, ErrNoFile, "a region without a file")
+	_, _, _, err = m.FileRange(0x20000, 0x1000)
+	require.ErrorIs(t, err, ErrUnmapped)
+	_, _, _, err = m.FileRange(0x12800, 0x1000)
+	require.Error(t, err, "past the region's end")
+	_, _, _, err = m.FileRange(^GPA(0), 2)
+	require.ErrorIs(t, err, ErrRange)
+}

@@ -1,0 +1,206 @@
+//go:build linux && cgo
+
+package ibverbs
+
+/*
+#include <stdlib.h>
+#include "pv.h"
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+)
+
+// Provider relays to one port of one host RDMA device. Each VM's Device
+// shares the host device context and owns its own PDs, CQs, QPs and MRs.
+type Provider struct {
+	lib  *lib
+	ctx  *C.struct_ibv_context
+	port uint8
+	name string
+	attr C.struct_ibv_device_attr
+	log  *slog.Logger
+
+	mu      sync.Mutex
+	devices map[*Device]struct{}
+	closed  bool
+}
+
+var _ hostverbs.Provider = (*Provider)(nil)
+
+// New loads libibverbs and opens cfg.Device. Every failure names what to
+// install or create.
+func New(cfg Config) (*Provider, error) {
+	if cfg.Device == "" {
+		return nil, fmt.Errorf("ibverbs: no device named: %w", ErrNoDevice)
+	}
+	if cfg.Port == 0 {
+		cfg.Port = 1
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	l, err := loadLib()
+	if err != nil {
+		return nil, fmt.Errorf("ibverbs: %w", err)
+	}
+	name := C.CString(cfg.Device)
+	defer C.free(unsafe.Pointer(name))
+	ctx, err := C.pv_open(l.l, name)
+	if ctx == nil {
+		names, _ := l.deviceNames()
+		l.close()
+		have := "none"
+		if len(names) > 0 {
+			have = strings.Join(names, ", ")
+		}
+		return nil, fmt.Errorf("ibverbs: open %s: %v: %w (devices: %s; create Soft-RoCE with `rdma link add rxe0 type rxe netdev IFACE` or --create-rxe)",
+			cfg.Device, err, ErrNoDevice, have)
+	}
+	p := &Provider{lib: l, ctx: ctx, port: cfg.Port, name: cfg.Device, log: log, devices: map[*Device]struct{}{}}
+	if rc, err := C.pv_query_device(l.l, ctx, &p.attr); rc != 0 {
+		p.closeContext()
+		return nil, fmt.Errorf("ibverbs: %s: %w", cfg.Device, errnoErr("ibv_query_device", rc, err))
+	}
+	if cfg.Port > uint8(p.attr.phys_port_cnt) {
+		p.closeContext()
+		return nil, fmt.Errorf("ibverbs: %s has %d ports, not %d: %w", cfg.Device, p.attr.phys_port_cnt, cfg.Port, ErrPort)
+	}
+	pa, err := p.queryPort()
+	if err != nil {
+		p.closeContext()
+		return nil, fmt.Errorf("ibverbs: %s: %w", cfg.Device, err)
+	}
+	if pa.link_layer != C.IBV_LINK_LAYER_ETHERNET {
+		p.closeContext()
+		return nil, fmt.Errorf("ibverbs: %s port %d is not Ethernet (RoCE): %w", cfg.Device, cfg.Port, ErrPort)
+	}
+	log.Info("ibverbs device opened", "device", cfg.Device, "port", cfg.Port, "state", portStateName(pa.state),
+		"max_qp", p.attr.max_qp, "max_mr", p.attr.max_mr)
+	return p, nil
+}
+
+func (p *Provider) queryPort() (C.struct_ibv_port_attr, error) {
+	var pa C.struct_ibv_port_attr
+	if rc, err := C.pv_query_port(p.lib.l, p.ctx, C.uint8_t(p.port), &pa); rc != 0 {
+		return pa, fmt.Errorf("port %d: %w: %w", p.port, errnoErr("ibv_query_port", rc, err), ErrPort)
+	}
+	return pa, nil
+}
+
+func portStateName(s C.enum_ibv_port_state) string {
+	switch s {
+	case C.IBV_PORT_DOWN:
+		return "DOWN"
+	case C.IBV_PORT_INIT:
+		return "INIT"
+	case C.IBV_PORT_ARMED:
+		return "ARMED"
+	case C.IBV_PORT_ACTIVE:
+		return "ACTIVE"
+	case C.IBV_PORT_ACTIVE_DEFER:
+		return "ACTIVE_DEFER"
+	}
+	return "NOP"
+}
+
+// Name is the host device's name.
+func (p *Provider) Name() string { return p.name }
+
+// Port is the host port used.
+func (p *Provider) Port() uint8 { return p.port }
+
+// GIDTable returns the host port's valid GID entries.
+func (p *Provider) GIDTable() ([]HostGID, error) {
+	pa, err := p.queryPort()
+	if err != nil {
+		return nil, err
+	}
+	var out []HostGID
+	for i := 0; i < int(pa.gid_tbl_len); i++ {
+		var e C.struct_ibv_gid_entry
+		rc, _ := C.pv_query_gid(p.lib.l, p.ctx, C.uint32_t(p.port), C.uint32_t(i), &e)
+		if rc != 0 {
+			continue // an empty slot answers ENODATA
+		}
+		var g hostverbs.GID
+		copy(g[:], C.GoBytes(unsafe.Pointer(&e.gid), 16))
+		if g.IsZero() {
+			continue
+		}
+		out = append(out, HostGID{Index: i, GIDEntry: hostverbs.GIDEntry{GID: g, Type: hostverbs.GIDType(e.gid_type)}})
+	}
+	return out, nil
+}
+
+// hostGIDIndex finds the host GID index holding e.
+func (p *Provider) hostGIDIndex(e hostverbs.GIDEntry) (int, error) {
+	tbl, err := p.GIDTable()
+	if err != nil {
+		return 0, err
+	}
+	for _, h := range tbl {
+		if h.GIDEntry == e {
+			return h.Index, nil
+		}
+	}
+	return 0, fmt.Errorf("GID %s (%s) is not in %s's GID table (in IP mode the daemon adds it to the netdev): %w",
+		e.GID, e.Type, p.name, hostverbs.ErrNotFound)
+}
+
+// Open creates the device of one VM.
+func (p *Provider) Open(cfg hostverbs.DeviceConfig) (hostverbs.Device, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, hostverbs.ErrClosed
+	}
+	d, err := newDevice(p, cfg)
+	if err != nil {
+		return nil, err
+	}
+	p.devices[d] = struct{}{}
+	return d, nil
+}
+
+func (p *Provider) forget(d *Device) {
+	p.mu.Lock()
+	delete(p.devices, d)
+	p.mu.Unlock()
+}
+
+// Close closes every device and the host device.
+func (p *Provider) Close() error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil
+	}
+	p.closed = true
+	devs := make([]*Device, 0, len(p.devices))
+	for d := range p.devices {
+		devs = append(devs, d)
+	}
+	p.mu.Unlock()
+	var errs []error
+	for _, d := range devs {
+		errs = append(errs, d.Close())
+	}
+	errs = append(errs, p.closeContext())
+	return errors.Join(errs...)
+}
+
+func (p *Provider) closeContext() error {
+	rc, err := C.pv_close_device(p.lib.l, p.ctx)
+	p.lib.close()
+	return errnoErr("ibv_close_device", rc, err)
+}
