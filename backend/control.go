@@ -28,6 +28,22 @@ type Status struct {
 type FabricStatus struct {
 	Mode   string `json:"mode"` // "local", "ip" or "l2"
 	Netdev string `json:"netdev,omitempty"`
+	// HostDevice is the RDMA device the ibverbs relay uses.
+	HostDevice *HostDeviceStatus `json:"host_device,omitempty"`
+}
+
+// HostDeviceStatus describes the relay's host RDMA device.
+type HostDeviceStatus struct {
+	Name string `json:"name"`
+	Port uint8  `json:"port"`
+	// State is the port state (ACTIVE, DOWN, ...); Error says why it is
+	// unknown.
+	State string `json:"state,omitempty"`
+	Error string `json:"error,omitempty"`
+	// GIDs is the port's GID table ("index gid type").
+	GIDs []string `json:"gids,omitempty"`
+	// CreatedRXE: the daemon created this rxe link and removes it at shutdown.
+	CreatedRXE bool `json:"created_rxe,omitempty"`
 }
 
 // VMStatus is one VM's session.

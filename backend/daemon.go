@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/ibverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
@@ -275,7 +276,7 @@ func (d *Daemon) Status() Status {
 	}
 	d.mu.Unlock()
 	sort.Slice(vms, func(i, j int) bool { return vms[i].name < vms[j].name })
-	st := Status{Transport: "soft", SocketDir: d.cfg.SocketDir, Fabric: d.fabric.status(), Counters: d.fabric.counters()}
+	st := Status{Transport: d.cfg.Fabric.Transport(), SocketDir: d.cfg.SocketDir, Fabric: d.fabric.status(), Counters: d.fabric.counters()}
 	if st.Counters == nil {
 		st.Counters = map[string]uint64{}
 	}
@@ -289,18 +290,24 @@ func (d *Daemon) Status() Status {
 // SocketPath returns the vfio-user socket of a registered VM.
 func (d *Daemon) SocketPath(name string) string { return SocketPath(d.cfg.SocketDir, name) }
 
-// fabric is the daemon's soft RoCE fabric plus its host attachment.
+// fabric is the daemon's verbs provider (the soft RoCE fabric, or the
+// relay to a host RDMA device) plus its host attachment.
 type fabric struct {
-	cfg   FabricConfig
-	soft  *soft.Fabric
-	addrs *AddrManager // IP mode: bound GIDs as host addresses
+	cfg      FabricConfig
+	provider hostverbs.Provider
+	soft     *soft.Fabric      // soft transport
+	relay    *ibverbs.Provider // ibverbs relay
+	addrs    *AddrManager      // IP mode: bound GIDs as host addresses
+	rxe      string            // the rxe link the daemon created (removed at close)
+	log      *slog.Logger
 }
 
 // FabricConfig selects the fabric attachment.
 type FabricConfig struct {
 	// Netdev (IP mode) is a host network device on which bound guest GIDs
 	// are added as addresses, so RoCE v2 traffic from other hosts reaches
-	// this daemon's UDP port 4791.
+	// this daemon's UDP port 4791 (soft), or the host device's GID table
+	// holds them (relay: the HCA's or the rxe link's netdev).
 	Netdev string
 	// Bridge (L2 mode) is the network device the VMs' NICs are bridged
 	// on; RoCE v2 frames are captured from and injected into it with the
@@ -309,14 +316,35 @@ type FabricConfig struct {
 	Bridge string
 	// DefaultTOS is the IP TOS of RoCE packets whose traffic class is 0.
 	DefaultTOS uint8
+	// IBDevice, if set, relays the VMs' verbs to this host RDMA device
+	// through libibverbs instead of the soft transport (needs Netdev).
+	IBDevice string
+	// IBPort is the host device's port (default 1).
+	IBPort uint8
+	// CreateRXE, if set, creates a Soft-RoCE link over this netdev (as
+	// `rdma link add NAME type rxe netdev NETDEV` does), relays to it, and
+	// removes it at shutdown if the daemon created it. It implies IBDevice
+	// (default "rxe_" + the netdev) and Netdev.
+	CreateRXE string
+}
+
+// Transport names the verbs provider a FabricConfig selects.
+func (c FabricConfig) Transport() string {
+	if c.IBDevice != "" || c.CreateRXE != "" {
+		return "ibverbs"
+	}
+	return "soft"
 }
 
 func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
-	f := &fabric{cfg: cfg}
-	scfg := soft.Config{DefaultTOS: cfg.DefaultTOS, Logger: log.With("component", "fabric")}
 	if cfg.Netdev != "" && cfg.Bridge != "" {
 		return nil, errors.New("fabric: choose IP mode (netdev) or L2 mode (bridge), not both")
 	}
+	if cfg.Transport() == "ibverbs" {
+		return newRelayFabric(cfg, log)
+	}
+	f := &fabric{cfg: cfg, log: log}
+	scfg := soft.Config{DefaultTOS: cfg.DefaultTOS, Logger: log.With("component", "fabric")}
 	if cfg.Bridge != "" {
 		w, mtu, err := newPacketWire(cfg.Bridge)
 		if err != nil {
@@ -345,22 +373,79 @@ func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 		}
 		return nil, fmt.Errorf("fabric: %w", err)
 	}
-	f.soft = sf
+	f.soft, f.provider = sf, sf
+	return f, nil
+}
+
+// newRelayFabric opens the host RDMA device (creating an rxe link first if
+// asked) and manages the guests' GIDs as addresses on its netdev, from
+// which the kernel fills the device's GID table.
+func newRelayFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
+	if cfg.Bridge != "" {
+		return nil, errors.New("fabric: the ibverbs relay works in IP mode (--fabric-netdev or --create-rxe), not on a bridge")
+	}
+	if cfg.CreateRXE != "" {
+		if cfg.Netdev != "" && cfg.Netdev != cfg.CreateRXE {
+			return nil, fmt.Errorf("fabric: --create-rxe %s and --fabric-netdev %s: the rxe link's netdev is the fabric netdev", cfg.CreateRXE, cfg.Netdev)
+		}
+		cfg.Netdev = cfg.CreateRXE
+		if cfg.IBDevice == "" {
+			cfg.IBDevice = "rxe_" + cfg.CreateRXE
+		}
+	}
+	if cfg.Netdev == "" {
+		return nil, fmt.Errorf("fabric: the ibverbs relay to %s needs --fabric-netdev (the device's netdev, where guests' GIDs become addresses and so enter its GID table)", cfg.IBDevice)
+	}
+	f := &fabric{cfg: cfg, log: log}
+	if cfg.CreateRXE != "" {
+		created, err := createRXE(cfg.IBDevice, cfg.CreateRXE, log)
+		if err != nil {
+			return nil, fmt.Errorf("fabric: %w", err)
+		}
+		if created {
+			f.rxe = cfg.IBDevice
+		}
+	}
+	fail := func(err error) (*fabric, error) {
+		if f.addrs != nil {
+			f.addrs.Close()
+		}
+		f.deleteRXE()
+		return nil, fmt.Errorf("fabric: %w", err)
+	}
+	checkARPIgnore(log)
+	am, err := NewAddrManager(cfg.Netdev)
+	if err != nil {
+		return fail(err)
+	}
+	f.addrs = am
+	p, err := ibverbs.New(ibverbs.Config{Device: cfg.IBDevice, Port: cfg.IBPort, Logger: log.With("component", "relay")})
+	if err != nil {
+		return fail(err)
+	}
+	f.relay, f.provider = p, p
 	return f, nil
 }
 
 func (f *fabric) status() FabricStatus {
+	st := FabricStatus{Mode: "local"}
 	switch {
 	case f.cfg.Netdev != "":
-		return FabricStatus{Mode: "ip", Netdev: f.cfg.Netdev}
+		st = FabricStatus{Mode: "ip", Netdev: f.cfg.Netdev}
 	case f.cfg.Bridge != "":
-		return FabricStatus{Mode: "l2", Netdev: f.cfg.Bridge}
+		st = FabricStatus{Mode: "l2", Netdev: f.cfg.Bridge}
 	}
-	return FabricStatus{Mode: "local"}
+	if f.relay != nil {
+		st.HostDevice = relayStatus(f.relay, f.rxe != "")
+	}
+	return st
 }
 
 func (f *fabric) counters() map[string]uint64 {
-	c := f.soft.Counters()
+	c := map[string]uint64{}
+	if f.soft != nil {
+		c = f.soft.Counters()
+	}
 	if f.addrs != nil {
 		c["netdev_addr_changes"] = f.addrs.Changes()
 	}
@@ -378,11 +463,14 @@ func (f *fabric) gidBound(e hostverbs.GIDEntry, bound bool) error {
 }
 
 func (f *fabric) close() error {
-	err := f.soft.Close()
+	err := f.provider.Close()
 	if f.addrs != nil {
 		if aerr := f.addrs.Close(); err == nil {
 			err = aerr
 		}
+	}
+	if derr := f.deleteRXE(); err == nil {
+		err = derr
 	}
 	return err
 }

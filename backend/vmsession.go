@@ -134,7 +134,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	var mac [6]byte
 	copy(mac[:], s.mac)
 	var events eventRelay
-	verbs, err := s.d.fabric.soft.Open(hostverbs.DeviceConfig{
+	verbs, err := s.d.fabric.provider.Open(hostverbs.DeviceConfig{
 		Name: s.name, Memory: h.Memory, NodeGUID: NodeGUID(s.mac), MAC: mac,
 		Events: events.deliver, Logger: h.Logger,
 	})

@@ -22,6 +22,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/ibverbs"
 )
 
 // Check statuses, from best to worst.
@@ -54,6 +56,7 @@ func fail(name, fix, format string, args ...any) checkResult {
 // doctorOpts are what the daemon would be run with.
 type doctorOpts struct {
 	qemu, socketDir, netdev, bridge, transport, ibdev, socketGroup string
+	createRXE                                                      string
 	maxLocked                                                      uint64
 }
 
@@ -95,6 +98,7 @@ func runDoctor(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fs.StringVar(&o.bridge, "fabric-bridge", "", "L2 mode: the fabric bridge")
 	fs.StringVar(&o.transport, "transport", "soft", "host verbs provider: soft or ibverbs")
 	fs.StringVar(&o.ibdev, "ibdev", "", "ibverbs: the RDMA device to relay to")
+	fs.StringVar(&o.createRXE, "create-rxe", "", "ibverbs: the netdev serve --create-rxe makes a Soft-RoCE link over")
 	fs.StringVar(&o.socketGroup, "socket-group", "", "the daemon's --socket-group")
 	var maxLocked sizeFlag
 	fs.Var(&maxLocked, "max-locked-memory", "the daemon's --max-locked-memory (checked against RLIMIT_MEMLOCK)")
@@ -154,13 +158,32 @@ func doctor(ctx context.Context, h hostEnv, o doctorOpts) []checkResult {
 	case "soft":
 		res = append(res, ok("transport", "soft: needs no RDMA hardware or rdma-core"))
 	case "ibverbs":
-		res = append(res, fail("transport", "run with --transport soft",
-			"ibverbs: this build has no libibverbs relay yet (serve refuses it)"))
-		res = append(res, checkLibibverbs(h), checkIBDev(h, o.ibdev))
+		if !ibverbs.Built {
+			res = append(res, fail("transport", "use a binary built with cgo (make bin), or --transport soft",
+				"ibverbs: this binary was built without cgo and has no relay"))
+		} else {
+			res = append(res, ok("transport", "ibverbs: the relay loads libibverbs at start"))
+		}
+		res = append(res, checkLibibverbs(h))
+		if o.createRXE != "" {
+			r := checkRXE(h)
+			if r.Status != statusOK {
+				r.Status = statusFail
+			}
+			res = append(res, r)
+			if o.netdev == "" && o.bridge == "" {
+				res = append(res, checkNetdev(h, o.createRXE, false), checkNetCaps(h, true))
+			}
+		} else {
+			res = append(res, checkIBDev(h, o.ibdev))
+		}
 	default:
 		res = append(res, fail("transport", "--transport soft or ibverbs", "unknown transport %q", o.transport))
 	}
-	res = append(res, checkRXE(h), checkKVM(h))
+	if o.createRXE == "" {
+		res = append(res, checkRXE(h))
+	}
+	res = append(res, checkKVM(h))
 	return res
 }
 

@@ -35,7 +35,20 @@ func TestUsage(t *testing.T) {
 	assert.Equal(t, 2, code, "--vm is required")
 	code, _, stderr = cli(t, "serve", "--transport", "ibverbs")
 	assert.Equal(t, 1, code)
-	assert.Contains(t, stderr, "only the soft transport")
+	assert.Contains(t, stderr, "needs --ibdev NAME or --create-rxe NETDEV")
+	code, _, stderr = cli(t, "serve", "--transport", "rdma")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "want soft or ibverbs")
+	code, _, stderr = cli(t, "serve", "--ibdev", "rxe0")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "need --transport ibverbs")
+	// This host has libibverbs but no RDMA device: the error names what to create.
+	code, _, stderr = cli(t, "serve", "--transport", "ibverbs", "--ibdev", "nosuch0", "--fabric-netdev", "lo", "--socket-dir", t.TempDir())
+	assert.Equal(t, 1, code)
+	assert.Regexp(t, `no such RDMA device|cannot load libibverbs`, stderr)
+	code, _, stderr = cli(t, "serve", "--transport", "ibverbs", "--ibdev", "nosuch0", "--socket-dir", t.TempDir())
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "needs --fabric-netdev")
 }
 
 func TestQEMUArgsRegistersAndGuardsTheMAC(t *testing.T) {

@@ -58,7 +58,10 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	netdev := fs.String("fabric-netdev", "", "IP mode: add bound guest GIDs as addresses on this netdev and use UDP 4791 through it")
 	bridge := fs.String("fabric-bridge", "", "L2 mode: carry RoCE as frames with the VMs' own MACs on this bridge (the VMs' NICs are on it)")
 	tos := fs.Uint("default-tos", 0, "IP TOS of RoCE packets whose traffic class is 0 (default_roce_tos)")
-	transport := fs.String("transport", "soft", "host verbs provider: soft (pure-Go RoCE v2)")
+	transport := fs.String("transport", "soft", "host verbs provider: soft (pure-Go RoCE v2) or ibverbs (relay to a host RDMA device through libibverbs)")
+	ibdev := fs.String("ibdev", "", "ibverbs: the host RDMA device (ibv_devices; e.g. mlx5_0, rxe0)")
+	ibPort := fs.Uint("ib-port", 1, "ibverbs: the device's port")
+	createRXE := fs.String("create-rxe", "", "ibverbs: create a Soft-RoCE link over this netdev (rdma link add rxe_NETDEV type rxe netdev NETDEV), relay to it, remove it at shutdown")
 	var vms vmList
 	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC, optionally followed by ,gid-allow=PREFIX (its own GID allow list; both repeatable)")
 	gidAllow := fs.String("gid-allow", backend.DefaultGIDAllow,
@@ -85,8 +88,20 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err := parse(fs, args); err != nil {
 		return err
 	}
-	if *transport != "soft" {
-		return fmt.Errorf("--transport %s: only the soft transport exists (an ibverbs provider is planned)", *transport)
+	switch *transport {
+	case "soft":
+		if *ibdev != "" || *createRXE != "" {
+			return errors.New("--ibdev and --create-rxe need --transport ibverbs")
+		}
+	case "ibverbs":
+		if *ibdev == "" && *createRXE == "" {
+			return errors.New("--transport ibverbs needs --ibdev NAME or --create-rxe NETDEV")
+		}
+		if *ibPort == 0 || *ibPort > 255 {
+			return fmt.Errorf("--ib-port %d: must be 1..255", *ibPort)
+		}
+	default:
+		return fmt.Errorf("--transport %s: want soft or ibverbs", *transport)
 	}
 	if *tos > 255 {
 		return fmt.Errorf("--default-tos %d: must be 0..255", *tos)
@@ -124,9 +139,10 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	// (backend: the socket group's sockets 0660, the control socket 0600).
 	unix.Umask(0o077)
 	d, err := backend.New(backend.Config{
-		GIDAllow:        allow,
-		SocketDir:       *socketDir,
-		Fabric:          backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos)},
+		GIDAllow:  allow,
+		SocketDir: *socketDir,
+		Fabric: backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos),
+			IBDevice: *ibdev, IBPort: uint8(*ibPort), CreateRXE: *createRXE},
 		Limits:          lim,
 		MemoryBudget:    uint64(daemonBudget),
 		MaxLockedMemory: uint64(maxLocked),

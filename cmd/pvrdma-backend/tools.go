@@ -212,6 +212,16 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return enc.Encode(st)
 	}
 	fmt.Fprintf(stdout, "transport %s, fabric %s%s, sockets in %s\n", st.Transport, st.Fabric.Mode, strings.TrimSuffix(" "+st.Fabric.Netdev, " "), st.SocketDir)
+	if h := st.Fabric.HostDevice; h != nil {
+		created := ""
+		if h.CreatedRXE {
+			created = " (created by the daemon)"
+		}
+		fmt.Fprintf(stdout, "host device %s%s port %d: %s%s\n", h.Name, created, h.Port, h.State, h.Error)
+		for _, g := range h.GIDs {
+			fmt.Fprintf(stdout, "  gid %s\n", g)
+		}
+	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "VM\tCONNECTED\tMAC\tGIDS\tQPS\tMRS\tLOCKED")
 	for _, vm := range st.VMs {

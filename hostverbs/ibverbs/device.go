@@ -43,14 +43,15 @@ type Device struct {
 	done    chan struct{}
 	wc      *C.struct_ibv_wc // pollBatch entries, C memory
 
-	mu     sync.Mutex
-	closed bool
-	gids   [gidTableLen]hostverbs.GIDEntry
-	pds    map[*PD]struct{}
-	cqs    map[uintptr]*CQ // by the handle given to the host CQ as its context
-	nextCQ uintptr
-	counts struct{ qp, cq, mr, pd, srq int }
-	mrLen  uint64
+	mu      sync.Mutex
+	closed  bool
+	gids    [gidTableLen]hostverbs.GIDEntry
+	pds     map[*PD]struct{}
+	cqs     map[uintptr]*CQ // by the handle given to the host CQ as its context
+	nextCQ  uintptr
+	counts  struct{ qp, cq, mr, pd, srq int }
+	mrLen   uint64
+	dmaKeys uint32
 }
 
 var _ hostverbs.Device = (*Device)(nil)

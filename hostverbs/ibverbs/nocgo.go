@@ -30,3 +30,9 @@ func (p *Provider) Port() uint8 { return 0 }
 
 // GIDTable fails.
 func (p *Provider) GIDTable() ([]HostGID, error) { return nil, ErrNotBuilt }
+
+// PortState fails.
+func (p *Provider) PortState() (string, error) { return "", ErrNotBuilt }
+
+// Built reports whether this binary has the relay (it needs cgo).
+const Built = false

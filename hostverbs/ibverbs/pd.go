@@ -159,7 +159,7 @@ var _ hostverbs.MR = (*MR)(nil)
 func (p *PD) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
 	pl := attr.Pages
 	if pl.Pages == nil {
-		return nil, fmt.Errorf("reg mr: a DMA MR (all of guest memory) is not supported by the ibverbs relay: %w", hostverbs.ErrNotSupported)
+		return p.dmaMR(attr)
 	}
 	if pl.Length == 0 {
 		return nil, fmt.Errorf("reg mr: empty: %w", hostverbs.ErrInvalid)
@@ -248,6 +248,35 @@ func aliasPages(m *guestmem.Memory, pages []guestmem.GPA) (unsafe.Pointer, uintp
 	}
 	return base, length, nil
 }
+
+// dmaKeyBase marks the placeholder keys of DMA MRs: above any lkey a host
+// device hands out for its MR indexes (rxe: index<<8, fewer than 2^20 MRs).
+const dmaKeyBase = 0xfff00000
+
+// dmaMR accepts the guest kernel's DMA MR (all of guest memory, local
+// access only) as a placeholder: the kernel uses it only in GSI (QP1)
+// work requests, and the relay carries no GSI QP (the host kernel owns
+// QP1). Its key is never valid on the host device, so a WR that uses it
+// fails there with a protection error instead of reaching memory.
+func (p *PD) dmaMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
+	if attr.Access&^hostverbs.AccessLocalWrite != 0 {
+		return nil, fmt.Errorf("reg mr: a DMA MR with access %#x: %w", attr.Access, hostverbs.ErrInvalid)
+	}
+	d := p.d
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if p.dead || d.closed {
+		return nil, hostverbs.ErrClosed
+	}
+	d.dmaKeys++
+	return &dmaMR{key: dmaKeyBase | d.dmaKeys&0xfffff}, nil
+}
+
+type dmaMR struct{ key uint32 }
+
+func (m *dmaMR) LKey() uint32 { return m.key }
+func (m *dmaMR) RKey() uint32 { return 0 }
+func (m *dmaMR) Dereg() error { return nil }
 
 // LKey is the host lkey.
 func (m *MR) LKey() uint32 { return uint32(C.pv_mr_lkey(m.mr)) }

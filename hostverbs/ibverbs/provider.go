@@ -204,3 +204,15 @@ func (p *Provider) closeContext() error {
 	p.lib.close()
 	return errnoErr("ibv_close_device", rc, err)
 }
+
+// PortState returns the host port's state name (ACTIVE, DOWN, ...).
+func (p *Provider) PortState() (string, error) {
+	pa, err := p.queryPort()
+	if err != nil {
+		return "", err
+	}
+	return portStateName(pa.state), nil
+}
+
+// Built reports whether this binary has the relay (it needs cgo).
+const Built = true
