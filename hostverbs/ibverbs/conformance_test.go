@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -94,6 +95,7 @@ func (nopHandler) Complete(*hostverbs.WorkCompletion) {}
 // `rdma resource show` counts them for this process.
 func TestTeardownLeavesNothing(t *testing.T) {
 	p, gid := testProvider(t)
+	fdsBefore := openFDs(t)
 	var devs []hostverbs.Device
 	for i := range 2 {
 		mem := conformance.MemfdMemory(t, 1<<20)
@@ -123,6 +125,22 @@ func TestTeardownLeavesNothing(t *testing.T) {
 	for _, kind := range []string{"qp", "cq", "mr", "pd"} {
 		require.Zero(t, countMine(t, kind), "%s left after the devices closed", kind)
 	}
+	require.Equal(t, fdsBefore, openFDs(t), "descriptors left after the devices closed")
+}
+
+func openFDs(t *testing.T) []string {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	var out []string
+	for _, e := range ents {
+		l, err := os.Readlink("/proc/self/fd/" + e.Name())
+		if err != nil || strings.Contains(l, "memfd:conformance") {
+			continue // ReadDir's own descriptor; the test's guest memory (freed at cleanup)
+		}
+		out = append(out, e.Name()+"->"+l)
+	}
+	return out
 }
 
 // countMine counts this process's objects of a kind in `rdma -j resource

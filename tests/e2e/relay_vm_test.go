@@ -1,0 +1,70 @@
+//go:build vm
+
+package e2e
+
+import (
+	"context"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
+)
+
+// TestRelayOverRxe: the ibverbs relay end to end. Guest A runs our daemon
+// with --create-rxe eth0 (the hostile package's test binary, whose driver
+// plays vmw_pvrdma over vfio-user: there is no QEMU inside a TCG guest) and
+// is ibv_rc_pingpong's server; guest B runs the stock ibv_rc_pingpong client
+// over its own kernel rxe. Every byte A receives is checked, and after A's
+// VM disconnects `rdma resource show` counts none of its objects.
+func TestRelayOverRxe(t *testing.T) {
+	img := image(t)
+	bin := filepath.Join(t.TempDir(), "hostile.test")
+	build := exec.Command("go", "test", "-c", "-o", bin, "./tests/hostile")
+	build.Dir = repoDir(t)
+	build.Env = append(build.Environ(), "CGO_ENABLED=1")
+	out, err := build.CombinedOutput()
+	require.NoError(t, err, "build the hostile test binary with cgo (needs gcc and libibverbs-dev: make deps): %s", out)
+
+	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
+	require.NoError(t, err)
+	const iters = 100
+	a := vm.Config{
+		Name: "relaya", Modules: []string{"ib_core", "ib_uverbs"}, MemMiB: 768, Timeout: 6 * time.Minute,
+		NICs:      []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:01:01", IP: "10.77.0.1/24"}},
+		HostFiles: map[string]string{"/usr/bin/hostile.test": bin},
+		Scenario: `
+modprobe crc32_generic
+modprobe rdma_rxe
+PVRDMA_RELAY_NETDEV=eth0 PVRDMA_RELAY_GID=10.77.0.11 PVRDMA_RELAY_ITERS=100 \
+	/usr/bin/hostile.test -test.v -test.count=1 -test.run '^TestRelayPingPong$' -test.timeout 5m
+rdma link show
+`,
+	}
+	b := vm.Config{
+		Name: "relayb", Modules: []string{"ib_core", "ib_uverbs"}, Timeout: 6 * time.Minute,
+		NICs: []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:01:02", IP: "10.77.0.2/24"}},
+		Scenario: `
+pvt_rxe eth0
+g=$(pvt_gid_index rxe0 10.77.0.2)
+pvt_retry 120 ibv_rc_pingpong -d rxe0 -g $g -n 100 -s 4096 10.77.0.1
+`,
+	}
+	ctx := context.Background()
+	vms, err := vm.StartAll(ctx, t, img, nw, a, b)
+	require.NoError(t, err)
+	res, err := vm.WaitAll(ctx, vms...)
+	require.NoError(t, err)
+	outA, outB := res[0].Output, res[1].Output
+	require.Regexp(t, regexp.MustCompile(`(?m)^--- PASS: TestRelayPingPong `), outA)
+	require.Regexp(t, regexp.MustCompile(`(?m)^\s*819200 bytes in [\d.]+ seconds = [\d.]+ Mbit/sec`), outB)
+	require.Regexp(t, regexp.MustCompile(`(?m)^\s*100 iters in [\d.]+ seconds = [\d.]+ usec/iter`), outB)
+	// The daemon removed the rxe link it created.
+	require.NotRegexp(t, regexp.MustCompile(`link rxe_eth0/`), outA)
+	t.Logf("guest A (daemon, relay): %s", regexp.MustCompile(`RELAY_PINGPONG .*`).FindString(outA))
+	t.Logf("guest B (stock ibv_rc_pingpong): %s", regexp.MustCompile(`100 iters in .*`).FindString(outB))
+}
