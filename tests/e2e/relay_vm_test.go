@@ -32,7 +32,6 @@ func TestRelayOverRxe(t *testing.T) {
 
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
-	const iters = 100
 	a := vm.Config{
 		Name: "relaya", Modules: []string{"ib_core", "ib_uverbs"}, MemMiB: 768, Timeout: 6 * time.Minute,
 		NICs:      []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:01:01", IP: "10.77.0.1/24"}},
