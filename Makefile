@@ -64,9 +64,11 @@ SOAK_SESSIONS ?= 2000
 soak:
 	PVRDMA_SOAK_SESSIONS=$(SOAK_SESSIONS) $(GO) test -count=1 -run TestSoakSessions -v -timeout 30m ./tests/hostile
 
-# Guests through our device vs rxe in the guest, same run, as ratios.
+# Guests through our device vs rxe in the guest, same run, as ratios; then the
+# ibverbs relay vs a plain libibverbs program on the same rxe device in one guest.
 bench-vm: image
 	$(GO) test -tags vm -run '^$$' -bench VMvsRxe -benchtime 1x -timeout 30m ./tests/e2e
+	$(GO) test -tags vm -run '^$$' -bench RelayVsPlain -benchtime 1x -timeout 30m ./hostverbs/ibverbs
 
 check:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt -l:"; echo "$$out"; exit 1; fi

@@ -72,7 +72,7 @@ const (
 
 // MemfdMemory returns size bytes of guest memory at GPA 0 backed by a memfd,
 // as QEMU's is (the ibverbs relay maps MR pages again from the file).
-func MemfdMemory(t *testing.T, size uint64) *guestmem.Memory {
+func MemfdMemory(t testing.TB, size uint64) *guestmem.Memory {
 	t.Helper()
 	fd, err := unix.MemfdCreate("conformance", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	require.NoError(t, err)

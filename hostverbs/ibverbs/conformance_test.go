@@ -4,6 +4,8 @@ package ibverbs
 
 import (
 	"encoding/json"
+	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"strconv"
@@ -20,13 +22,15 @@ import (
 // The tests below need an RDMA device: they run inside a test-bed guest with
 // kernel rxe (rxe_vm_test.go boots it), where PVRDMA_IBDEV names it.
 
-func testProvider(t *testing.T) (*Provider, hostverbs.GID) {
+func testProvider(t *testing.T) (*Provider, hostverbs.GID) { return testProviderTB(t) }
+
+func testProviderTB(t testing.TB) (*Provider, hostverbs.GID) {
 	t.Helper()
 	dev := os.Getenv("PVRDMA_IBDEV")
 	if dev == "" {
 		t.Skip("PVRDMA_IBDEV is not set (the VM test runs this in a guest with rxe)")
 	}
-	p, err := New(Config{Device: dev})
+	p, err := New(Config{Device: dev, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, p.Close()) })
 	tbl, err := p.GIDTable()

@@ -12,7 +12,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"sync"
+	"syscall"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -39,7 +41,7 @@ type Device struct {
 	log *slog.Logger
 
 	channel *C.struct_ibv_comp_channel
-	stop    int // eventfd that ends the completion loop
+	events  *os.File // a duplicate of the channel's descriptor, in Go's poller
 	done    chan struct{}
 	wc      *C.struct_ibv_wc // pollBatch entries, C memory
 
@@ -76,14 +78,24 @@ func newDevice(p *Provider, cfg hostverbs.DeviceConfig) (*Device, error) {
 		C.pv_destroy_channel(p.lib.l, ch)
 		return nil, fmt.Errorf("ibverbs: %s: completion channel: %w", cfg.Name, err)
 	}
-	stop, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	// The channel is waited on through Go's poller (a duplicate descriptor
+	// of the same open file): a goroutine parked there costs no thread, and
+	// the goroutine it wakes runs at once instead of after the runtime
+	// retakes a processor from a thread blocked in poll(2).
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		C.pv_destroy_channel(p.lib.l, ch)
-		return nil, fmt.Errorf("ibverbs: %s: eventfd: %w", cfg.Name, err)
+		return nil, fmt.Errorf("ibverbs: %s: completion channel: %w", cfg.Name, err)
 	}
-	d.stop = stop
+	d.events = os.NewFile(uintptr(dup), "ibverbs-completions")
+	raw, err := d.events.SyscallConn()
+	if err != nil {
+		d.events.Close()
+		C.pv_destroy_channel(p.lib.l, ch)
+		return nil, fmt.Errorf("ibverbs: %s: completion channel: %w", cfg.Name, err)
+	}
 	d.wc = (*C.struct_ibv_wc)(C.calloc(pollBatch, C.size_t(unsafe.Sizeof(C.struct_ibv_wc{}))))
-	go d.completions(fd)
+	go d.completions(raw)
 	return d, nil
 }
 
@@ -283,10 +295,8 @@ func (d *Device) Close() error {
 	for _, c := range cqs {
 		errs = append(errs, c.destroy(true))
 	}
-	var one = [8]byte{1}
-	_, _ = unix.Write(d.stop, one[:])
+	d.events.Close() // ends the completion loop's wait
 	<-d.done
-	unix.Close(d.stop)
 	if rc, err := C.pv_destroy_channel(d.p.lib.l, d.channel); rc != 0 {
 		errs = append(errs, errnoErr("ibv_destroy_comp_channel", rc, err))
 	}
@@ -295,32 +305,34 @@ func (d *Device) Close() error {
 	return errors.Join(errs...)
 }
 
-// completions waits on the completion channel (and the stop eventfd) and
-// delivers the completions of each signalled CQ to its handler.
-func (d *Device) completions(fd int) {
+// completions takes the completion channel's events as they come (edge
+// triggered: each wake-up drains the channel) and delivers the completions
+// of each signalled CQ to its handler, until the channel's duplicate is
+// closed.
+func (d *Device) completions(raw syscall.RawConn) {
 	defer close(d.done)
-	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}, {Fd: int32(d.stop), Events: unix.POLLIN}}
 	for {
-		_, err := unix.Poll(fds, -1)
-		if err != nil && !errors.Is(err, unix.EINTR) {
-			d.log.Error("completion channel poll", "err", err)
-			return
-		}
-		if fds[1].Revents != 0 {
-			return
-		}
-		for {
-			var h C.uintptr_t
-			n := C.pv_get_cq_event(d.p.lib.l, d.channel, &h)
-			if n <= 0 {
-				break
+		err := raw.Read(func(uintptr) bool {
+			got := false
+			for {
+				var h C.uintptr_t
+				if C.pv_get_cq_event(d.p.lib.l, d.channel, &h) <= 0 {
+					return got
+				}
+				got = true
+				d.mu.Lock()
+				cq := d.cqs[uintptr(h)]
+				d.mu.Unlock()
+				if cq != nil {
+					cq.drain(d.wc)
+				}
 			}
-			d.mu.Lock()
-			cq := d.cqs[uintptr(h)]
-			d.mu.Unlock()
-			if cq != nil {
-				cq.drain(d.wc)
+		})
+		if err != nil {
+			if !errors.Is(err, os.ErrClosed) {
+				d.log.Error("completion channel", "err", err)
 			}
+			return
 		}
 	}
 }

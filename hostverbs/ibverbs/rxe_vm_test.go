@@ -7,6 +7,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -60,4 +62,61 @@ PVRDMA_IBDEV=rxe0 /usr/bin/ibverbs.test -test.v -test.count=1 -test.timeout 6m -
 	}
 	t.Logf("conformance through the relay over kernel rxe:\n%s", strings.Join(passed, "\n"))
 	require.Len(t, passed, 11)
+}
+
+// BenchmarkRelayVsPlainLibibverbs runs, in one guest with kernel rxe, the
+// relay's benchmarks and testdata/plainbench.c (plain libibverbs, the same
+// loopback and work) and prints the ratios: 64 KiB WRITE throughput
+// (relay/plain, goal >= 0.9) and 8 B SEND post-to-completion time
+// (relay/plain, goal <= 1.2). Run with -benchtime 1x: each side runs its
+// own fixed count.
+func BenchmarkRelayVsPlainLibibverbs(b *testing.B) {
+	dir := b.TempDir()
+	bin := filepath.Join(dir, "ibverbs.test")
+	build := exec.Command("go", "test", "-c", "-o", bin, ".")
+	build.Env = append(build.Environ(), "CGO_ENABLED=1")
+	out, err := build.CombinedOutput()
+	require.NoError(b, err, "%s", out)
+	plain := filepath.Join(dir, "plainbench")
+	out, err = exec.Command("gcc", "-O2", "-Wall", "-o", plain, "testdata/plainbench.c", "-libverbs").CombinedOutput()
+	require.NoError(b, err, "build plainbench (needs gcc and libibverbs-dev): %s", out)
+	img, err := vm.EnsureImage(context.Background(), b.Logf)
+	require.NoError(b, err)
+	var res vm.Result
+	for range b.N {
+		g, err := vm.Start(context.Background(), b, img, nil, vm.Config{
+			Name: "relaybench", Modules: []string{"ib_core", "ib_uverbs"}, MemMiB: 768, Timeout: 10 * time.Minute,
+			NICs:      []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:00:22", IP: "10.0.2.15/24"}},
+			HostFiles: map[string]string{"/usr/bin/ibverbs.test": bin, "/usr/bin/plainbench": plain},
+			Scenario: `
+pvt_rxe eth0
+g=$(pvt_gid_index rxe0 10.0.2.15)
+for round in 1 2 3; do
+	plainbench rxe0 $g 2000 2000
+	PVRDMA_IBDEV=rxe0 ibverbs.test -test.run '^$' -test.bench 'RelayWrite64K|RelaySend8' -test.benchtime 2000x
+done
+`,
+		})
+		require.NoError(b, err)
+		res, err = g.WaitOK(context.Background())
+		require.NoError(b, err)
+	}
+	num := func(re string) []float64 {
+		var v []float64
+		for _, m := range regexp.MustCompile(re).FindAllStringSubmatch(res.Output, -1) {
+			f, err := strconv.ParseFloat(m[1], 64)
+			require.NoError(b, err)
+			v = append(v, f)
+		}
+		require.Len(b, v, 3, "three rounds of %s", re)
+		return v
+	}
+	pw, ps := num(`WRITE64K ([\d.]+) MB/s`), num(`SEND8 ([\d.]+) usec`)
+	rw, rs := num(`BenchmarkRelayWrite64K\S*\s+\d+\s+.*?\s([\d.]+) MB/s`), num(`BenchmarkRelaySend8\S*\s+\d+\s+.*?\s([\d.]+) usec/send`)
+	med := func(v []float64) float64 { s := append([]float64(nil), v...); sort.Float64s(s); return s[len(s)/2] }
+	b.Logf("plain libibverbs: WRITE 64K %v MB/s, SEND 8B %v usec; relay: WRITE 64K %v MB/s, SEND 8B %v usec", pw, ps, rw, rs)
+	b.Logf("RATIO relay/plain (medians of 3): WRITE 64K throughput %.2fx (goal >= 0.9), SEND 8B post-to-completion %.2fx (goal <= 1.2)",
+		med(rw)/med(pw), med(rs)/med(ps))
+	b.ReportMetric(med(rw)/med(pw), "x_write64k_throughput")
+	b.ReportMetric(med(rs)/med(ps), "x_send8_latency")
 }

@@ -1,0 +1,131 @@
+//go:build linux && cgo
+
+package ibverbs
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/conformance"
+)
+
+// chanHandler delivers completions to a channel.
+type chanHandler chan hostverbs.WorkCompletion
+
+func (c chanHandler) Complete(wc *hostverbs.WorkCompletion) { c <- *wc }
+
+// benchPair is two relay devices with an RC QP each, connected through
+// the host device (the loopback testdata/plainbench.c uses), and MRs
+// over memfd guest memory.
+type benchPair struct {
+	qa, qb   hostverbs.QP
+	mra, mrb hostverbs.MR
+	cqa, cqb chanHandler
+}
+
+const benchIOVA = 0x7f5500000000
+
+func newBenchPair(b *testing.B) *benchPair {
+	p, gid := testProviderTB(b)
+	bp := &benchPair{cqa: make(chanHandler, 1024), cqb: make(chanHandler, 1024)}
+	mk := func(h chanHandler) (hostverbs.PD, hostverbs.CQ, hostverbs.MR) {
+		mem := conformance.MemfdMemory(b, 2<<20)
+		d, err := p.Open(hostverbs.DeviceConfig{Name: "bench", Memory: mem})
+		require.NoError(b, err)
+		b.Cleanup(func() { _ = d.Close() })
+		require.NoError(b, d.SetGID(0, hostverbs.GIDEntry{GID: gid, Type: hostverbs.GIDTypeRoCEv2}))
+		pd, err := d.AllocPD()
+		require.NoError(b, err)
+		cq, err := d.CreateCQ(hostverbs.CQAttr{Depth: 256, Handler: h})
+		require.NoError(b, err)
+		pages := make([]guestmem.GPA, 512)
+		for i := range pages {
+			pages[i] = guestmem.GPA((511 - i) * guestmem.PageSize)
+		}
+		pl, err := guestmem.NewPageList(benchIOVA, 2<<20, pages)
+		require.NoError(b, err)
+		mr, err := pd.RegMR(hostverbs.MRAttr{Pages: pl, Access: hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite})
+		require.NoError(b, err)
+		return pd, cq, mr
+	}
+	pda, cqa, mra := mk(bp.cqa)
+	pdb, cqb, mrb := mk(bp.cqb)
+	bp.mra, bp.mrb = mra, mrb
+	qp := func(pd hostverbs.PD, cq hostverbs.CQ) hostverbs.QP {
+		q, err := pd.CreateQP(hostverbs.QPInitAttr{Type: hostverbs.QPTypeRC, SendCQ: cq, RecvCQ: cq,
+			Cap: hostverbs.QPCap{MaxSendWR: 64, MaxRecvWR: 64, MaxSendSGE: 1, MaxRecvSGE: 1}})
+		require.NoError(b, err)
+		require.NoError(b, q.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateInit, Port: 1,
+			AccessFlags: hostverbs.AccessRemoteWrite | hostverbs.AccessLocalWrite},
+			hostverbs.AttrState|hostverbs.AttrPKeyIndex|hostverbs.AttrPort|hostverbs.AttrAccessFlags))
+		return q
+	}
+	bp.qa, bp.qb = qp(pda, cqa), qp(pdb, cqb)
+	rts := func(q hostverbs.QP, dqpn uint32) {
+		require.NoError(b, q.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateRTR, PathMTU: hostverbs.MTU1024, DestQPN: dqpn,
+			MaxDestRdAtomic: 1, MinRNRTimer: 1, AV: hostverbs.AddressVector{DGID: gid, HopLimit: 64}},
+			hostverbs.AttrState|hostverbs.AttrAV|hostverbs.AttrPathMTU|hostverbs.AttrDestQPN|hostverbs.AttrRQPSN|
+				hostverbs.AttrMaxDestRdAtomic|hostverbs.AttrMinRNRTimer))
+		require.NoError(b, q.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateRTS, Timeout: 14, RetryCnt: 7, RNRRetry: 7, MaxRdAtomic: 1},
+			hostverbs.AttrState|hostverbs.AttrTimeout|hostverbs.AttrRetryCnt|hostverbs.AttrRNRRetry|hostverbs.AttrSQPSN|hostverbs.AttrMaxQPRdAtomic))
+	}
+	rts(bp.qa, bp.qb.QPN())
+	rts(bp.qb, bp.qa.QPN())
+	return bp
+}
+
+func (bp *benchPair) wait(b *testing.B, h chanHandler) {
+	select {
+	case wc := <-h:
+		if wc.Status != hostverbs.WCSuccess {
+			b.Fatalf("completion %+v", wc)
+		}
+	case <-time.After(10 * time.Second):
+		b.Fatal("no completion")
+	}
+}
+
+// BenchmarkRelayWrite64K: 64 KiB RDMA WRITEs through the relay, 16
+// outstanding (testdata/plainbench.c does the same with plain libibverbs).
+func BenchmarkRelayWrite64K(b *testing.B) {
+	bp := newBenchPair(b)
+	const size = 64 << 10
+	sge := []hostverbs.SGE{{Addr: benchIOVA, Length: size, LKey: bp.mra.LKey()}}
+	posted, done := 0, 0
+	b.SetBytes(size)
+	b.ResetTimer()
+	start := time.Now()
+	for done < b.N {
+		for posted < b.N && posted-done < 16 {
+			require.NoError(b, bp.qa.PostSend(&hostverbs.SendWR{WRID: uint64(posted), Opcode: hostverbs.WRRDMAWrite,
+				Flags: hostverbs.SendSignaled, SGL: sge, RemoteAddr: benchIOVA + uint64(posted%16)*size, RKey: bp.mrb.RKey()}))
+			posted++
+		}
+		bp.wait(b, bp.cqa)
+		done++
+	}
+	b.ReportMetric(float64(b.N)*size/time.Since(start).Seconds()/1e6, "MB/s")
+}
+
+// BenchmarkRelaySend8: post-to-completion time of one signaled 8 B SEND
+// at a time through the relay.
+func BenchmarkRelaySend8(b *testing.B) {
+	bp := newBenchPair(b)
+	sge := []hostverbs.SGE{{Addr: benchIOVA, Length: 8, LKey: bp.mra.LKey()}}
+	rsge := []hostverbs.SGE{{Addr: benchIOVA, Length: 64, LKey: bp.mrb.LKey()}}
+	var total time.Duration
+	b.ResetTimer()
+	for i := range b.N {
+		require.NoError(b, bp.qb.PostRecv(&hostverbs.RecvWR{WRID: uint64(i), SGL: rsge}))
+		s := time.Now()
+		require.NoError(b, bp.qa.PostSend(&hostverbs.SendWR{WRID: uint64(i), Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled, SGL: sge}))
+		bp.wait(b, bp.cqa)
+		total += time.Since(s)
+		bp.wait(b, bp.cqb)
+	}
+	b.ReportMetric(float64(total.Microseconds())/float64(b.N), "usec/send")
+}

@@ -1,0 +1,124 @@
+// plainbench: the reference for the relay's benchmark. A plain libibverbs
+// program on one device, two RC QPs connected to each other through the
+// port's GID (the same loopback the relay benchmark uses), measuring:
+//   WRITE64K <MB/s>   64 KiB RDMA WRITEs, 16 outstanding, for -n writes
+//   SEND8 <usec>      mean post-to-completion time of signaled 8 B SENDs
+//                     (completion channel, like the relay)
+// Usage: plainbench DEV GID_INDEX NWRITES NSENDS
+#include <infiniband/verbs.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double now(void) {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void die(const char *what) { perror(what); exit(1); }
+
+static struct ibv_qp *mkqp(struct ibv_pd *pd, struct ibv_cq *cq) {
+	struct ibv_qp_init_attr ia = {.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+		.cap = {.max_send_wr = 64, .max_recv_wr = 64, .max_send_sge = 1, .max_recv_sge = 1}};
+	struct ibv_qp *qp = ibv_create_qp(pd, &ia);
+	if (!qp) die("create qp");
+	struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .port_num = 1,
+		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_LOCAL_WRITE};
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) die("init");
+	return qp;
+}
+
+static void connect_qp(struct ibv_qp *qp, uint32_t dqpn, union ibv_gid *gid, int gidx) {
+	struct ibv_qp_attr a = {.qp_state = IBV_QPS_RTR, .path_mtu = IBV_MTU_1024, .dest_qp_num = dqpn,
+		.rq_psn = 0, .max_dest_rd_atomic = 1, .min_rnr_timer = 1,
+		.ah_attr = {.is_global = 1, .grh = {.dgid = *gid, .sgid_index = gidx, .hop_limit = 64}, .port_num = 1}};
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+			IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER)) die("rtr");
+	a.qp_state = IBV_QPS_RTS; a.timeout = 14; a.retry_cnt = 7; a.rnr_retry = 7; a.sq_psn = 0; a.max_rd_atomic = 1;
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+			IBV_QP_MAX_QP_RD_ATOMIC)) die("rts");
+}
+
+// wait takes one completion from cq through the channel (armed before).
+static void wait_one(struct ibv_comp_channel *ch, struct ibv_cq *cq, struct ibv_wc *wc) {
+	for (;;) {
+		int n = ibv_poll_cq(cq, 1, wc);
+		if (n < 0) die("poll");
+		if (n == 1) {
+			if (wc->status != IBV_WC_SUCCESS) { fprintf(stderr, "wc status %d\n", wc->status); exit(1); }
+			return;
+		}
+		struct ibv_cq *ecq; void *ctx;
+		if (ibv_get_cq_event(ch, &ecq, &ctx)) die("get event");
+		ibv_ack_cq_events(ecq, 1);
+		if (ibv_req_notify_cq(ecq, 0)) die("arm");
+	}
+}
+
+int main(int argc, char **argv) {
+	if (argc != 5) { fprintf(stderr, "usage: %s DEV GID_INDEX NWRITES NSENDS\n", argv[0]); return 2; }
+	int gidx = atoi(argv[2]), nw = atoi(argv[3]), ns = atoi(argv[4]);
+	struct ibv_device **l = ibv_get_device_list(NULL);
+	struct ibv_context *c = NULL;
+	for (int i = 0; l && l[i]; i++)
+		if (!strcmp(ibv_get_device_name(l[i]), argv[1])) c = ibv_open_device(l[i]);
+	if (!c) die("open device");
+	union ibv_gid gid;
+	if (ibv_query_gid(c, 1, gidx, &gid)) die("query gid");
+	struct ibv_pd *pd = ibv_alloc_pd(c);
+	struct ibv_comp_channel *ch = ibv_create_comp_channel(c);
+	struct ibv_cq *cq = ibv_create_cq(c, 256, NULL, ch, 0), *rcq = ibv_create_cq(c, 256, NULL, NULL, 0);
+	if (!pd || !ch || !cq || !rcq) die("pd/cq");
+	if (ibv_req_notify_cq(cq, 0)) die("arm");
+	size_t sz = 64 << 10;
+	char *src = aligned_alloc(4096, sz), *dst = aligned_alloc(4096, 16 * sz);
+	memset(src, 0x5a, sz);
+	struct ibv_mr *smr = ibv_reg_mr(pd, src, sz, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *dmr = ibv_reg_mr(pd, dst, 16 * sz, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+	if (!smr || !dmr) die("reg mr");
+	struct ibv_qp *a = mkqp(pd, cq), *b = mkqp(pd, rcq);
+	connect_qp(a, b->qp_num, &gid, gidx);
+	connect_qp(b, a->qp_num, &gid, gidx);
+
+	// 64 KiB WRITEs, 16 outstanding.
+	struct ibv_sge sge = {.addr = (uintptr_t)src, .length = sz, .lkey = smr->lkey};
+	struct ibv_send_wr wr = {.sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_SIGNALED}, *bad;
+	struct ibv_wc wc;
+	int posted = 0, done = 0;
+	double t0 = now();
+	while (done < nw) {
+		while (posted < nw && posted - done < 16) {
+			wr.wr_id = posted;
+			wr.wr.rdma.remote_addr = (uintptr_t)dst + (posted % 16) * sz;
+			wr.wr.rdma.rkey = dmr->rkey;
+			if (ibv_post_send(a, &wr, &bad)) die("post write");
+			posted++;
+		}
+		wait_one(ch, cq, &wc);
+		done++;
+	}
+	double el = now() - t0;
+	if (memcmp(dst, src, sz)) { fprintf(stderr, "WRITE data differs\n"); return 1; }
+	printf("WRITE64K %.1f MB/s (%d writes in %.3f s)\n", nw * (double)sz / el / 1e6, nw, el);
+
+	// 8 B SENDs, post to completion, one at a time.
+	struct ibv_sge rsge = {.addr = (uintptr_t)dst, .length = 64, .lkey = dmr->lkey};
+	struct ibv_recv_wr rwr = {.sg_list = &rsge, .num_sge = 1}, *rbad;
+	sge.length = 8;
+	wr.opcode = IBV_WR_SEND;
+	double total = 0;
+	for (int i = 0; i < ns; i++) {
+		if (ibv_post_recv(b, &rwr, &rbad)) die("post recv");
+		double s = now();
+		if (ibv_post_send(a, &wr, &bad)) die("post send");
+		wait_one(ch, cq, &wc);
+		total += now() - s;
+		struct ibv_wc rwc;
+		while (ibv_poll_cq(rcq, 1, &rwc) == 0)
+			;
+	}
+	printf("SEND8 %.1f usec (mean of %d)\n", total / ns * 1e6, ns);
+	return 0;
+}
