@@ -20,9 +20,10 @@ import (
 
 // Env is the provider under test.
 type Env struct {
-	// Open returns a new device over mem with lim, and the GID it
-	// installed at index 0 (for ibverbs: one the host GID table holds).
-	Open func(t *testing.T, name string, mem *guestmem.Memory, lim hostverbs.Limits) (hostverbs.Device, hostverbs.GID)
+	// Open returns a new device over mem with lim and events as its
+	// asynchronous event callback, and the GID it installed at index 0
+	// (for ibverbs: one the host GID table holds).
+	Open func(t *testing.T, name string, mem *guestmem.Memory, lim hostverbs.Limits, events func(hostverbs.AsyncEvent)) (hostverbs.Device, hostverbs.GID)
 	// Timeout bounds each wait for a completion (default 10 s).
 	Timeout time.Duration
 }
@@ -43,6 +44,7 @@ func Run(t *testing.T, env Env) {
 	t.Run("FlushOnError", func(t *testing.T) { testFlush(t, env) })
 	t.Run("Limits", func(t *testing.T) { testLimits(t, env) })
 	t.Run("SRQ", func(t *testing.T) { testSRQ(t, env) })
+	t.Run("SRQLimitEvent", func(t *testing.T) { testSRQLimit(t, env) })
 }
 
 // chanCQ collects completions (the handler must not block: deep channel).
@@ -63,6 +65,7 @@ type ep struct {
 	mr   hostverbs.MR
 	pl   guestmem.PageList
 	iova uint64
+	ev   chan hostverbs.AsyncEvent
 }
 
 const (
@@ -91,7 +94,13 @@ func MemfdMemory(t testing.TB, size uint64) *guestmem.Memory {
 func newEP(t *testing.T, env Env, name string, lim hostverbs.Limits) *ep {
 	t.Helper()
 	mem := MemfdMemory(t, memSize)
-	dev, gid := env.Open(t, name, mem, lim)
+	ev := make(chan hostverbs.AsyncEvent, 64)
+	dev, gid := env.Open(t, name, mem, lim, func(e hostverbs.AsyncEvent) {
+		select {
+		case ev <- e:
+		default:
+		}
+	})
 	t.Cleanup(func() { require.NoError(t, dev.Close()) })
 	pd, err := dev.AllocPD()
 	require.NoError(t, err)
@@ -108,7 +117,7 @@ func newEP(t *testing.T, env Env, name string, lim hostverbs.Limits) *ep {
 	mr, err := pd.RegMR(hostverbs.MRAttr{Pages: pl, Access: hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite |
 		hostverbs.AccessRemoteRead | hostverbs.AccessRemoteAtomic})
 	require.NoError(t, err)
-	return &ep{env: env, dev: dev, gid: gid, mem: mem, pd: pd, cq: cq, ccq: ccq, mr: mr, pl: pl, iova: iovaBase}
+	return &ep{env: env, dev: dev, gid: gid, mem: mem, pd: pd, cq: cq, ccq: ccq, mr: mr, pl: pl, iova: iovaBase, ev: ev}
 }
 
 func (e *ep) write(t *testing.T, off uint64, b []byte) {
@@ -441,4 +450,36 @@ func testSRQ(t *testing.T, env Env) {
 	attr, err := srq.Query()
 	require.NoError(t, err)
 	require.GreaterOrEqual(t, attr.MaxWR, uint32(64))
+}
+
+// testSRQLimit: an armed SRQ limit raises one SRQ_LIMIT_REACHED event,
+// carrying the SRQ's context, when fewer WRs than the limit remain.
+func testSRQLimit(t *testing.T, env Env) {
+	a := newEP(t, env, "srqla", hostverbs.Limits{})
+	b := newEP(t, env, "srqlb", hostverbs.Limits{})
+	srq, err := b.pd.CreateSRQ(hostverbs.SRQAttr{MaxWR: 16, MaxSGE: 1, Context: 0xabc})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = srq.Destroy() })
+	o := defaultRC()
+	qa := a.createQP(t, hostverbs.QPTypeRC, o)
+	o.srq = srq
+	qb := b.createQP(t, hostverbs.QPTypeRC, o)
+	rts(t, qa, b, qb.QPN(), defaultRC())
+	rts(t, qb, a, qa.QPN(), defaultRC())
+	for i := range 8 {
+		require.NoError(t, srq.PostRecv(&hostverbs.RecvWR{WRID: uint64(i), SGL: b.sge(uint64(i)*64, 64)}))
+	}
+	require.NoError(t, srq.Modify(hostverbs.SRQAttr{Limit: 4}, hostverbs.SRQAttrLimit))
+	for i := range 5 {
+		require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: uint64(i), Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled, SGL: a.sge(0, 32)}))
+		a.waitOK(t, hostverbs.WCSend)
+		b.waitOK(t, hostverbs.WCRecv)
+	}
+	select {
+	case e := <-b.ev:
+		require.Equal(t, hostverbs.EventSRQLimitReached, e.Type, "%+v", e)
+		require.Equal(t, uint64(0xabc), e.Context)
+	case <-time.After(env.Timeout):
+		t.Fatal("no SRQ limit event")
+	}
 }

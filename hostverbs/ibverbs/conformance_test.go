@@ -49,8 +49,8 @@ func testProviderTB(t testing.TB) (*Provider, hostverbs.GID) {
 func TestConformanceRelay(t *testing.T) {
 	p, gid := testProvider(t)
 	conformance.Run(t, conformance.Env{
-		Open: func(t *testing.T, name string, mem *guestmem.Memory, lim hostverbs.Limits) (hostverbs.Device, hostverbs.GID) {
-			d, err := p.Open(hostverbs.DeviceConfig{Name: name, Memory: mem, Limits: lim})
+		Open: func(t *testing.T, name string, mem *guestmem.Memory, lim hostverbs.Limits, events func(hostverbs.AsyncEvent)) (hostverbs.Device, hostverbs.GID) {
+			d, err := p.Open(hostverbs.DeviceConfig{Name: name, Memory: mem, Limits: lim, Events: events})
 			require.NoError(t, err)
 			require.NoError(t, d.SetGID(0, hostverbs.GIDEntry{GID: gid, Type: hostverbs.GIDTypeRoCEv2}))
 			return d, gid

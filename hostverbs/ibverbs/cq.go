@@ -56,6 +56,7 @@ func (d *Device) CreateCQ(attr hostverbs.CQAttr) (hostverbs.CQ, error) {
 	}
 	d.cqs[c.handle] = c
 	d.counts.cq++
+	d.p.track(unsafe.Pointer(cq), asyncTarget{d: d, context: attr.Context})
 	return c, nil
 }
 
@@ -96,6 +97,7 @@ func (c *CQ) destroy(force bool) error {
 	d.mu.Lock()
 	d.counts.cq--
 	d.mu.Unlock()
+	d.p.untrack(unsafe.Pointer(c.cq))
 	if rc, err := C.pv_destroy_cq(d.p.lib.l, c.cq); rc != 0 {
 		return fmt.Errorf("destroy cq: %w", errnoErr("ibv_destroy_cq", rc, err))
 	}

@@ -12,9 +12,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 )
@@ -32,6 +36,21 @@ type Provider struct {
 	mu      sync.Mutex
 	devices map[*Device]struct{}
 	closed  bool
+
+	// Asynchronous events: the context's event descriptor (a duplicate in
+	// Go's poller) and the objects they may name, by host pointer.
+	async     *os.File
+	asyncDone chan struct{}
+	objMu     sync.Mutex
+	objs      map[uintptr]asyncTarget
+}
+
+// asyncTarget is what an asynchronous event about a host object is
+// reported as: the owning device and the object's context.
+type asyncTarget struct {
+	d       *Device
+	context uint64
+	qpn     uint32
 }
 
 var _ hostverbs.Provider = (*Provider)(nil)
@@ -66,7 +85,8 @@ func New(cfg Config) (*Provider, error) {
 		return nil, fmt.Errorf("ibverbs: open %s: %v: %w (devices: %s; create Soft-RoCE with `rdma link add rxe0 type rxe netdev IFACE` or --create-rxe)",
 			cfg.Device, err, ErrNoDevice, have)
 	}
-	p := &Provider{lib: l, ctx: ctx, port: cfg.Port, name: cfg.Device, log: log, devices: map[*Device]struct{}{}}
+	p := &Provider{lib: l, ctx: ctx, port: cfg.Port, name: cfg.Device, log: log, devices: map[*Device]struct{}{},
+		objs: map[uintptr]asyncTarget{}}
 	if rc, err := C.pv_query_device(l.l, ctx, &p.attr); rc != 0 {
 		p.closeContext()
 		return nil, fmt.Errorf("ibverbs: %s: %w", cfg.Device, errnoErr("ibv_query_device", rc, err))
@@ -83,6 +103,10 @@ func New(cfg Config) (*Provider, error) {
 	if pa.link_layer != C.IBV_LINK_LAYER_ETHERNET {
 		p.closeContext()
 		return nil, fmt.Errorf("ibverbs: %s port %d is not Ethernet (RoCE): %w", cfg.Device, cfg.Port, ErrPort)
+	}
+	if err := p.startAsync(); err != nil {
+		p.closeContext()
+		return nil, fmt.Errorf("ibverbs: %s: asynchronous events: %w", cfg.Device, err)
 	}
 	log.Info("ibverbs device opened", "device", cfg.Device, "port", cfg.Port, "state", portStateName(pa.state),
 		"max_qp", p.attr.max_qp, "max_mr", p.attr.max_mr)
@@ -195,8 +219,99 @@ func (p *Provider) Close() error {
 	for _, d := range devs {
 		errs = append(errs, d.Close())
 	}
+	if p.async != nil {
+		p.async.Close()
+		<-p.asyncDone
+	}
 	errs = append(errs, p.closeContext())
 	return errors.Join(errs...)
+}
+
+// startAsync waits for the host context's asynchronous events through Go's
+// poller and reports each to the device owning the object it names (QP, CQ,
+// SRQ), port events to every device.
+func (p *Provider) startAsync() error {
+	fd := int(C.pv_async_fd(p.ctx))
+	if err := unix.SetNonblock(fd, true); err != nil {
+		return err
+	}
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	p.async = os.NewFile(uintptr(dup), "ibverbs-async")
+	raw, err := p.async.SyscallConn()
+	if err != nil {
+		p.async.Close()
+		p.async = nil
+		return err
+	}
+	p.asyncDone = make(chan struct{})
+	go p.asyncEvents(raw)
+	return nil
+}
+
+func (p *Provider) asyncEvents(raw syscall.RawConn) {
+	defer close(p.asyncDone)
+	for {
+		err := raw.Read(func(uintptr) bool {
+			got := false
+			for {
+				var typ, port C.int
+				var obj C.uintptr_t
+				if C.pv_get_async_event(p.lib.l, p.ctx, &typ, &obj, &port) <= 0 {
+					return got
+				}
+				got = true
+				p.dispatch(hostverbs.EventType(typ), uintptr(obj), uint8(port))
+			}
+		})
+		if err != nil {
+			if !errors.Is(err, os.ErrClosed) {
+				p.log.Error("asynchronous events", "err", err)
+			}
+			return
+		}
+	}
+}
+
+func (p *Provider) dispatch(typ hostverbs.EventType, obj uintptr, port uint8) {
+	if obj != 0 {
+		p.objMu.Lock()
+		t, ok := p.objs[obj]
+		p.objMu.Unlock()
+		if ok && t.d.cfg.Events != nil {
+			t.d.cfg.Events(hostverbs.AsyncEvent{Type: typ, Context: t.context, QPN: t.qpn})
+		}
+		return
+	}
+	if port != 0 && port != p.port {
+		return
+	}
+	p.mu.Lock()
+	devs := make([]*Device, 0, len(p.devices))
+	for d := range p.devices {
+		devs = append(devs, d)
+	}
+	p.mu.Unlock()
+	for _, d := range devs {
+		if d.cfg.Events != nil {
+			d.cfg.Events(hostverbs.AsyncEvent{Type: typ, Port: 1})
+		}
+	}
+}
+
+// track and untrack keep the objects asynchronous events may name.
+func (p *Provider) track(ptr unsafe.Pointer, t asyncTarget) {
+	p.objMu.Lock()
+	p.objs[uintptr(ptr)] = t
+	p.objMu.Unlock()
+}
+
+func (p *Provider) untrack(ptr unsafe.Pointer) {
+	p.objMu.Lock()
+	delete(p.objs, uintptr(ptr))
+	p.objMu.Unlock()
 }
 
 func (p *Provider) closeContext() error {

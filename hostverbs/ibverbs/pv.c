@@ -52,6 +52,8 @@ pv_lib *pv_load(const char *lib, char *err, size_t errlen) {
 	PV_SYM(destroy_srq, "ibv_destroy_srq");
 	PV_SYM(create_ah, "ibv_create_ah");
 	PV_SYM(destroy_ah, "ibv_destroy_ah");
+	PV_SYM(get_async_event, "ibv_get_async_event");
+	PV_SYM(ack_async_event, "ibv_ack_async_event");
 	return l;
 }
 
@@ -198,3 +200,39 @@ uint32_t pv_qp_num(struct ibv_qp *qp) { return qp->qp_num; }
 uint32_t pv_mr_lkey(struct ibv_mr *mr) { return mr->lkey; }
 uint32_t pv_mr_rkey(struct ibv_mr *mr) { return mr->rkey; }
 void pv_set_gid(struct ibv_ah_attr *a, const uint8_t *gid) { memcpy(a->grh.dgid.raw, gid, 16); }
+
+int pv_async_fd(struct ibv_context *c) { return c->async_fd; }
+
+// pv_get_async_event takes one asynchronous event from the context's
+// (non-blocking) event descriptor and acknowledges it: 1 with its type,
+// the object it concerns (QP, CQ or SRQ pointer; 0 for port and device
+// events) and the port; 0 if none is pending; -1 on error.
+int pv_get_async_event(pv_lib *l, struct ibv_context *c, int *type, uintptr_t *obj, int *port) {
+	struct ibv_async_event ev;
+	if (l->get_async_event(c, &ev) != 0) return errno == EAGAIN ? 0 : -1;
+	*type = ev.event_type;
+	*obj = 0;
+	*port = 0;
+	switch (ev.event_type) {
+	case IBV_EVENT_QP_FATAL: case IBV_EVENT_QP_REQ_ERR: case IBV_EVENT_QP_ACCESS_ERR:
+	case IBV_EVENT_COMM_EST: case IBV_EVENT_SQ_DRAINED: case IBV_EVENT_PATH_MIG:
+	case IBV_EVENT_PATH_MIG_ERR: case IBV_EVENT_QP_LAST_WQE_REACHED:
+		*obj = (uintptr_t)ev.element.qp;
+		break;
+	case IBV_EVENT_CQ_ERR:
+		*obj = (uintptr_t)ev.element.cq;
+		break;
+	case IBV_EVENT_SRQ_ERR: case IBV_EVENT_SRQ_LIMIT_REACHED:
+		*obj = (uintptr_t)ev.element.srq;
+		break;
+	case IBV_EVENT_PORT_ACTIVE: case IBV_EVENT_PORT_ERR: case IBV_EVENT_LID_CHANGE:
+	case IBV_EVENT_PKEY_CHANGE: case IBV_EVENT_SM_CHANGE: case IBV_EVENT_CLIENT_REREGISTER:
+	case IBV_EVENT_GID_CHANGE:
+		*port = ev.element.port_num;
+		break;
+	default:
+		break;
+	}
+	l->ack_async_event(&ev);
+	return 1;
+}

@@ -40,6 +40,8 @@ typedef struct pv_lib {
 	int (*destroy_srq)(struct ibv_srq *);
 	struct ibv_ah *(*create_ah)(struct ibv_pd *, struct ibv_ah_attr *);
 	int (*destroy_ah)(struct ibv_ah *);
+	int (*get_async_event)(struct ibv_context *, struct ibv_async_event *);
+	void (*ack_async_event)(struct ibv_async_event *);
 } pv_lib;
 
 pv_lib *pv_load(const char *lib, char *err, size_t errlen);
@@ -80,5 +82,7 @@ uint32_t pv_qp_num(struct ibv_qp *qp);
 uint32_t pv_mr_lkey(struct ibv_mr *mr);
 uint32_t pv_mr_rkey(struct ibv_mr *mr);
 void pv_set_gid(struct ibv_ah_attr *a, const uint8_t *gid);
+int pv_async_fd(struct ibv_context *c);
+int pv_get_async_event(pv_lib *l, struct ibv_context *c, int *type, uintptr_t *obj, int *port);
 
 #endif

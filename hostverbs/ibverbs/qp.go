@@ -105,6 +105,7 @@ func (p *PD) CreateQP(attr hostverbs.QPInitAttr) (hostverbs.QP, error) {
 		srq.users++
 	}
 	d.counts.qp++
+	d.p.track(unsafe.Pointer(qp), asyncTarget{d: d, context: attr.Context, qpn: qpn})
 	return q, nil
 }
 
@@ -277,6 +278,7 @@ func (q *QP) Destroy() error {
 	delete(q.p.qps, q)
 	d.counts.qp--
 	d.mu.Unlock()
+	d.p.untrack(unsafe.Pointer(q.qp))
 	// Hold both post locks: no post is in flight on a destroyed QP.
 	q.sendMu.Lock()
 	q.recvMu.Lock()

@@ -61,7 +61,7 @@ PVRDMA_IBDEV=rxe0 /usr/bin/ibverbs.test -test.v -test.count=1 -test.timeout 6m -
 		}
 	}
 	t.Logf("conformance through the relay over kernel rxe:\n%s", strings.Join(passed, "\n"))
-	require.Len(t, passed, 11)
+	require.Len(t, passed, 12)
 }
 
 // BenchmarkRelayVsPlainLibibverbs runs, in one guest with kernel rxe, the

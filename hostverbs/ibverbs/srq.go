@@ -57,6 +57,7 @@ func (p *PD) CreateSRQ(attr hostverbs.SRQAttr) (hostverbs.SRQ, error) {
 	s.sge = (*C.struct_ibv_sge)(C.calloc(C.size_t(s.maxSGE), C.size_t(unsafe.Sizeof(C.struct_ibv_sge{}))))
 	p.srqs[s] = struct{}{}
 	d.counts.srq++
+	d.p.track(unsafe.Pointer(srq), asyncTarget{d: d, context: attr.Context})
 	return s, nil
 }
 
@@ -114,6 +115,7 @@ func (s *SRQ) destroy(force bool) error {
 	delete(s.p.srqs, s)
 	d.counts.srq--
 	d.mu.Unlock()
+	d.p.untrack(unsafe.Pointer(s.srq))
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	rc, err := C.pv_destroy_srq(d.p.lib.l, s.srq)

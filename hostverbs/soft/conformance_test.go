@@ -20,9 +20,9 @@ func TestConformance(t *testing.T) {
 	t.Cleanup(func() { _ = f.Close() })
 	n := 0
 	conformance.Run(t, conformance.Env{
-		Open: func(t *testing.T, name string, mem *guestmem.Memory, lim hostverbs.Limits) (hostverbs.Device, hostverbs.GID) {
+		Open: func(t *testing.T, name string, mem *guestmem.Memory, lim hostverbs.Limits, events func(hostverbs.AsyncEvent)) (hostverbs.Device, hostverbs.GID) {
 			n++
-			d, err := f.Open(hostverbs.DeviceConfig{Name: name, Memory: mem, Limits: lim, MAC: [6]byte{0x52, 0x54, 0, 0, 1, byte(n)}})
+			d, err := f.Open(hostverbs.DeviceConfig{Name: name, Memory: mem, Limits: lim, Events: events, MAC: [6]byte{0x52, 0x54, 0, 0, 1, byte(n)}})
 			require.NoError(t, err)
 			g := hostverbs.GIDFromAddr(netip.AddrFrom4([4]byte{10, 99, byte(n >> 8), byte(n)}))
 			require.NoError(t, d.SetGID(0, hostverbs.GIDEntry{GID: g, Type: hostverbs.GIDTypeRoCEv2}))

@@ -18,8 +18,8 @@ import (
 // TestRelayOverRxe: the ibverbs relay end to end. Guest A runs our daemon
 // with --create-rxe eth0 (the hostile package's test binary, whose driver
 // plays vmw_pvrdma over vfio-user: there is no QEMU inside a TCG guest) and
-// is ibv_rc_pingpong's server; guest B runs the stock ibv_rc_pingpong client
-// over its own kernel rxe. Every byte A receives is checked, and after A's
+// is ibv_rc_pingpong's and ibv_ud_pingpong's server; guest B runs the stock
+// clients over its own kernel rxe. Every byte A receives is checked, and after A's
 // VM disconnects `rdma resource show` counts none of its objects.
 func TestRelayOverRxe(t *testing.T) {
 	img := image(t)
@@ -51,6 +51,8 @@ rdma link show
 pvt_rxe eth0
 g=$(pvt_gid_index rxe0 10.77.0.2)
 pvt_retry 120 ibv_rc_pingpong -d rxe0 -g $g -n 100 -s 4096 10.77.0.1
+echo "=== ud"
+pvt_retry 120 ibv_ud_pingpong -d rxe0 -g $g -n 100 -s 1024 -r 50 -p 18516 10.77.0.1
 `,
 	}
 	ctx := context.Background()
@@ -62,8 +64,10 @@ pvt_retry 120 ibv_rc_pingpong -d rxe0 -g $g -n 100 -s 4096 10.77.0.1
 	require.Regexp(t, regexp.MustCompile(`(?m)^--- PASS: TestRelayPingPong `), outA)
 	require.Regexp(t, regexp.MustCompile(`(?m)^\s*819200 bytes in [\d.]+ seconds = [\d.]+ Mbit/sec`), outB)
 	require.Regexp(t, regexp.MustCompile(`(?m)^\s*100 iters in [\d.]+ seconds = [\d.]+ usec/iter`), outB)
+	require.Regexp(t, regexp.MustCompile(`(?m)^\s*204800 bytes in [\d.]+ seconds = [\d.]+ Mbit/sec`), outB, "ibv_ud_pingpong")
 	// The daemon removed the rxe link it created.
 	require.NotRegexp(t, regexp.MustCompile(`link rxe_eth0/`), outA)
 	t.Logf("guest A (daemon, relay): %s", regexp.MustCompile(`RELAY_PINGPONG .*`).FindString(outA))
-	t.Logf("guest B (stock ibv_rc_pingpong): %s", regexp.MustCompile(`100 iters in .*`).FindString(outB))
+	t.Logf("guest A: %s", regexp.MustCompile(`RELAY_UD_PINGPONG .*`).FindString(outA))
+	t.Logf("guest B (stock ibv_rc_pingpong, ibv_ud_pingpong): %q", regexp.MustCompile(`100 iters in .*`).FindAllString(outB, -1))
 }

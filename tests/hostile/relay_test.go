@@ -81,42 +81,18 @@ func TestRelayPingPong(t *testing.T) {
 	const myPSN = 0x1234
 	p.qp.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1})
 
-	// ibv_rc_pingpong's exchange, server side: read the client's address,
-	// connect, answer with ours, read its "done".
-	ln, err := net.Listen("tcp", ":18515")
-	require.NoError(t, err)
-	defer ln.Close()
-	require.NoError(t, ln.(*net.TCPListener).SetDeadline(time.Now().Add(3*time.Minute)))
-	conn, err := ln.Accept()
-	require.NoError(t, err)
-	defer conn.Close()
-	_ = conn.SetDeadline(time.Now().Add(time.Minute))
-	msg := make([]byte, len("0000:000000:000000:00000000000000000000000000000000")+1)
-	_, err = io.ReadFull(conn, msg)
-	require.NoError(t, err)
-	var lid, rqpn, rpsn uint32
-	var wgid string
-	_, err = fmt.Sscanf(strings.TrimRight(string(msg), "\x00"), "%x:%x:%x:%s", &lid, &rqpn, &rpsn, &wgid)
-	require.NoError(t, err, "client message %q", msg)
-	rgid, err := wireGID(wgid)
-	require.NoError(t, err)
-	t.Logf("client: qpn %#x psn %#x gid %s", rqpn, rpsn, rgid)
-
-	// Receives first (the client sends at once), then RTR and RTS.
+	// Receives first (the client sends at once), then RTR and RTS within
+	// ibv_rc_pingpong's exchange.
 	for i := range 16 {
 		p.qp.postRecv(uint64(1000+i), p.mr.sge(uint64(i%8)*size, size))
 	}
-	p.qp.mustModify(0x129181|hostverbs.AttrRQPSN, vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: rqpn, RQPSN: rpsn,
-		MaxDestRdAtomic: 1, MinRNRTimer: 12,
-		AH: vdev.AHAttr{DGID: rgid, SGIDIndex: 0, HopLimit: 1, Flags: vdev.AHFlagGRH, PortNum: 1}})
-	p.qp.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, SQPSN: myPSN, MaxRdAtomic: 1})
-	reply := fmt.Sprintf("%04x:%06x:%06x:%s", 0, p.qp.qpn, myPSN, toWireGID(gid))
-	copy(msg, append([]byte(reply), 0))
-	_, err = conn.Write(msg)
-	require.NoError(t, err)
-	done := make([]byte, 5)
-	_, err = io.ReadFull(conn, done)
-	require.NoError(t, err)
+	ppExchange(t, 18515, func(rqpn, rpsn uint32, rgid hostverbs.GID) {
+		t.Logf("client: qpn %#x psn %#x gid %s", rqpn, rpsn, rgid)
+		p.qp.mustModify(0x129181|hostverbs.AttrRQPSN, vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: rqpn, RQPSN: rpsn,
+			MaxDestRdAtomic: 1, MinRNRTimer: 12,
+			AH: vdev.AHAttr{DGID: rgid, SGIDIndex: 0, HopLimit: 1, Flags: vdev.AHFlagGRH, PortNum: 1}})
+		p.qp.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, SQPSN: myPSN, MaxRdAtomic: 1})
+	}, p.qp.qpn, myPSN, gid)
 
 	// The client fills its buffer with 0x7b and sends it; it receives into
 	// the same buffer, so every later message echoes our last one: each
@@ -148,15 +124,97 @@ func TestRelayPingPong(t *testing.T) {
 	t.Logf("RELAY_PINGPONG iters=%d size=%d time=%v usec/iter=%.1f", iters, size, el.Round(time.Millisecond),
 		float64(el.Microseconds())/float64(iters))
 
+	relayUDPingPong(t, p, iters)
+
 	// The VM goes away: the host device keeps none of its objects.
 	require.Positive(t, relayObjects(t, "qp"))
-	conn.Close()
-	ln.Close()
 	v.Close()
 	e.idle()
 	for _, kind := range []string{"qp", "cq", "mr", "pd"} {
 		require.Zero(t, relayObjects(t, kind), "%s left on the host device after the VM disconnected", kind)
 	}
+}
+
+// ppExchange is ibv_*_pingpong's TCP exchange, server side, on port: it
+// reads the client's address, calls connect with it, answers with
+// (qpn, psn, gid) and reads the client's "done".
+func ppExchange(t *testing.T, port int, connect func(rqpn, rpsn uint32, rgid hostverbs.GID), qpn, psn uint32, gid hostverbs.GID) {
+	t.Helper()
+	ln, err := net.Listen("tcp", fmt.Sprintf(":%d", port))
+	require.NoError(t, err)
+	defer ln.Close()
+	require.NoError(t, ln.(*net.TCPListener).SetDeadline(time.Now().Add(3*time.Minute)))
+	conn, err := ln.Accept()
+	require.NoError(t, err)
+	defer conn.Close()
+	_ = conn.SetDeadline(time.Now().Add(time.Minute))
+	msg := make([]byte, len("0000:000000:000000:00000000000000000000000000000000")+1)
+	_, err = io.ReadFull(conn, msg)
+	require.NoError(t, err)
+	var lid, rqpn, rpsn uint32
+	var wgid string
+	_, err = fmt.Sscanf(strings.TrimRight(string(msg), "\x00"), "%x:%x:%x:%s", &lid, &rqpn, &rpsn, &wgid)
+	require.NoError(t, err, "client message %q", msg)
+	rgid, err := wireGID(wgid)
+	require.NoError(t, err)
+	connect(rqpn, rpsn, rgid)
+	reply := fmt.Sprintf("%04x:%06x:%06x:%s", 0, qpn, psn, toWireGID(gid))
+	copy(msg, append([]byte(reply), 0))
+	_, err = conn.Write(msg)
+	require.NoError(t, err)
+	_, err = io.ReadFull(conn, make([]byte, 5))
+	require.NoError(t, err)
+}
+
+// relayUDPingPong plays ibv_ud_pingpong's server on port 18516 with a UD QP
+// of the driven VM: 1 KiB messages after a 40-byte GRH, echoed back and
+// forth and checked like the RC ones.
+func relayUDPingPong(t *testing.T, p *endpoint, iters int) {
+	const size, slot = 1024, 2048
+	v := p.v
+	q := v.createQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeUD,
+		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 1, recvSGE: 1, uar: p.uc})
+	const qkey, myPSN = 0x11111111, 0x4321
+	q.mustModify(hostverbs.AttrState|hostverbs.AttrPKeyIndex|hostverbs.AttrPort|hostverbs.AttrQKey,
+		vdev.QPAttr{State: 1, PortNum: 1, QKey: qkey})
+	for i := range 16 {
+		q.postRecv(uint64(2000+i), p.mr.sge(uint64(i%8)*slot, 40+size))
+	}
+	var rqpn uint32
+	var rgid hostverbs.GID
+	ppExchange(t, 18516, func(qpn, _ uint32, gid hostverbs.GID) {
+		rqpn, rgid = qpn, gid
+		q.mustModify(hostverbs.AttrState, vdev.QPAttr{State: 2})
+		q.mustModify(hostverbs.AttrState|hostverbs.AttrSQPSN, vdev.QPAttr{State: 3, SQPSN: myPSN})
+	}, q.qpn, myPSN, p.gid)
+	t.Logf("UD client: qpn %#x gid %s", rqpn, rgid)
+	want := make([]byte, size)
+	for i := range want {
+		want[i] = 0x7b
+	}
+	ours := pattern(size, 9)
+	p.mr.write(v, 8*slot, ours)
+	h := vdev.SQWQEHdr{Opcode: uint32(hostverbs.WRSend), SendFlags: uint32(hostverbs.SendSignaled)}
+	vdev.WRUD{RemoteQPN: rqpn, RemoteQKey: qkey, AV: vdev.AV{PortPD: 1<<24 | p.pd, DGID: rgid, HopLimit: 1}}.Encode(h.WR[:])
+	posted := 16
+	start := time.Now()
+	for i := range iters {
+		c := p.rcq.wait()
+		require.Equal(t, uint32(0), c.Status, "UD receive %d: %+v", i, c)
+		require.Equal(t, uint32(40+size), c.ByteLen)
+		off := (c.WRID-2000)%8*slot + 40
+		if got := p.mr.read(v, off, size); !bytes.Equal(got, want) {
+			t.Fatalf("UD receive %d: bytes differ from the first at %d", i, firstDiff(got, want))
+		}
+		want = ours
+		q.postRecv(uint64(2000+posted), p.mr.sge(uint64(posted%8)*slot, 40+size))
+		posted++
+		h.WRID = uint64(i)
+		q.postSend(h, p.mr.sge(8*slot, size))
+		s := p.scq.wait()
+		require.Equal(t, uint32(0), s.Status, "UD send %d: %+v", i, s)
+	}
+	t.Logf("RELAY_UD_PINGPONG iters=%d size=%d time=%v", iters, size, time.Since(start).Round(time.Millisecond))
 }
 
 func firstDiff(a, b []byte) int {
