@@ -29,6 +29,10 @@ func TestRelayOverRxe(t *testing.T) {
 	build.Env = append(build.Environ(), "CGO_ENABLED=1")
 	out, err := build.CombinedOutput()
 	require.NoError(t, err, "build the hostile test binary with cgo (needs gcc and libibverbs-dev: make deps): %s", out)
+	rdmacheck := filepath.Join(t.TempDir(), "rdmacheck")
+	out, err = exec.Command("gcc", "-O2", "-Wall", "-o", rdmacheck,
+		filepath.Join(repoDir(t), "hostverbs/soft/testdata/interop/rdmacheck.c"), "-libverbs").CombinedOutput()
+	require.NoError(t, err, "build rdmacheck: %s", out)
 
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
@@ -39,20 +43,25 @@ func TestRelayOverRxe(t *testing.T) {
 		Scenario: `
 modprobe crc32_generic
 modprobe rdma_rxe
-PVRDMA_RELAY_NETDEV=eth0 PVRDMA_RELAY_GID=10.77.0.11 PVRDMA_RELAY_ITERS=100 \
+PVRDMA_RELAY_NETDEV=eth0 PVRDMA_RELAY_GID=10.77.0.11 PVRDMA_RELAY_ITERS=100 PVRDMA_RELAY_RDMACHECK=1 \
 	/usr/bin/hostile.test -test.v -test.count=1 -test.run '^TestRelayPingPong$' -test.timeout 5m
 rdma link show
 `,
 	}
 	b := vm.Config{
 		Name: "relayb", Modules: []string{"ib_core", "ib_uverbs"}, Timeout: 6 * time.Minute,
-		NICs: []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:01:02", IP: "10.77.0.2/24"}},
+		NICs:      []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:01:02", IP: "10.77.0.2/24"}},
+		HostFiles: map[string]string{"/usr/bin/rdmacheck": rdmacheck},
 		Scenario: `
 pvt_rxe eth0
 g=$(pvt_gid_index rxe0 10.77.0.2)
 pvt_retry 120 ibv_rc_pingpong -d rxe0 -g $g -n 100 -s 4096 10.77.0.1
 echo "=== ud"
 pvt_retry 120 ibv_ud_pingpong -d rxe0 -g $g -n 100 -s 1024 -r 50 -p 18516 10.77.0.1
+echo "=== rdmacheck"
+# rdmacheck says "FAIL connect" until guest A listens (pvt_retry does not know that message).
+i=0
+until rdmacheck 10.77.0.1 18520 rxe0 $g; do i=$((i+1)); [ $i -lt 60 ] || exit 1; sleep 1; done
 `,
 	}
 	ctx := context.Background()
@@ -65,6 +74,8 @@ pvt_retry 120 ibv_ud_pingpong -d rxe0 -g $g -n 100 -s 1024 -r 50 -p 18516 10.77.
 	require.Regexp(t, regexp.MustCompile(`(?m)^\s*819200 bytes in [\d.]+ seconds = [\d.]+ Mbit/sec`), outB)
 	require.Regexp(t, regexp.MustCompile(`(?m)^\s*100 iters in [\d.]+ seconds = [\d.]+ usec/iter`), outB)
 	require.Regexp(t, regexp.MustCompile(`(?m)^\s*204800 bytes in [\d.]+ seconds = [\d.]+ Mbit/sec`), outB, "ibv_ud_pingpong")
+	require.Contains(t, outB, "rdmacheck: ALL OK")
+	require.Contains(t, outA, "RELAY_RDMACHECK")
 	// The daemon removed the rxe link it created.
 	require.NotRegexp(t, regexp.MustCompile(`link rxe_eth0/`), outA)
 	t.Logf("guest A (daemon, relay): %s", regexp.MustCompile(`RELAY_PINGPONG .*`).FindString(outA))

@@ -2,6 +2,7 @@ package hostile
 
 import (
 	"bytes"
+	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -29,6 +30,9 @@ const (
 	envRelayNetdev = "PVRDMA_RELAY_NETDEV" // the netdev to create the rxe link over
 	envRelayGID    = "PVRDMA_RELAY_GID"    // the IPv4 address the driven VM binds as its GID
 	envRelayIters  = "PVRDMA_RELAY_ITERS"
+	// envRelayRdmacheck, if set, also serves hostverbs/soft's rdmacheck
+	// (WRITE, READ and atomics both ways) on TCP 18520.
+	envRelayRdmacheck = "PVRDMA_RELAY_RDMACHECK"
 )
 
 // TestRelayPingPong: the daemon, with --create-rxe, serves a VM whose driver
@@ -125,6 +129,9 @@ func TestRelayPingPong(t *testing.T) {
 		float64(el.Microseconds())/float64(iters))
 
 	relayUDPingPong(t, p, iters)
+	if os.Getenv(envRelayRdmacheck) != "" {
+		relayRDMAOps(t, p)
+	}
 
 	// The VM goes away: the host device keeps none of its objects.
 	require.Positive(t, relayObjects(t, "qp"))
@@ -215,6 +222,115 @@ func relayUDPingPong(t *testing.T, p *endpoint, iters int) {
 		require.Equal(t, uint32(0), s.Status, "UD send %d: %+v", i, s)
 	}
 	t.Logf("RELAY_UD_PINGPONG iters=%d size=%d time=%v", iters, size, time.Since(start).Round(time.Millisecond))
+}
+
+// relayRDMAOps is the Go side of hostverbs/soft/testdata/interop/rdmacheck.c
+// played by the driven VM: the peer (rdmacheck over its rxe) WRITEs, READs
+// and runs both atomics on our MR, then we do the same on its memory, each
+// side checking content. The exchange is rdmacheck's packed little-endian
+// struct {qpn, psn, rkey, pad uint32; addr uint64; gid [16]byte}.
+func relayRDMAOps(t *testing.T, p *endpoint) {
+	const (
+		writeArea = 0
+		readArea  = 1 << 20
+		counter   = 2 << 20
+		scratch   = 3 << 20
+		msgArea   = 4<<20 - 4096
+		n         = 256 << 10
+		iova      = 0x7f3b_0000_0000
+		myPSN     = 0x4242
+	)
+	type info struct {
+		QPN, PSN, RKey, Pad uint32
+		Addr                uint64
+		GID                 [16]byte
+	}
+	pat := func(seed uint32, i int) byte { return byte(uint32(i)*seed + seed/2) }
+	v := p.v
+	mr := v.regMR(p.pd, iova, 4<<20, accRW|uint32(hostverbs.AccessRemoteAtomic))
+	src := make([]byte, n)
+	for i := range src {
+		src[i] = pat(11, i)
+	}
+	mr.write(v, readArea, src)
+	var w8 [8]byte
+	binary.LittleEndian.PutUint64(w8[:], 5000)
+	mr.write(v, counter, w8[:])
+	q := v.createQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeRC,
+		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 1, recvSGE: 1, uar: p.uc})
+	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW | uint32(hostverbs.AccessRemoteAtomic)})
+	for i := range 4 {
+		q.postRecv(uint64(100+i), mr.sge(msgArea+uint64(i)*64, 64))
+	}
+	ln, err := net.Listen("tcp", ":18520")
+	require.NoError(t, err)
+	defer ln.Close()
+	require.NoError(t, ln.(*net.TCPListener).SetDeadline(time.Now().Add(3*time.Minute)))
+	conn, err := ln.Accept()
+	require.NoError(t, err)
+	_ = conn.SetDeadline(time.Now().Add(time.Minute))
+	var peer info
+	require.NoError(t, binary.Read(conn, binary.LittleEndian, &peer))
+	require.NoError(t, binary.Write(conn, binary.LittleEndian, info{QPN: q.qpn, PSN: myPSN, RKey: mr.rkey, Addr: iova, GID: p.gid}))
+	conn.Close()
+	q.mustModify(0x129181|hostverbs.AttrRQPSN, vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: peer.QPN, RQPSN: peer.PSN,
+		MaxDestRdAtomic: 4, MinRNRTimer: 12,
+		AH: vdev.AHAttr{DGID: peer.GID, SGIDIndex: 0, HopLimit: 64, Flags: vdev.AHFlagGRH, PortNum: 1}})
+	q.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, SQPSN: myPSN, MaxRdAtomic: 4})
+
+	// Phase A: the peer works on our memory, then says so.
+	c := p.rcq.wait()
+	require.Equal(t, uint32(0), c.Status, "%+v", c)
+	require.Equal(t, uint32(hostverbs.WCRecvRDMAWithImm), c.Opcode, "WRITE with immediate first: %+v", c)
+	c = p.rcq.wait()
+	require.Equal(t, uint32(0), c.Status, "%+v", c)
+	require.Equal(t, "A-DONE", strings.TrimRight(string(mr.read(v, msgArea+(c.WRID-100)*64, 16)), "\x00"))
+	got := mr.read(v, writeArea, n)
+	for i := range got {
+		if got[i] != pat(7, i) {
+			t.Fatalf("byte %d written by the peer is %#x, want %#x", i, got[i], pat(7, i))
+		}
+	}
+	require.Equal(t, uint64(42), binary.LittleEndian.Uint64(mr.read(v, counter, 8)), "5000 +7, then 5007 -> 42")
+
+	// Phase B: we work on the peer's memory.
+	for i := range src {
+		src[i] = pat(17, i)
+	}
+	mr.write(v, scratch, src)
+	post := func(h vdev.SQWQEHdr, sge vdev.SGE) {
+		q.postSend(h, sge)
+		c := p.scq.wait()
+		require.Equal(t, uint32(0), c.Status, "WR %d: %+v", h.WRID, c)
+	}
+	rdma := func(wrid uint64, op hostverbs.WROpcode, raddr uint64) vdev.SQWQEHdr {
+		h := vdev.SQWQEHdr{WRID: wrid, Opcode: uint32(op), SendFlags: uint32(hostverbs.SendSignaled)}
+		vdev.WRRDMA{RemoteAddr: raddr, RKey: peer.RKey}.Encode(h.WR[:])
+		return h
+	}
+	atomic := func(wrid uint64, op hostverbs.WROpcode, cmpAdd, swap uint64) vdev.SQWQEHdr {
+		h := vdev.SQWQEHdr{WRID: wrid, Opcode: uint32(op), SendFlags: uint32(hostverbs.SendSignaled)}
+		vdev.WRAtomic{RemoteAddr: peer.Addr + counter, CompareAdd: cmpAdd, Swap: swap, RKey: peer.RKey}.Encode(h.WR[:])
+		return h
+	}
+	post(rdma(1, hostverbs.WRRDMAWrite, peer.Addr+writeArea), mr.sge(scratch, n))
+	post(rdma(2, hostverbs.WRRDMARead, peer.Addr+readArea), mr.sge(scratch+n, n))
+	got = mr.read(v, scratch+n, n)
+	for i := range got {
+		if got[i] != pat(13, i) {
+			t.Fatalf("byte %d read from the peer is %#x, want %#x", i, got[i], pat(13, i))
+		}
+	}
+	post(atomic(3, hostverbs.WRAtomicFetchAndAdd, 3, 0), mr.sge(scratch+2*n, 8))
+	require.Equal(t, uint64(1000), binary.LittleEndian.Uint64(mr.read(v, scratch+2*n, 8)))
+	post(atomic(4, hostverbs.WRAtomicCmpAndSwp, 1003, 77), mr.sge(scratch+2*n+8, 8))
+	require.Equal(t, uint64(1003), binary.LittleEndian.Uint64(mr.read(v, scratch+2*n+8, 8)))
+	mr.write(v, scratch+3*n, append([]byte("B-DONE"), make([]byte, 10)...))
+	post(sendWQE(5), mr.sge(scratch+3*n, 16))
+	c = p.rcq.wait()
+	require.Equal(t, uint32(0), c.Status, "%+v", c)
+	require.Equal(t, "C-OK", strings.TrimRight(string(mr.read(v, msgArea+(c.WRID-100)*64, 16)), "\x00"), "the peer's verdict")
+	t.Logf("RELAY_RDMACHECK WRITE, READ, FETCH_ADD, CMP_SWAP both ways, WRITE_WITH_IMM, SEND: ok")
 }
 
 func firstDiff(a, b []byte) int {
