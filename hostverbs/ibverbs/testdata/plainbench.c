@@ -3,7 +3,11 @@
 // port's GID (the same loopback the relay benchmark uses), measuring:
 //   WRITE64K <MB/s>   64 KiB RDMA WRITEs, 16 outstanding, for -n writes
 //   SEND8 <usec>      mean post-to-completion time of signaled 8 B SENDs
-//                     (completion channel, like the relay)
+//                     (completion channel, like the relay; the receive CQ
+//                     is polled afterwards, outside the timed part)
+//   SEND8EV <usec>    the same with the receive CQ armed on the channel too,
+//                     as the relay's receiving device has it: the receive's
+//                     event is taken within the timed part
 // Usage: plainbench DEV GID_INDEX NWRITES NSENDS
 #include <infiniband/verbs.h>
 #include <stdio.h>
@@ -120,5 +124,23 @@ int main(int argc, char **argv) {
 			;
 	}
 	printf("SEND8 %.1f usec (mean of %d)\n", total / ns * 1e6, ns);
+
+	struct ibv_cq *ercq = ibv_create_cq(c, 256, NULL, ch, 0);
+	if (!ercq || ibv_req_notify_cq(ercq, 0)) die("event recv cq");
+	struct ibv_qp *a2 = mkqp(pd, cq), *b2 = mkqp(pd, ercq);
+	connect_qp(a2, b2->qp_num, &gid, gidx);
+	connect_qp(b2, a2->qp_num, &gid, gidx);
+	total = 0;
+	for (int i = 0; i < ns; i++) {
+		if (ibv_post_recv(b2, &rwr, &rbad)) die("post recv");
+		double s = now();
+		if (ibv_post_send(a2, &wr, &bad)) die("post send");
+		wait_one(ch, cq, &wc);
+		total += now() - s;
+		struct ibv_wc rwc;
+		while (ibv_poll_cq(ercq, 1, &rwc) == 0)
+			;
+	}
+	printf("SEND8EV %.1f usec (mean of %d)\n", total / ns * 1e6, ns);
 	return 0;
 }
