@@ -134,7 +134,7 @@ func BenchmarkRelaySend8(b *testing.B) {
 		require.NoError(b, bp.qa.PostSend(&hostverbs.SendWR{WRID: uint64(i), Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled, SGL: sge}))
 		wc := bp.wait(b, bp.cqa)
 		total += time.Since(s)
-		toHandler += benchEpoch.Add(time.Duration(wc.VendorErr)*time.Microsecond).Sub(s)
+		toHandler += benchEpoch.Add(time.Duration(wc.VendorErr) * time.Microsecond).Sub(s)
 		bp.wait(b, bp.cqb)
 	}
 	b.ReportMetric(float64(total.Microseconds())/float64(b.N), "usec/send")
