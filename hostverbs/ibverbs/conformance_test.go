@@ -176,3 +176,35 @@ func countMine(t *testing.T, kind string) int {
 	}
 	return n
 }
+
+// TestAliasMappingsCapped: an MR's pages each cost a mapping (runs of
+// contiguous pages share one), and mappings are the daemon's, shared by all
+// VMs: a VM whose page list would need more than its share is refused
+// before anything is mapped, and its later MRs still register.
+func TestAliasMappingsCapped(t *testing.T) {
+	p, gid := testProvider(t)
+	mem := conformance.MemfdMemory(t, 1<<20)
+	d, err := p.Open(hostverbs.DeviceConfig{Name: "runs", Memory: mem})
+	require.NoError(t, err)
+	defer d.Close()
+	require.NoError(t, d.SetGID(0, hostverbs.GIDEntry{GID: gid, Type: hostverbs.GIDTypeRoCEv2}))
+	pd, err := d.AllocPD()
+	require.NoError(t, err)
+	pages := make([]guestmem.GPA, maxRunsPerDevice+1)
+	for i := range pages {
+		pages[i] = guestmem.GPA(i%2) * 2 * guestmem.PageSize // 0, 0x2000, 0, ...: every page its own run
+	}
+	pl, err := guestmem.NewPageList(0x10000000, uint64(len(pages))*guestmem.PageSize, pages)
+	require.NoError(t, err)
+	_, err = pd.RegMR(hostverbs.MRAttr{Pages: pl, Access: hostverbs.AccessLocalWrite})
+	require.ErrorIs(t, err, hostverbs.ErrNoResources)
+	require.Contains(t, err.Error(), "page runs")
+	pl, err = guestmem.NewPageList(0x10000000, 64*guestmem.PageSize, make([]guestmem.GPA, 64))
+	require.NoError(t, err)
+	mr, err := pd.RegMR(hostverbs.MRAttr{Pages: pl, Access: hostverbs.AccessLocalWrite})
+	require.NoError(t, err, "64 runs of the same page after the refusal")
+	require.NoError(t, mr.Dereg())
+	p.mu.Lock()
+	require.Zero(t, p.runs, "every run returned")
+	p.mu.Unlock()
+}

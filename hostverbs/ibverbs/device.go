@@ -54,6 +54,7 @@ type Device struct {
 	counts  struct{ qp, cq, mr, pd, srq int }
 	mrLen   uint64
 	dmaKeys uint32
+	runs    int // MR alias mappings held (Provider.mu)
 }
 
 var _ hostverbs.Device = (*Device)(nil)

@@ -150,6 +150,7 @@ type MR struct {
 	alias  unsafe.Pointer
 	length uintptr
 	bytes  uint64
+	runs   int
 	dead   bool
 }
 
@@ -178,6 +179,14 @@ func (p *PD) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
 		d.mu.Unlock()
 		return nil, fmt.Errorf("reg mr: %d bytes registered, %d more exceed %d: %w", d.mrLen, pl.Length, max, hostverbs.ErrNoResources)
 	}
+	// Each run of guest pages costs the daemon one mapping, and mappings
+	// are a per-process resource (vm.max_map_count) every VM shares: a
+	// VM's runs are capped, and all VMs' together.
+	runs := pageRuns(pl.Pages)
+	if err := d.p.chargeRuns(d, runs); err != nil {
+		d.mu.Unlock()
+		return nil, fmt.Errorf("reg mr: %w", err)
+	}
 	d.counts.mr++
 	d.mrLen += pl.Length
 	d.mu.Unlock()
@@ -185,6 +194,7 @@ func (p *PD) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
 		d.mu.Lock()
 		d.counts.mr--
 		d.mrLen -= pl.Length
+		d.p.releaseRuns(d, runs)
 		d.mu.Unlock()
 	}
 	alias, length, err := aliasPages(d.guestMemory(), pl.Pages)
@@ -199,11 +209,23 @@ func (p *PD) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
 		undo()
 		return nil, fmt.Errorf("reg mr %#x+%#x: %w", pl.IOVA, pl.Length, hostErr(err))
 	}
-	m := &MR{p: p, mr: mr, alias: alias, length: length, bytes: pl.Length}
+	m := &MR{p: p, mr: mr, alias: alias, length: length, bytes: pl.Length, runs: runs}
 	d.mu.Lock()
 	p.mrs[m] = struct{}{}
 	d.mu.Unlock()
 	return m, nil
+}
+
+// pageRuns counts the runs of guest-physically contiguous pages: an upper
+// bound of the mappings aliasPages makes.
+func pageRuns(pages []guestmem.GPA) int {
+	n := 0
+	for i := range pages {
+		if i == 0 || pages[i] != pages[i-1]+guestmem.PageSize {
+			n++
+		}
+	}
+	return n
 }
 
 // aliasPages maps pages (guest page addresses) next to each other in a new
@@ -296,6 +318,7 @@ func (m *MR) Dereg() error {
 	delete(m.p.mrs, m)
 	d.counts.mr--
 	d.mrLen -= m.bytes
+	d.p.releaseRuns(d, m.runs)
 	d.mu.Unlock()
 	var errs []error
 	if rc, err := C.pv_dereg_mr(d.p.lib.l, m.mr); rc != 0 {

@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -43,6 +44,53 @@ type Provider struct {
 	asyncDone chan struct{}
 	objMu     sync.Mutex
 	objs      map[uintptr]asyncTarget
+
+	// MR aliases' mappings: all devices' (guarded by mu) against runLimit.
+	runs     int
+	runLimit int
+}
+
+// Mapping limits of MR aliases: a VM may hold maxRunsPerDevice page runs,
+// all VMs together half of the process's vm.max_map_count (the rest is for
+// guest RAM, the Go runtime and libraries).
+const (
+	maxRunsPerDevice = 16384
+	defaultMapCount  = 65530
+)
+
+// chargeRuns takes n mappings for device d (d.mu held) or fails with
+// ErrNoResources.
+func (p *Provider) chargeRuns(d *Device, n int) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if d.runs+n > maxRunsPerDevice {
+		return fmt.Errorf("MR of %d page runs: the VM holds %d of %d: %w", n, d.runs, maxRunsPerDevice, hostverbs.ErrNoResources)
+	}
+	if p.runs+n > p.runLimit {
+		return fmt.Errorf("MR of %d page runs: all VMs hold %d of %d: %w", n, p.runs, p.runLimit, hostverbs.ErrNoResources)
+	}
+	d.runs += n
+	p.runs += n
+	return nil
+}
+
+// releaseRuns returns n mappings of device d (d.mu held).
+func (p *Provider) releaseRuns(d *Device, n int) {
+	p.mu.Lock()
+	d.runs -= n
+	p.runs -= n
+	p.mu.Unlock()
+}
+
+// mapCountLimit is half of vm.max_map_count.
+func mapCountLimit() int {
+	n := defaultMapCount
+	if b, err := os.ReadFile("/proc/sys/vm/max_map_count"); err == nil {
+		if v, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && v > 0 {
+			n = v
+		}
+	}
+	return n / 2
 }
 
 // asyncTarget is what an asynchronous event about a host object is
@@ -86,7 +134,7 @@ func New(cfg Config) (*Provider, error) {
 			cfg.Device, err, ErrNoDevice, have)
 	}
 	p := &Provider{lib: l, ctx: ctx, port: cfg.Port, name: cfg.Device, log: log, devices: map[*Device]struct{}{},
-		objs: map[uintptr]asyncTarget{}}
+		objs: map[uintptr]asyncTarget{}, runLimit: mapCountLimit()}
 	if rc, err := C.pv_query_device(l.l, ctx, &p.attr); rc != 0 {
 		p.closeContext()
 		return nil, fmt.Errorf("ibverbs: %s: %w", cfg.Device, errnoErr("ibv_query_device", rc, err))
