@@ -43,13 +43,13 @@ func TestRelayOverKernelRxe(t *testing.T) {
 		Scenario: `
 pvt_rxe eth0
 pvt_gid_index rxe0 10.0.2.15
-PVRDMA_IBDEV=rxe0 /usr/bin/ibverbs.test -test.v -test.count=1 -test.timeout 6m -test.run 'TestConformanceRelay|TestUnknownGIDRefused|TestTeardownLeavesNothing|TestAliasMappingsCapped'
+PVRDMA_IBDEV=rxe0 /usr/bin/ibverbs.test -test.v -test.count=1 -test.timeout 6m -test.run 'TestConformanceRelay|TestUnknownGIDRefused|TestTeardownLeavesNothing|TestAliasMappingsCapped|TestUmadCMAgentVersusKernelCM'
 `,
 	})
 	require.NoError(t, err)
 	res, err := g.WaitOK(context.Background())
 	require.NoError(t, err)
-	for _, name := range []string{"TestConformanceRelay", "TestUnknownGIDRefused", "TestTeardownLeavesNothing", "TestAliasMappingsCapped"} {
+	for _, name := range []string{"TestConformanceRelay", "TestUnknownGIDRefused", "TestTeardownLeavesNothing", "TestAliasMappingsCapped", "TestUmadCMAgentVersusKernelCM"} {
 		require.Regexp(t, regexp.MustCompile(`(?m)^--- PASS: `+name+` `), res.Output, "%s did not pass in the guest", name)
 	}
 	require.NotContains(t, res.Output, "--- SKIP")
