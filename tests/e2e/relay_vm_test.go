@@ -18,8 +18,9 @@ import (
 // TestRelayOverRxe: the ibverbs relay end to end. Guest A runs our daemon
 // with --create-rxe eth0 (the hostile package's test binary, whose driver
 // plays vmw_pvrdma over vfio-user: there is no QEMU inside a TCG guest) and
-// is ibv_rc_pingpong's and ibv_ud_pingpong's server; guest B runs the stock
-// clients over its own kernel rxe. Every byte A receives is checked, and after A's
+// is the server of ibv_rc_pingpong, ibv_ud_pingpong, rdmacheck, ib_write_bw,
+// ib_read_bw and ib_atomic_bw; guest B runs the stock clients over its own
+// kernel rxe. Every byte A receives is checked, and after A's
 // VM disconnects `rdma resource show` counts none of its objects.
 func TestRelayOverRxe(t *testing.T) {
 	img := image(t)
@@ -43,7 +44,7 @@ func TestRelayOverRxe(t *testing.T) {
 		Scenario: `
 modprobe crc32_generic
 modprobe rdma_rxe
-PVRDMA_RELAY_NETDEV=eth0 PVRDMA_RELAY_GID=10.77.0.11 PVRDMA_RELAY_ITERS=100 PVRDMA_RELAY_RDMACHECK=1 \
+PVRDMA_RELAY_NETDEV=eth0 PVRDMA_RELAY_GID=10.77.0.11 PVRDMA_RELAY_ITERS=100 PVRDMA_RELAY_RDMACHECK=1 PVRDMA_RELAY_PERFTEST=1 \
 	/usr/bin/hostile.test -test.v -test.count=1 -test.run '^TestRelayPingPong$' -test.timeout 5m
 rdma link show
 `,
@@ -62,6 +63,11 @@ echo "=== rdmacheck"
 # rdmacheck says "FAIL connect" until guest A listens (pvt_retry does not know that message).
 i=0
 until rdmacheck 10.77.0.1 18520 rxe0 $g; do i=$((i+1)); [ $i -lt 60 ] || exit 1; sleep 1; done
+for t in "ib_write_bw 18531" "ib_read_bw 18532" "ib_atomic_bw 18533"; do
+	set -- $t
+	echo "=== $1"
+	pvt_retry 120 $1 -d rxe0 -x $g -F -n 200 -p $2 10.77.0.1
+done
 `,
 	}
 	ctx := context.Background()
@@ -75,6 +81,13 @@ until rdmacheck 10.77.0.1 18520 rxe0 $g; do i=$((i+1)); [ $i -lt 60 ] || exit 1;
 	require.Regexp(t, regexp.MustCompile(`(?m)^\s*100 iters in [\d.]+ seconds = [\d.]+ usec/iter`), outB)
 	require.Regexp(t, regexp.MustCompile(`(?m)^\s*204800 bytes in [\d.]+ seconds = [\d.]+ Mbit/sec`), outB, "ibv_ud_pingpong")
 	require.Contains(t, outB, "rdmacheck: ALL OK")
+	// perftest's result rows: #bytes #iterations BW peak BW average MsgRate.
+	perf := regexp.MustCompile(`(?m)^\s*(65536|8)\s+200\s+[\d.]+\s+[\d.]+\s+[\d.]+`).FindAllString(outB, -1)
+	require.Len(t, perf, 3, "ib_write_bw, ib_read_bw and ib_atomic_bw each report a result row")
+	for _, tool := range []string{"ib_write_bw", "ib_read_bw", "ib_atomic_bw"} {
+		require.Contains(t, outA, "RELAY_PERFTEST "+tool)
+	}
+	t.Logf("perftest through the relay (bytes iterations peak avg MB/s, Mpps): %q", perf)
 	require.Contains(t, outA, "RELAY_RDMACHECK")
 	// The daemon removed the rxe link it created.
 	require.NotRegexp(t, regexp.MustCompile(`link rxe_eth0/`), outA)

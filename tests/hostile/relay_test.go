@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -33,6 +34,9 @@ const (
 	// envRelayRdmacheck, if set, also serves hostverbs/soft's rdmacheck
 	// (WRITE, READ and atomics both ways) on TCP 18520.
 	envRelayRdmacheck = "PVRDMA_RELAY_RDMACHECK"
+	// envRelayPerftest, if set, also serves perftest's ib_write_bw,
+	// ib_read_bw and ib_atomic_bw (clients in the peer) on TCP 18531-18533.
+	envRelayPerftest = "PVRDMA_RELAY_PERFTEST"
 )
 
 // TestRelayPingPong: the daemon, with --create-rxe, serves a VM whose driver
@@ -131,6 +135,11 @@ func TestRelayPingPong(t *testing.T) {
 	relayUDPingPong(t, p, iters)
 	if os.Getenv(envRelayRdmacheck) != "" {
 		relayRDMAOps(t, p)
+	}
+	if os.Getenv(envRelayPerftest) != "" {
+		for i, tool := range []string{"ib_write_bw", "ib_read_bw", "ib_atomic_bw"} {
+			relayPerftestServer(t, p, tool, 18531+i)
+		}
 	}
 
 	// The VM goes away: the host device keeps none of its objects.
@@ -331,6 +340,136 @@ func relayRDMAOps(t *testing.T, p *endpoint) {
 	require.Equal(t, uint32(0), c.Status, "%+v", c)
 	require.Equal(t, "C-OK", strings.TrimRight(string(mr.read(v, msgArea+(c.WRID-100)*64, 16)), "\x00"), "the peer's verdict")
 	t.Logf("RELAY_RDMACHECK WRITE, READ, FETCH_ADD, CMP_SWAP both ways, WRITE_WITH_IMM, SEND: ok")
+}
+
+// perftestKeys is perftest's KEY_PRINT_FMT_GID message (108 bytes with
+// its NUL): lid, out_reads, qpn, psn, rkey, vaddr, 16 GID bytes, srqn.
+type perftestKeys struct {
+	lid, outReads, qpn, psn, rkey, srqn uint32
+	vaddr                               uint64
+	gid                                 hostverbs.GID
+}
+
+const perftestKeysLen = 108
+
+func (k perftestKeys) format() []byte {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%04x:%04x:%06x:%06x:%08x:%016x:", k.lid, k.outReads, k.qpn, k.psn, k.rkey, k.vaddr)
+	for _, x := range k.gid {
+		fmt.Fprintf(&b, "%02x:", x)
+	}
+	fmt.Fprintf(&b, "%08x:", k.srqn)
+	out := make([]byte, perftestKeysLen)
+	copy(out, b.String())
+	return out
+}
+
+func parsePerftestKeys(msg []byte) (perftestKeys, bool) {
+	f := strings.Split(strings.TrimRight(string(msg), "\x00"), ":")
+	if len(f) < 23 {
+		return perftestKeys{}, false
+	}
+	var k perftestKeys
+	var err error
+	num := func(s string, bits int) uint64 {
+		v, e := strconv.ParseUint(s, 16, bits)
+		if e != nil {
+			err = e
+		}
+		return v
+	}
+	k.lid, k.outReads, k.qpn, k.psn = uint32(num(f[0], 32)), uint32(num(f[1], 32)), uint32(num(f[2], 32)), uint32(num(f[3], 32))
+	k.rkey, k.vaddr = uint32(num(f[4], 32)), num(f[5], 64)
+	for i := range 16 {
+		k.gid[i] = byte(num(f[6+i], 8))
+	}
+	k.srqn = uint32(num(f[22], 32))
+	return k, err == nil
+}
+
+// relayPerftestServer is the passive side of a perftest bandwidth test
+// (ib_write_bw, ib_read_bw, ib_atomic_bw run as clients in the peer)
+// played by the driven VM through the relay. perftest's TCP exchanges are
+// fixed-size messages the client writes first; the server answers each
+// with one of the same size: its own keys for the key messages (108
+// bytes), the client's own bytes for the others (version, buffer and MTU
+// parameters, reports), which agree by construction. Our MR is filled
+// with a marker first: the WRITE test must overwrite it, the atomic test
+// must change it.
+func relayPerftestServer(t *testing.T, p *endpoint, tool string, port int) {
+	const (
+		iova   = 0x7f3c_0000_0000
+		size   = 1 << 20 // perftest uses twice its 64 KiB message per QP
+		marker = 0xee
+		myPSN  = 0x5151
+	)
+	v := p.v
+	mr := v.regMR(p.pd, iova, size, accRW|uint32(hostverbs.AccessRemoteAtomic))
+	fill := make([]byte, size)
+	for i := range fill {
+		fill[i] = marker
+	}
+	mr.write(v, 0, fill)
+	q := v.createQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeRC,
+		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 1, recvSGE: 1, uar: p.uc})
+	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW | uint32(hostverbs.AccessRemoteAtomic)})
+	mine := perftestKeys{outReads: 16, qpn: q.qpn, psn: myPSN, rkey: mr.rkey, vaddr: iova, gid: p.gid}
+
+	ln, err := net.Listen("tcp", fmt.Sprintf(":%d", port))
+	require.NoError(t, err)
+	defer ln.Close()
+	require.NoError(t, ln.(*net.TCPListener).SetDeadline(time.Now().Add(3*time.Minute)))
+	conn, err := ln.Accept()
+	require.NoError(t, err)
+	defer conn.Close()
+	mtu := uint32(3)
+	connected := false
+	buf := make([]byte, 512)
+	for {
+		_ = conn.SetDeadline(time.Now().Add(2 * time.Minute))
+		n, err := conn.Read(buf)
+		if err != nil {
+			break // the client closed after its "done"
+		}
+		msg := buf[:n]
+		switch {
+		case n == perftestKeysLen:
+			k, ok := parsePerftestKeys(msg)
+			require.True(t, ok, "%s: keys %q", tool, msg)
+			if !connected {
+				q.mustModify(0x129181|hostverbs.AttrRQPSN, vdev.QPAttr{State: 2, PathMTU: mtu, DestQPNum: k.qpn, RQPSN: k.psn,
+					MaxDestRdAtomic: 16, MinRNRTimer: 12,
+					AH: vdev.AHAttr{DGID: k.gid, SGIDIndex: 0, HopLimit: 64, Flags: vdev.AHFlagGRH, PortNum: 1}})
+				q.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, SQPSN: myPSN, MaxRdAtomic: 16})
+				connected = true
+				t.Logf("%s: client qpn %#x psn %#x gid %s, out_reads %d", tool, k.qpn, k.psn, k.gid, k.outReads)
+			}
+			_, err = conn.Write(mine.format())
+		case n == 5 && string(msg) == "done\x00":
+			continue
+		default:
+			if n == 2 && msg[0] >= '1' && msg[0] <= '5' {
+				mtu = uint32(msg[0] - '0') // check_mtu: the client's MTU code as text
+			}
+			_, err = conn.Write(msg)
+		}
+		require.NoError(t, err)
+	}
+	require.True(t, connected, "%s never sent its keys", tool)
+	got := mr.read(v, 0, 64<<10)
+	changed := 0
+	for _, b := range got {
+		if b != marker {
+			changed++
+		}
+	}
+	switch tool {
+	case "ib_write_bw":
+		require.Greater(t, changed, 0, "ib_write_bw wrote nothing into our MR")
+	case "ib_atomic_bw":
+		require.Greater(t, changed, 0, "ib_atomic_bw changed nothing in our MR")
+	}
+	t.Logf("RELAY_PERFTEST %s: %d of the first 64 KiB of our MR changed", tool, changed)
 }
 
 func firstDiff(a, b []byte) int {
