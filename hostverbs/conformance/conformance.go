@@ -421,18 +421,25 @@ func testLimits(t *testing.T, env Env) {
 	require.Error(t, err)
 }
 
-func testSRQ(t *testing.T, env Env) {
-	a := newEP(t, env, "srqa", hostverbs.Limits{})
-	b := newEP(t, env, "srqb", hostverbs.Limits{})
-	srq, err := b.pd.CreateSRQ(hostverbs.SRQAttr{MaxWR: 64, MaxSGE: 2})
+// srqPair connects an RC QP of a new endpoint a to one of b that receives
+// from an SRQ of b made with attr.
+func srqPair(t *testing.T, env Env, attr hostverbs.SRQAttr) (a, b *ep, srq hostverbs.SRQ, qa, qb hostverbs.QP) {
+	t.Helper()
+	a, b = newEP(t, env, "srqa", hostverbs.Limits{}), newEP(t, env, "srqb", hostverbs.Limits{})
+	srq, err := b.pd.CreateSRQ(attr)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = srq.Destroy() })
 	o := defaultRC()
-	qa := a.createQP(t, hostverbs.QPTypeRC, o)
+	qa = a.createQP(t, hostverbs.QPTypeRC, o)
 	o.srq = srq
-	qb := b.createQP(t, hostverbs.QPTypeRC, o)
+	qb = b.createQP(t, hostverbs.QPTypeRC, o)
 	rts(t, qa, b, qb.QPN(), defaultRC())
 	rts(t, qb, a, qa.QPN(), defaultRC())
+	return a, b, srq, qa, qb
+}
+
+func testSRQ(t *testing.T, env Env) {
+	a, b, srq, qa, qb := srqPair(t, env, hostverbs.SRQAttr{MaxWR: 64, MaxSGE: 2})
 	for i := range 4 {
 		require.NoError(t, srq.PostRecv(&hostverbs.RecvWR{WRID: uint64(50 + i), SGL: b.sge(uint64(i)*4096, 4096)}))
 	}
@@ -455,17 +462,7 @@ func testSRQ(t *testing.T, env Env) {
 // testSRQLimit: an armed SRQ limit raises one SRQ_LIMIT_REACHED event,
 // carrying the SRQ's context, when fewer WRs than the limit remain.
 func testSRQLimit(t *testing.T, env Env) {
-	a := newEP(t, env, "srqla", hostverbs.Limits{})
-	b := newEP(t, env, "srqlb", hostverbs.Limits{})
-	srq, err := b.pd.CreateSRQ(hostverbs.SRQAttr{MaxWR: 16, MaxSGE: 1, Context: 0xabc})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = srq.Destroy() })
-	o := defaultRC()
-	qa := a.createQP(t, hostverbs.QPTypeRC, o)
-	o.srq = srq
-	qb := b.createQP(t, hostverbs.QPTypeRC, o)
-	rts(t, qa, b, qb.QPN(), defaultRC())
-	rts(t, qb, a, qa.QPN(), defaultRC())
+	a, b, srq, qa, _ := srqPair(t, env, hostverbs.SRQAttr{MaxWR: 16, MaxSGE: 1, Context: 0xabc})
 	for i := range 8 {
 		require.NoError(t, srq.PostRecv(&hostverbs.RecvWR{WRID: uint64(i), SGL: b.sge(uint64(i)*64, 64)}))
 	}

@@ -312,26 +312,36 @@ func (d *Device) Close() error {
 // closed.
 func (d *Device) completions(raw syscall.RawConn) {
 	defer close(d.done)
+	serve(raw, d.log, "completion channel", func() bool {
+		var h C.uintptr_t
+		if C.pv_get_cq_event(d.p.lib.l, d.channel, &h) <= 0 {
+			return false
+		}
+		d.mu.Lock()
+		cq := d.cqs[uintptr(h)]
+		d.mu.Unlock()
+		if cq != nil {
+			cq.drain(d.wc)
+		}
+		return true
+	})
+}
+
+// serve calls take, whenever the descriptor behind raw is readable, until
+// take finds nothing more (the poller is edge triggered), and returns when
+// raw's file is closed.
+func serve(raw syscall.RawConn, log *slog.Logger, what string, take func() bool) {
 	for {
 		err := raw.Read(func(uintptr) bool {
 			got := false
-			for {
-				var h C.uintptr_t
-				if C.pv_get_cq_event(d.p.lib.l, d.channel, &h) <= 0 {
-					return got
-				}
+			for take() {
 				got = true
-				d.mu.Lock()
-				cq := d.cqs[uintptr(h)]
-				d.mu.Unlock()
-				if cq != nil {
-					cq.drain(d.wc)
-				}
 			}
+			return got
 		})
 		if err != nil {
 			if !errors.Is(err, os.ErrClosed) {
-				d.log.Error("completion channel", "err", err)
+				log.Error(what, "err", err)
 			}
 			return
 		}

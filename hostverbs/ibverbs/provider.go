@@ -301,26 +301,15 @@ func (p *Provider) startAsync() error {
 
 func (p *Provider) asyncEvents(raw syscall.RawConn) {
 	defer close(p.asyncDone)
-	for {
-		err := raw.Read(func(uintptr) bool {
-			got := false
-			for {
-				var typ, port C.int
-				var obj C.uintptr_t
-				if C.pv_get_async_event(p.lib.l, p.ctx, &typ, &obj, &port) <= 0 {
-					return got
-				}
-				got = true
-				p.dispatch(hostverbs.EventType(typ), uintptr(obj), uint8(port))
-			}
-		})
-		if err != nil {
-			if !errors.Is(err, os.ErrClosed) {
-				p.log.Error("asynchronous events", "err", err)
-			}
-			return
+	serve(raw, p.log, "asynchronous events", func() bool {
+		var typ, port C.int
+		var obj C.uintptr_t
+		if C.pv_get_async_event(p.lib.l, p.ctx, &typ, &obj, &port) <= 0 {
+			return false
 		}
-	}
+		p.dispatch(hostverbs.EventType(typ), uintptr(obj), uint8(port))
+		return true
+	})
 }
 
 func (p *Provider) dispatch(typ hostverbs.EventType, obj uintptr, port uint8) {

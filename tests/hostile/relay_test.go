@@ -151,10 +151,9 @@ func TestRelayPingPong(t *testing.T) {
 	}
 }
 
-// ppExchange is ibv_*_pingpong's TCP exchange, server side, on port: it
-// reads the client's address, calls connect with it, answers with
-// (qpn, psn, gid) and reads the client's "done".
-func ppExchange(t *testing.T, port int, connect func(rqpn, rpsn uint32, rgid hostverbs.GID), qpn, psn uint32, gid hostverbs.GID) {
+// acceptOne accepts the peer's one TCP connection on port (within 3
+// minutes: the peer retries until we listen).
+func acceptOne(t *testing.T, port int) net.Conn {
 	t.Helper()
 	ln, err := net.Listen("tcp", fmt.Sprintf(":%d", port))
 	require.NoError(t, err)
@@ -162,10 +161,19 @@ func ppExchange(t *testing.T, port int, connect func(rqpn, rpsn uint32, rgid hos
 	require.NoError(t, ln.(*net.TCPListener).SetDeadline(time.Now().Add(3*time.Minute)))
 	conn, err := ln.Accept()
 	require.NoError(t, err)
+	return conn
+}
+
+// ppExchange is ibv_*_pingpong's TCP exchange, server side, on port: it
+// reads the client's address, calls connect with it, answers with
+// (qpn, psn, gid) and reads the client's "done".
+func ppExchange(t *testing.T, port int, connect func(rqpn, rpsn uint32, rgid hostverbs.GID), qpn, psn uint32, gid hostverbs.GID) {
+	t.Helper()
+	conn := acceptOne(t, port)
 	defer conn.Close()
 	_ = conn.SetDeadline(time.Now().Add(time.Minute))
 	msg := make([]byte, len("0000:000000:000000:00000000000000000000000000000000")+1)
-	_, err = io.ReadFull(conn, msg)
+	_, err := io.ReadFull(conn, msg)
 	require.NoError(t, err)
 	var lid, rqpn, rpsn uint32
 	var wgid string
@@ -271,12 +279,7 @@ func relayRDMAOps(t *testing.T, p *endpoint) {
 	for i := range 4 {
 		q.postRecv(uint64(100+i), mr.sge(msgArea+uint64(i)*64, 64))
 	}
-	ln, err := net.Listen("tcp", ":18520")
-	require.NoError(t, err)
-	defer ln.Close()
-	require.NoError(t, ln.(*net.TCPListener).SetDeadline(time.Now().Add(3*time.Minute)))
-	conn, err := ln.Accept()
-	require.NoError(t, err)
+	conn := acceptOne(t, 18520)
 	_ = conn.SetDeadline(time.Now().Add(time.Minute))
 	var peer info
 	require.NoError(t, binary.Read(conn, binary.LittleEndian, &peer))
@@ -415,12 +418,7 @@ func relayPerftestServer(t *testing.T, p *endpoint, tool string, port int) {
 	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW | uint32(hostverbs.AccessRemoteAtomic)})
 	mine := perftestKeys{outReads: 16, qpn: q.qpn, psn: myPSN, rkey: mr.rkey, vaddr: iova, gid: p.gid}
 
-	ln, err := net.Listen("tcp", fmt.Sprintf(":%d", port))
-	require.NoError(t, err)
-	defer ln.Close()
-	require.NoError(t, ln.(*net.TCPListener).SetDeadline(time.Now().Add(3*time.Minute)))
-	conn, err := ln.Accept()
-	require.NoError(t, err)
+	conn := acceptOne(t, port)
 	defer conn.Close()
 	mtu := uint32(3)
 	connected := false
