@@ -4,6 +4,7 @@ package ibverbs
 
 import (
 	"context"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -64,6 +65,12 @@ PVRDMA_IBDEV=rxe0 /usr/bin/ibverbs.test -test.v -test.count=1 -test.timeout 6m -
 	require.Len(t, passed, 12)
 }
 
+// benchCPUs is the relay benchmark guest's vCPU count: PVRDMA_BENCH_CPUS, or 1.
+func benchCPUs() int {
+	n, _ := strconv.Atoi(os.Getenv("PVRDMA_BENCH_CPUS"))
+	return max(n, 1)
+}
+
 // BenchmarkRelayVsPlainLibibverbs runs, in one guest with kernel rxe, the
 // relay's benchmarks and testdata/plainbench.c (plain libibverbs, the same
 // loopback and work) and prints the ratios: 64 KiB WRITE throughput
@@ -86,6 +93,7 @@ func BenchmarkRelayVsPlainLibibverbs(b *testing.B) {
 	for range b.N {
 		g, err := vm.Start(context.Background(), b, img, nil, vm.Config{
 			Name: "relaybench", Modules: []string{"ib_core", "ib_uverbs"}, MemMiB: 768, Timeout: 10 * time.Minute,
+			CPUs: benchCPUs(),
 			NICs:      []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:00:22", IP: "10.0.2.15/24"}},
 			HostFiles: map[string]string{"/usr/bin/ibverbs.test": bin, "/usr/bin/plainbench": plain},
 			Scenario: `

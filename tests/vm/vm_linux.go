@@ -59,6 +59,9 @@ type Config struct {
 	Name string
 	// MemMiB is the guest RAM (memfd-backed, shared, locked); 0 means DefaultMemMiB.
 	MemMiB int
+	// CPUs is the number of vCPUs (0 means 1: guests run under TCG and
+	// boot in parallel on a small host).
+	CPUs int
 	// NICs are the guest's network cards, in order.
 	NICs []NIC
 	// ExtraArgs are appended to QEMU's command line, e.g. a vfio-user-pci -device.
@@ -277,7 +280,7 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 		"-name", v.cfg.Name,
 		"-machine", "q35,memory-backend=ram",
 		"-accel", "tcg",
-		"-smp", "1",
+		"-smp", strconv.Itoa(max(v.cfg.CPUs, 1)),
 		"-m", strconv.Itoa(v.cfg.MemMiB) + "M",
 		"-object", fmt.Sprintf("memory-backend-memfd,id=ram,size=%dM,share=on", v.cfg.MemMiB),
 		"-overcommit", "mem-lock=on",
