@@ -93,7 +93,7 @@ func BenchmarkRelayVsPlainLibibverbs(b *testing.B) {
 	for range b.N {
 		g, err := vm.Start(context.Background(), b, img, nil, vm.Config{
 			Name: "relaybench", Modules: []string{"ib_core", "ib_uverbs"}, MemMiB: 768, Timeout: 10 * time.Minute,
-			CPUs: benchCPUs(),
+			CPUs:      benchCPUs(),
 			NICs:      []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:00:22", IP: "10.0.2.15/24"}},
 			HostFiles: map[string]string{"/usr/bin/ibverbs.test": bin, "/usr/bin/plainbench": plain},
 			Scenario: `
