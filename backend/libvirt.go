@@ -3,7 +3,9 @@ package backend
 import (
 	"encoding/json"
 	"fmt"
+	"regexp"
 	"strings"
+	"unicode/utf8"
 )
 
 // LibvirtOptions are the parts of a libvirt domain that the host decides,
@@ -39,6 +41,9 @@ func (s VMSpec) LibvirtDomainXML(o LibvirtOptions) (string, error) {
 	if s.Bus != "" {
 		return "", fmt.Errorf("libvirt xml: a named bus (%s) is not supported; the device sits on the root bus", s.Bus)
 	}
+	if !xmlSafe(s.Socket) {
+		return "", fmt.Errorf("libvirt xml: socket path %q: XML cannot carry it (invalid UTF-8 or control characters)", s.Socket)
+	}
 	if s.MemBytes%(1<<20) != 0 {
 		return "", fmt.Errorf("libvirt xml: memory %d bytes: want whole MiB", s.MemBytes)
 	}
@@ -73,7 +78,7 @@ func (s VMSpec) LibvirtDomainXML(o LibvirtOptions) (string, error) {
 		}
 		fmt.Fprintf(&b, format+"\n", args...)
 	}
-	w("<!-- pvrdma-backend: VM %s, device socket %s (libvirt-xml). -->", s.Name, s.Socket)
+	w("<!-- printed by pvrdma-backend libvirt-xml -->")
 	w("<domain type='%s' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>", domType)
 	w("  <name>%s</name>", s.Name)
 	w("  <memory unit='MiB'>%d</memory>", s.MemBytes>>20)
@@ -123,11 +128,24 @@ func (s VMSpec) LibvirtDomainXML(o LibvirtOptions) (string, error) {
 
 type libvirtNIC struct{ typ, sourceAttr, source string }
 
+// nicNameRE is what a libvirt network or a bridge may be named here.
+var nicNameRE = regexp.MustCompile(`^[A-Za-z0-9_.:@-]{1,64}$`)
+
+// xmlSafe reports whether s can be written as XML 1.0 character data.
+func xmlSafe(s string) bool {
+	return utf8.ValidString(s) && !strings.ContainsFunc(s, func(r rune) bool {
+		return r < 0x20 && r != '\t' && r != '\n' && r != '\r' || r == 0xFFFE || r == 0xFFFF
+	})
+}
+
 func libvirtInterface(spec string) (libvirtNIC, error) {
 	if spec == "" {
 		spec = "network:default"
 	}
 	kind, name, _ := strings.Cut(spec, ":")
+	if name != "" && !nicNameRE.MatchString(name) {
+		return libvirtNIC{}, fmt.Errorf("NIC %q: bad %s name", spec, kind)
+	}
 	switch {
 	case kind == "network" && name != "":
 		return libvirtNIC{"network", "network", name}, nil

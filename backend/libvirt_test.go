@@ -3,7 +3,9 @@ package backend
 import (
 	"encoding/json"
 	"encoding/xml"
+	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
 )
@@ -99,8 +101,37 @@ func TestLibvirtDomainXMLErrors(t *testing.T) {
 		"vcpus":            {good, LibvirtOptions{VCPUs: -1}},
 		"nic":              {good, LibvirtOptions{NIC: "macvtap:eth0"}},
 		"nic without name": {good, LibvirtOptions{NIC: "bridge:"}},
+		"nic bad name":     {good, LibvirtOptions{NIC: "bridge:br0'/><x"}},
+		"socket not utf-8": {VMSpec{Name: "vm1", Slot: 5, MemBytes: 1 << 30, Netdev: "n", Socket: "/tmp/\xff.sock"}, LibvirtOptions{}},
+		"socket control":   {VMSpec{Name: "vm1", Slot: 5, MemBytes: 1 << 30, Netdev: "n", Socket: "/tmp/\x01.sock"}, LibvirtOptions{}},
 	} {
 		_, err := tc.spec.LibvirtDomainXML(tc.opts)
 		require.Error(t, err, name)
 	}
+}
+
+// FuzzLibvirtDomainXML: whatever the socket path (an operator's
+// --socket-dir) and the NIC spec, the printed domain is well-formed XML whose
+// device argument reads back as the device's JSON with the same path.
+func FuzzLibvirtDomainXML(f *testing.F) {
+	f.Add("/run/pvrdma/vm1.sock", "bridge:br0", "vm1")
+	f.Add("/tmp/a'b\"c<d>&e/x.sock", "network:default", "a-b_c.d")
+	f.Add("/tmp/\x01\n\t]]>--/s.sock", "user", "x")
+	f.Add("/tmp/--/s.sock", "user", "a--b")
+	f.Fuzz(func(t *testing.T, socket, nic, name string) {
+		spec := VMSpec{Name: name, Slot: 5, MemBytes: 1 << 30, Netdev: "net0", Socket: socket}
+		x, err := spec.LibvirtDomainXML(LibvirtOptions{NIC: nic})
+		if err != nil {
+			return
+		}
+		require.True(t, utf8.ValidString(socket), "an invalid socket path was accepted")
+		require.False(t, strings.ContainsRune(socket, 0), "a NUL in the socket path was accepted")
+		var d domainXML
+		require.NoError(t, xml.Unmarshal([]byte(x), &d), "%s", x)
+		require.Len(t, d.Args, 2)
+		var dev map[string]any
+		require.NoError(t, json.Unmarshal([]byte(d.Args[1].Value), &dev))
+		require.Equal(t, socket, dev["socket"].(map[string]any)["path"])
+		require.Equal(t, name, d.Name)
+	})
 }
