@@ -36,15 +36,27 @@ type benchPair struct {
 
 const benchIOVA = 0x7f5500000000
 
-func newBenchPair(b *testing.B) *benchPair {
+func newBenchPair(b *testing.B) *benchPair { return newBenchPairDevices(b, false) }
+
+// newBenchPairDevices is newBenchPair with both QPs on one device (one
+// completion channel and goroutine) when oneDevice is set.
+func newBenchPairDevices(b *testing.B, oneDevice bool) *benchPair {
 	p, gid := testProviderTB(b)
 	bp := &benchPair{cqa: make(chanHandler, 1024), cqb: make(chanHandler, 1024)}
+	var shared hostverbs.Device
 	mk := func(h chanHandler) (hostverbs.PD, hostverbs.CQ, hostverbs.MR) {
 		mem := conformance.MemfdMemory(b, 2<<20)
-		d, err := p.Open(hostverbs.DeviceConfig{Name: "bench", Memory: mem})
-		require.NoError(b, err)
-		b.Cleanup(func() { _ = d.Close() })
-		require.NoError(b, d.SetGID(0, hostverbs.GIDEntry{GID: gid, Type: hostverbs.GIDTypeRoCEv2}))
+		d := shared
+		if d == nil {
+			var err error
+			d, err = p.Open(hostverbs.DeviceConfig{Name: "bench", Memory: mem})
+			require.NoError(b, err)
+			b.Cleanup(func() { _ = d.Close() })
+			require.NoError(b, d.SetGID(0, hostverbs.GIDEntry{GID: gid, Type: hostverbs.GIDTypeRoCEv2}))
+			if oneDevice {
+				shared = d
+			}
+		}
 		pd, err := d.AllocPD()
 		require.NoError(b, err)
 		cq, err := d.CreateCQ(hostverbs.CQAttr{Depth: 256, Handler: h})
@@ -121,9 +133,14 @@ func BenchmarkRelayWrite64K(b *testing.B) {
 }
 
 // BenchmarkRelaySend8: post-to-completion time of one signaled 8 B SEND
-// at a time through the relay.
-func BenchmarkRelaySend8(b *testing.B) {
-	bp := newBenchPair(b)
+// at a time through the relay, between two VMs' devices.
+func BenchmarkRelaySend8(b *testing.B) { benchSend8(b, newBenchPair(b)) }
+
+// BenchmarkRelaySend8OneDevice is BenchmarkRelaySend8 with both QPs on one
+// device: one completion goroutine instead of two.
+func BenchmarkRelaySend8OneDevice(b *testing.B) { benchSend8(b, newBenchPairDevices(b, true)) }
+
+func benchSend8(b *testing.B, bp *benchPair) {
 	sge := []hostverbs.SGE{{Addr: benchIOVA, Length: 8, LKey: bp.mra.LKey()}}
 	rsge := []hostverbs.SGE{{Addr: benchIOVA, Length: 64, LKey: bp.mrb.LKey()}}
 	var total, toHandler, inPost time.Duration

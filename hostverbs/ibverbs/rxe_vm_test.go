@@ -120,7 +120,8 @@ done
 		return v
 	}
 	pw, ps, pse := num(`WRITE64K ([\d.]+) MB/s`), num(`SEND8 ([\d.]+) usec`), num(`SEND8EV ([\d.]+) usec`)
-	rw, rs := num(`BenchmarkRelayWrite64K\S*\s+\d+\s+.*?\s([\d.]+) MB/s`), num(`BenchmarkRelaySend8\S*\s+\d+\s+.*?\s([\d.]+) usec/send`)
+	rw, rs := num(`BenchmarkRelayWrite64K\S*\s+\d+\s+.*?\s([\d.]+) MB/s`), num(`BenchmarkRelaySend8(?:-\d+)?\s+\d+\s+.*?\s([\d.]+) usec/send`)
+	one := num(`BenchmarkRelaySend8OneDevice(?:-\d+)?\s+\d+\s+.*?\s([\d.]+) usec/send`)
 	med := func(v []float64) float64 { s := append([]float64(nil), v...); sort.Float64s(s); return s[len(s)/2] }
 	b.Logf("plain libibverbs: WRITE 64K %v MB/s, SEND 8B %v usec (receive CQ armed too: %v); relay: WRITE 64K %v MB/s, SEND 8B %v usec",
 		pw, ps, pse, rw, rs)
@@ -129,4 +130,6 @@ done
 	b.ReportMetric(med(rw)/med(pw), "x_write64k_throughput")
 	b.ReportMetric(med(rs)/med(ps), "x_send8_latency")
 	b.ReportMetric(med(rs)/med(pse), "x_send8_latency_armed")
+	b.Logf("relay SEND 8B with both QPs on one device (one completion goroutine): %v usec, %.2fx plain", one, med(one)/med(ps))
+	b.ReportMetric(med(one)/med(ps), "x_send8_latency_one_device")
 }
