@@ -24,13 +24,14 @@ bin:
 
 # The Debian package (dist/pvrdma-backend_VERSION_ARCH.deb): the binary, its systemd
 # unit, /etc/default/pvrdma-backend and the man page, built by nfpm (packaging/nfpm.yaml).
-# The binary is static (no cgo), so the package depends on no C library.
+# The binary is built with cgo (the ibverbs relay; libibverbs itself is loaded at run time,
+# only when the relay is used), so the package depends on libc6.
 NFPM_VERSION ?= v2.44.0
 DEB_VERSION ?= 0.1.0~git$(shell git log -1 --format=%cd.%h --date=format:%Y%m%d 2>/dev/null || echo 0)
 DIST ?= dist
 deb:
 	@command -v nfpm >/dev/null || $(GO) install github.com/goreleaser/nfpm/v2/cmd/nfpm@$(NFPM_VERSION)
-	CGO_ENABLED=0 $(GO) build -trimpath -o bin/pvrdma-backend ./cmd/pvrdma-backend
+	CGO_ENABLED=1 $(GO) build -trimpath -o bin/pvrdma-backend ./cmd/pvrdma-backend
 	mkdir -p $(DIST)
 	VERSION=$(DEB_VERSION) ARCH=$$($(GO) env GOARCH) nfpm package --config packaging/nfpm.yaml --packager deb --target $(DIST)/
 

@@ -44,6 +44,8 @@ step man test -s /usr/share/man/man8/pvrdma-backend.8
 step conffile cat /var/lib/dpkg/info/pvrdma-backend.conffiles
 step security sh -c 'systemd-analyze security pvrdma-backend.service | tail -1'
 step doctor pvrdma-backend doctor
+step relay-doctor pvrdma-backend doctor --transport ibverbs --ibdev rxe0
+step relay-serve pvrdma-backend serve --socket-dir /tmp/relay --transport ibverbs --ibdev rxe0 --fabric-netdev lo
 step journal journalctl -b -u pvrdma-backend.service --no-pager -o cat
 step remove dpkg -r pvrdma-backend
 step after-remove systemctl is-active pvrdma-backend.service
@@ -123,6 +125,11 @@ func TestDebInstallsService(t *testing.T) {
 	require.Equal(t, "1", steps["doctor"].rc, steps["doctor"].out)
 	require.Regexp(t, `(?m)^FAIL +qemu +no qemu-system-x86_64 on PATH\n +fix: install QEMU >= 10.1`, steps["doctor"].out)
 	require.Regexp(t, `(?m)^OK +socket-dir +/run/pvrdma: mode 0750, owner root, group pvrdma$`, steps["doctor"].out)
+	// The packaged binary carries the relay; without rdma-core it says what to install.
+	require.Regexp(t, `(?m)^OK +transport +ibverbs: the relay loads libibverbs at start$`, steps["relay-doctor"].out)
+	require.Regexp(t, `(?m)^FAIL +libibverbs +libibverbs.so.1 not found`, steps["relay-doctor"].out)
+	require.Equal(t, "1", steps["relay-serve"].rc, steps["relay-serve"].out)
+	require.Contains(t, steps["relay-serve"].out, "apt install libibverbs1 ibverbs-providers")
 	ok("remove")
 	require.Equal(t, "inactive", strings.TrimSpace(steps["after-remove"].out))
 	ok("binary-gone")
