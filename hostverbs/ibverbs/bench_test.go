@@ -161,3 +161,28 @@ func benchSend8(b *testing.B, bp *benchPair) {
 	b.ReportMetric(float64(toHandler.Microseconds())/float64(b.N), "usec_to_handler")
 	b.ReportMetric(float64(inPost.Microseconds())/float64(b.N), "usec_in_post")
 }
+
+// BenchmarkCgoCall17us: the wall time of one cgo call that spins 17 us (the
+// time rxe's ibv_post_send takes in the guest) against the same spin in Go.
+// A larger figure for the cgo call is what the runtime adds to a cgo call
+// of that length (it hands the processor to another thread meanwhile).
+func BenchmarkCgoCall17us(b *testing.B) { benchCgoCall(b, 17*time.Microsecond) }
+
+// BenchmarkCgoCall60us is BenchmarkCgoCall17us past the runtime's 20 us
+// (after which sysmon hands a blocked call's processor to another thread).
+func BenchmarkCgoCall60us(b *testing.B) { benchCgoCall(b, 60*time.Microsecond) }
+
+func benchCgoCall(b *testing.B, d time.Duration) {
+	var inC, inGo time.Duration
+	for range b.N {
+		s := time.Now()
+		cgoSpin(d)
+		inC += time.Since(s)
+		s = time.Now()
+		for time.Since(s) < d {
+		}
+		inGo += time.Since(s)
+	}
+	b.ReportMetric(float64(inC.Microseconds())/float64(b.N), "usec_cgo")
+	b.ReportMetric(float64(inGo.Microseconds())/float64(b.N), "usec_go")
+}

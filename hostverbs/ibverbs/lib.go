@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"strings"
 	"syscall"
+	"time"
 	"unsafe"
 )
 
@@ -65,3 +66,6 @@ func errnoErr(what string, rc C.int, err error) error {
 	}
 	return fmt.Errorf("%s: %w", what, err)
 }
+
+// cgoSpin spends d in one cgo call (benchmarks).
+func cgoSpin(d time.Duration) { C.pv_spin(C.long(d.Nanoseconds())) }

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <infiniband/verbs.h>
 #include "pv.h"
+#include <time.h>
 
 
 
@@ -235,4 +236,15 @@ int pv_get_async_event(pv_lib *l, struct ibv_context *c, int *type, uintptr_t *o
 	}
 	l->ack_async_event(&ev);
 	return 1;
+}
+
+// pv_spin spins for ns nanoseconds without a system call: the relay's
+// benchmark compares a cgo call of a given length with the same work in Go
+// (the runtime treats a long cgo call like a blocking system call).
+void pv_spin(long ns) {
+	struct timespec a, b;
+	clock_gettime(CLOCK_MONOTONIC, &a);
+	do {
+		clock_gettime(CLOCK_MONOTONIC, &b);
+	} while ((b.tv_sec - a.tv_sec) * 1000000000L + (b.tv_nsec - a.tv_nsec) < ns);
 }

@@ -84,5 +84,6 @@ uint32_t pv_mr_rkey(struct ibv_mr *mr);
 void pv_set_gid(struct ibv_ah_attr *a, const uint8_t *gid);
 int pv_async_fd(struct ibv_context *c);
 int pv_get_async_event(pv_lib *l, struct ibv_context *c, int *type, uintptr_t *obj, int *port);
+void pv_spin(long ns);
 
 #endif

@@ -101,7 +101,7 @@ pvt_rxe eth0
 g=$(pvt_gid_index rxe0 10.0.2.15)
 for round in 1 2 3; do
 	plainbench rxe0 $g 2000 2000
-	PVRDMA_IBDEV=rxe0 ibverbs.test -test.run '^$' -test.bench 'RelayWrite64K|RelaySend8' -test.benchtime 2000x
+	PVRDMA_IBDEV=rxe0 ibverbs.test -test.run '^$' -test.bench 'RelayWrite64K|RelaySend8|CgoCall' -test.benchtime 2000x
 done
 `,
 		})
