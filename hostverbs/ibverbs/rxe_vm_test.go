@@ -85,7 +85,7 @@ func BenchmarkRelayVsPlainLibibverbs(b *testing.B) {
 	out, err := build.CombinedOutput()
 	require.NoError(b, err, "%s", out)
 	plain := filepath.Join(dir, "plainbench")
-	out, err = exec.Command("gcc", "-O2", "-Wall", "-o", plain, "testdata/plainbench.c", "-libverbs").CombinedOutput()
+	out, err = exec.Command("gcc", "-O2", "-Wall", "-pthread", "-o", plain, "testdata/plainbench.c", "-libverbs").CombinedOutput()
 	require.NoError(b, err, "build plainbench (needs gcc and libibverbs-dev): %s", out)
 	img, err := vm.EnsureImage(context.Background(), b.Logf)
 	require.NoError(b, err)
@@ -131,5 +131,8 @@ done
 	b.ReportMetric(med(rs)/med(ps), "x_send8_latency")
 	b.ReportMetric(med(rs)/med(pse), "x_send8_latency_armed")
 	b.Logf("relay SEND 8B with both QPs on one device (one completion goroutine): %v usec, %.2fx plain", one, med(one)/med(ps))
+	waiter := num(`SEND8WAITER ([\d.]+) usec`)
+	b.Logf("plain SEND 8B with a second thread waiting in epoll on the channel: %v usec; relay/that %.2fx", waiter, med(rs)/med(waiter))
+	b.ReportMetric(med(rs)/med(waiter), "x_send8_latency_vs_plain_with_waiter")
 	b.ReportMetric(med(one)/med(ps), "x_send8_latency_one_device")
 }
