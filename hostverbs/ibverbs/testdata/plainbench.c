@@ -10,9 +10,14 @@
 //                     event is taken within the timed part
 //   SEND8WAITER <usec> SEND8 with a second thread waiting in epoll on the
 //                     channel's descriptor, as the relay's poller does
+//   SEND8MEMFD <usec> SEND8 with both MRs over a shared memfd mapping, as
+//                     the relay's (guest RAM) are
 // Usage: plainbench DEV GID_INDEX NWRITES NSENDS
+#define _GNU_SOURCE
 #include <infiniband/verbs.h>
 #include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <sys/epoll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -178,5 +183,31 @@ int main(int argc, char **argv) {
 	waiter_stop = 1;
 	pthread_join(th, NULL);
 	printf("SEND8WAITER %.1f usec (mean of %d; %.1f usec in ibv_post_send)\n", total / ns * 1e6, ns, inpost2 / ns * 1e6);
+
+	int mfd = memfd_create("plainbench", 0);
+	if (mfd < 0 || ftruncate(mfd, 2 << 20)) die("memfd");
+	char *shm = mmap(NULL, 2 << 20, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+	if (shm == MAP_FAILED) die("mmap");
+	memset(shm, 0, 2 << 20);
+	struct ibv_mr *mmr = ibv_reg_mr(pd, shm, 2 << 20, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+	if (!mmr) die("reg memfd mr");
+	struct ibv_sge msge = {.addr = (uintptr_t)shm, .length = 8, .lkey = mmr->lkey};
+	struct ibv_sge mrsge = {.addr = (uintptr_t)shm + (1 << 20), .length = 64, .lkey = mmr->lkey};
+	struct ibv_send_wr mwr = {.sg_list = &msge, .num_sge = 1, .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED};
+	struct ibv_recv_wr mrwr = {.sg_list = &mrsge, .num_sge = 1};
+	total = 0;
+	double inpost3 = 0;
+	for (int i = 0; i < ns; i++) {
+		if (ibv_post_recv(b, &mrwr, &rbad)) die("post recv");
+		double s = now();
+		if (ibv_post_send(a, &mwr, &bad)) die("post send");
+		inpost3 += now() - s;
+		wait_one(ch, cq, &wc);
+		total += now() - s;
+		struct ibv_wc rwc;
+		while (ibv_poll_cq(rcq, 1, &rwc) == 0)
+			;
+	}
+	printf("SEND8MEMFD %.1f usec (mean of %d; %.1f usec in ibv_post_send)\n", total / ns * 1e6, ns, inpost3 / ns * 1e6);
 	return 0;
 }
