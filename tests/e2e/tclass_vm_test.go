@@ -1,0 +1,125 @@
+//go:build vm
+
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
+)
+
+// tosCount counts the IPv4 TOS bytes of RoCE v2 frames from one MAC.
+type tosCount struct {
+	mu  sync.Mutex
+	tos map[byte]int
+}
+
+func (c *tosCount) snapshot() map[byte]int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := map[byte]int{}
+	for k, v := range c.tos {
+		out[k] = v
+	}
+	return out
+}
+
+// captureTOS opens a packet socket on the network's bridge (inside its
+// namespace) and counts, until the test ends, the TOS of every IPv4 UDP
+// 4791 frame whose source MAC is src: what the daemon puts on the wire.
+func captureTOS(t *testing.T, nw *vm.Network, src net.HardwareAddr) *tosCount {
+	t.Helper()
+	var fd int
+	require.NoError(t, nw.Do(func() error {
+		ifi, err := net.InterfaceByName(nw.Bridge())
+		if err != nil {
+			return err
+		}
+		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))
+		if err != nil {
+			return err
+		}
+		// ETH_P_ALL: frames the daemon injects are outgoing on the bridge, which
+		// only ETH_P_ALL taps see.
+		return unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifi.Index})
+	}))
+	c := &tosCount{tos: map[byte]int{}}
+	done := make(chan struct{})
+	t.Cleanup(func() { unix.Close(fd); <-done })
+	require.NoError(t, unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: 1}))
+	go func() {
+		defer close(done)
+		buf := make([]byte, 9000)
+		for {
+			n, _, err := unix.Recvfrom(fd, buf, 0)
+			if err != nil {
+				if err == unix.EAGAIN || err == unix.EINTR {
+					continue
+				}
+				return
+			}
+			f := buf[:n]
+			// Ethernet (14) + IPv4 (IHL) + UDP: source MAC, protocol 17, port 4791.
+			if n < 14+20+8 || !bytes.Equal(f[6:12], src) || binary.BigEndian.Uint16(f[12:]) != unix.ETH_P_IP || f[14+9] != unix.IPPROTO_UDP {
+				continue
+			}
+			ihl := int(f[14]&0xf) * 4
+			if n < 14+ihl+8 || binary.BigEndian.Uint16(f[14+ihl+2:]) != 4791 {
+				continue
+			}
+			c.mu.Lock()
+			c.tos[f[14+1]]++
+			c.mu.Unlock()
+		}
+	}()
+	return c
+}
+
+func htons(v uint16) uint16 { return v<<8 | v>>8 }
+
+// TestTrafficClassOnTheWire: a guest's traffic class (perftest --tclass,
+// the GRH traffic class of its QP's address vector) is the IPv4 TOS of the
+// RoCE v2 frames the daemon sends for it, captured on the bridge in L2 mode
+// against a kernel rxe peer (issue 14's DSCP marking, end to end).
+func TestTrafficClassOnTheWire(t *testing.T) {
+	img := image(t)
+	ctx := context.Background()
+	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
+	require.NoError(t, err)
+	d := daemonIn(t, nw, backend.FabricConfig{Bridge: nw.Bridge()}, "tc1")
+	caps := captureTOS(t, nw, backend.DefaultMAC("tc1"))
+
+	const tclass = 0x68 // DSCP 26 (AF31), ECN 00
+	steps := []step{
+		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 100 -s 65536", "ib_write_bw -d $dev -x $g -F -n 100 -s 65536 --tclass=104 $peer"},
+	}
+	a := pvrdmaGuest(d, "tc1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "10.77.0.2", false, steps))
+	r := vm.Config{Name: "tcrxe", Modules: []string{"ib_core", "ib_uverbs"},
+		NICs:     []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:00:12", IP: "10.77.0.2/24"}},
+		Scenario: "pvt_rxe eth0\n" + matrixScenario("rxe0", "10.77.0.2", "", true, steps)}
+	for _, c := range []*vm.Config{&a, &r} {
+		c.NoErrExit = true
+		c.Timeout = 6 * time.Minute
+	}
+	vms, err := vm.StartAll(ctx, t, img, nw, a, r)
+	require.NoError(t, err)
+	res, err := vm.WaitAll(ctx, vms...)
+	require.NoError(t, err)
+	checkSteps(t, res, steps)
+	got := caps.snapshot()
+	t.Logf("TOS of the daemon's RoCE v2 frames for tc1 (tos: frames): %v", got)
+	require.Greater(t, got[tclass], 100, "the WRITEs carry the guest's traffic class as TOS")
+	for tos, n := range got {
+		require.Equal(t, byte(tclass), tos, "%d frames with TOS %#x", n, tos)
+	}
+}
