@@ -15,9 +15,10 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
 )
 
-// TestRelayOverRxe: the ibverbs relay end to end. Guest A runs our daemon
-// with --create-rxe eth0 (the hostile package's test binary, whose driver
-// plays vmw_pvrdma over vfio-user: there is no QEMU inside a TCG guest) and
+// TestRelayOverRxe: the ibverbs relay end to end. Guest A runs our daemon,
+// `pvrdma-backend serve --transport ibverbs --create-rxe eth0`, and the hostile
+// package's test binary, whose driver plays vmw_pvrdma over vfio-user (there
+// is no QEMU inside a TCG guest) on the daemon's socket, and
 // is the server of ibv_rc_pingpong, ibv_ud_pingpong, rdmacheck, ib_write_bw,
 // ib_read_bw and ib_atomic_bw; guest B runs the stock clients over its own
 // kernel rxe. Every byte A receives is checked, and after A's
@@ -30,6 +31,12 @@ func TestRelayOverRxe(t *testing.T) {
 	build.Env = append(build.Environ(), "CGO_ENABLED=1")
 	out, err := build.CombinedOutput()
 	require.NoError(t, err, "build the hostile test binary with cgo (needs gcc and libibverbs-dev: make deps): %s", out)
+	daemonBin := filepath.Join(t.TempDir(), "pvrdma-backend")
+	build = exec.Command("go", "build", "-o", daemonBin, "./cmd/pvrdma-backend")
+	build.Dir = repoDir(t)
+	build.Env = append(build.Environ(), "CGO_ENABLED=1")
+	out, err = build.CombinedOutput()
+	require.NoError(t, err, "build the daemon with cgo: %s", out)
 	rdmacheck := filepath.Join(t.TempDir(), "rdmacheck")
 	out, err = exec.Command("gcc", "-O2", "-Wall", "-o", rdmacheck,
 		filepath.Join(repoDir(t), "hostverbs/soft/testdata/interop/rdmacheck.c"), "-libverbs").CombinedOutput()
@@ -40,13 +47,26 @@ func TestRelayOverRxe(t *testing.T) {
 	a := vm.Config{
 		Name: "relaya", Modules: []string{"ib_core", "ib_uverbs"}, MemMiB: 768, Timeout: 6 * time.Minute,
 		NICs:      []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:01:01", IP: "10.77.0.1/24"}},
-		HostFiles: map[string]string{"/usr/bin/hostile.test": bin},
+		HostFiles: map[string]string{"/usr/bin/hostile.test": bin, "/usr/bin/pvrdma-backend": daemonBin},
 		Scenario: `
 modprobe crc32_generic
 modprobe rdma_rxe
-PVRDMA_RELAY_NETDEV=eth0 PVRDMA_RELAY_GID=10.77.0.11 PVRDMA_RELAY_ITERS=100 PVRDMA_RELAY_RDMACHECK=1 PVRDMA_RELAY_PERFTEST=1 \
-	/usr/bin/hostile.test -test.v -test.count=1 -test.run '^TestRelayPingPong$' -test.timeout 5m
+pvrdma-backend serve --transport ibverbs --create-rxe eth0 --socket-dir /run/pvrdma --vm peer > /tmp/daemon.log 2>&1 &
+daemon=$!
+i=0
+until [ -S /run/pvrdma/control.sock ]; do i=$((i+1)); [ $i -lt 100 ] || { cat /tmp/daemon.log; exit 1; }; sleep 0.1; done
+pvrdma-backend status --socket-dir /run/pvrdma
+rc=0
+PVRDMA_RELAY_SOCKET_DIR=/run/pvrdma PVRDMA_RELAY_NETDEV=eth0 PVRDMA_RELAY_GID=10.77.0.11 PVRDMA_RELAY_ITERS=100 \
+	PVRDMA_RELAY_RDMACHECK=1 PVRDMA_RELAY_PERFTEST=1 \
+	/usr/bin/hostile.test -test.v -test.count=1 -test.run '^TestRelayPingPong$' -test.timeout 5m || rc=$?
+kill -TERM $daemon
+wait $daemon && echo "daemon exited 0" || echo "daemon exited $?"
+echo "=== daemon log"
+cat /tmp/daemon.log
+echo "=== rdma links after"
 rdma link show
+exit $rc
 `,
 	}
 	b := vm.Config{
@@ -89,8 +109,12 @@ done
 	}
 	t.Logf("perftest through the relay (bytes iterations peak avg MB/s, Mpps): %q", perf)
 	require.Contains(t, outA, "RELAY_RDMACHECK")
-	// The daemon removed the rxe link it created.
-	require.NotRegexp(t, regexp.MustCompile(`link rxe_eth0/`), outA)
+	// The daemon (the CLI, stopped with SIGTERM) exited cleanly and removed
+	// the rxe link it created.
+	require.Contains(t, outA, "daemon exited 0")
+	require.Contains(t, outA, "created rxe link")
+	require.Contains(t, outA, "removed rxe link")
+	require.NotRegexp(t, regexp.MustCompile(`link rxe_eth0/`), vm.Section(outA, "rdma links after"))
 	t.Logf("guest A (daemon, relay): %s", regexp.MustCompile(`RELAY_PINGPONG .*`).FindString(outA))
 	t.Logf("guest A: %s", regexp.MustCompile(`RELAY_UD_PINGPONG .*`).FindString(outA))
 	t.Logf("guest B (stock ibv_rc_pingpong, ibv_ud_pingpong): %q", regexp.MustCompile(`100 iters in .*`).FindAllString(outB, -1))

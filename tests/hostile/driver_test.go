@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser/vfiousertest"
@@ -74,7 +75,11 @@ type vm struct {
 // dial connects to VM name's socket and negotiates, as QEMU does at
 // realize; nothing is mapped yet.
 func (e *env) dial(name string) (*vm, error) {
-	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: e.d.SocketPath(name), Net: "unix"})
+	path := backend.SocketPath(e.socketDir, name)
+	if e.d != nil {
+		path = e.d.SocketPath(name)
+	}
+	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
 	if err != nil {
 		return nil, err
 	}

@@ -149,6 +149,11 @@ type env struct {
 	d    *backend.Daemon
 	base resources // with the daemon idle: no VM connected
 
+	// An external daemon (a `pvrdma-backend serve` process) instead of d:
+	// its socket directory and control socket.
+	socketDir string
+	ctl       *backend.ControlClient
+
 	mu  sync.Mutex
 	vms map[*vm]struct{} // open VMs, closed at cleanup
 
@@ -156,6 +161,27 @@ type env struct {
 	// down records that a test did so on purpose.
 	shutdown func() error
 	down     bool
+}
+
+// status is the daemon's status, in process or through the control socket.
+func (e *env) status() backend.Status {
+	if e.d != nil {
+		return e.d.Status()
+	}
+	st, err := e.ctl.Status(context.Background())
+	require.NoError(e.t, err, "status of the daemon at %s", e.socketDir)
+	return st
+}
+
+// externalEnv is an environment whose VMs connect to a daemon already
+// serving in socketDir (a `pvrdma-backend serve` process). The leak checks
+// of newEnvConfig need the daemon in this process and are not made.
+func externalEnv(t testing.TB, socketDir string) *env {
+	t.Helper()
+	waitControl(t, socketDir+"/control.sock")
+	e := &env{t: t, socketDir: socketDir, ctl: backend.NewControlClient(socketDir + "/control.sock"), vms: map[*vm]struct{}{}}
+	t.Cleanup(e.closeAll)
+	return e
 }
 
 // newEnv starts a daemon with the default limits.
@@ -388,7 +414,7 @@ func (e *env) closeAll() {
 
 // connected reports whether VM name has a connected device.
 func (e *env) connected(name string) bool {
-	for _, v := range e.d.Status().VMs {
+	for _, v := range e.status().VMs {
 		if v.Name == name {
 			return v.Connected
 		}

@@ -37,6 +37,9 @@ const (
 	// envRelayPerftest, if set, also serves perftest's ib_write_bw,
 	// ib_read_bw and ib_atomic_bw (clients in the peer) on TCP 18531-18533.
 	envRelayPerftest = "PVRDMA_RELAY_PERFTEST"
+	// envRelaySocketDir, if set, is the socket directory of a running
+	// `pvrdma-backend serve` to use instead of a daemon in this process.
+	envRelaySocketDir = "PVRDMA_RELAY_SOCKET_DIR"
 )
 
 // TestRelayPingPong: the daemon, with --create-rxe, serves a VM whose driver
@@ -56,10 +59,17 @@ func TestRelayPingPong(t *testing.T) {
 		require.NoError(t, err)
 	}
 	const size = 4096
-	e := newEnvConfig(t, vdev.Limits{}, testLogger(t), func(c *backend.Config) {
-		c.Fabric = backend.FabricConfig{CreateRXE: netdev}
-	})
-	st := e.d.Status()
+	var e *env
+	if dir := os.Getenv(envRelaySocketDir); dir != "" {
+		// `pvrdma-backend serve --transport ibverbs --create-rxe NETDEV` runs
+		// beside this test and serves VM vmPeer in dir.
+		e = externalEnv(t, dir)
+	} else {
+		e = newEnvConfig(t, vdev.Limits{}, testLogger(t), func(c *backend.Config) {
+			c.Fabric = backend.FabricConfig{CreateRXE: netdev}
+		})
+	}
+	st := e.status()
 	require.NotNil(t, st.Fabric.HostDevice)
 	t.Logf("host device: %+v", *st.Fabric.HostDevice)
 	require.True(t, st.Fabric.HostDevice.CreatedRXE)
@@ -73,7 +83,7 @@ func TestRelayPingPong(t *testing.T) {
 	// the rxe device's GID table.
 	wantGID := fmt.Sprintf("%s RoCE v2", gid)
 	require.Eventually(t, func() bool {
-		for _, g := range e.d.Status().Fabric.HostDevice.GIDs {
+		for _, g := range e.status().Fabric.HostDevice.GIDs {
 			if strings.HasSuffix(g, wantGID) {
 				return true
 			}
@@ -145,7 +155,11 @@ func TestRelayPingPong(t *testing.T) {
 	// The VM goes away: the host device keeps none of its objects.
 	require.Positive(t, relayObjects(t, "qp"))
 	v.Close()
-	e.idle()
+	if e.d != nil {
+		e.idle()
+	} else {
+		require.Eventually(t, func() bool { return !e.connected(vmPeer) }, 10*time.Second, 10*time.Millisecond, "the daemon saw the VM go")
+	}
 	for _, kind := range []string{"qp", "cq", "mr", "pd"} {
 		require.Zero(t, relayObjects(t, kind), "%s left on the host device after the VM disconnected", kind)
 	}
