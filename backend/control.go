@@ -28,6 +28,11 @@ type Status struct {
 type FabricStatus struct {
 	Mode   string `json:"mode"` // "local", "ip" or "l2"
 	Netdev string `json:"netdev,omitempty"`
+	// VLAN and PCP (L2 mode): the 802.1Q tag of the fabric's frames.
+	VLAN uint16 `json:"vlan,omitempty"`
+	PCP  string `json:"pcp,omitempty"`
+	// RoCEMode is the RoCE version of VMs registered without their own.
+	RoCEMode string `json:"roce_mode"`
 	// HostDevice is the RDMA device the ibverbs relay uses.
 	HostDevice *HostDeviceStatus `json:"host_device,omitempty"`
 }
@@ -66,6 +71,8 @@ type VMStatus struct {
 	// GIDAllow is the VM's allow list of GID prefixes ("none": only its
 	// own link-local GID).
 	GIDAllow []string `json:"gid_allow"`
+	// RoCEMode is the VM's device's RoCE version: "v1" or "v2".
+	RoCEMode string `json:"roce_mode"`
 	// ReservedGIDs are the GIDs reserved to the VM (bound at least once
 	// since it was registered), sorted.
 	ReservedGIDs []string `json:"reserved_gids,omitempty"`
@@ -96,6 +103,9 @@ type VMRequest struct {
 	// the VM bounded by the daemon-wide cap only (serve
 	// --max-locked-memory).
 	MemBytes uint64 `json:"mem_bytes,omitempty"`
+	// RoCEMode is the VM's RoCE version, "v1" or "v2"; absent means the
+	// fabric's (serve --roce-mode).
+	RoCEMode string `json:"roce_mode,omitempty"`
 }
 
 // Controller is what the control socket serves.
@@ -136,7 +146,7 @@ func ControlHandler(c Controller) http.Handler {
 		switch {
 		case errors.Is(err, ErrVMExists):
 			writeError(w, http.StatusConflict, err)
-		case errors.Is(err, ErrBadVMName), errors.Is(err, ErrBadGIDPolicy), errors.Is(err, ErrBadMAC):
+		case errors.Is(err, ErrBadVMName), errors.Is(err, ErrBadGIDPolicy), errors.Is(err, ErrBadMAC), errors.Is(err, ErrBadRoCEMode):
 			writeError(w, http.StatusBadRequest, err)
 		case err != nil:
 			writeError(w, http.StatusInternalServerError, err)

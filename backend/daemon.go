@@ -202,6 +202,19 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if err != nil {
 		return VMStatus{}, fmt.Errorf("VM %s: gid_allow: %w", req.Name, err)
 	}
+	mode, err := ParseRoCEMode(req.RoCEMode)
+	if err != nil {
+		return VMStatus{}, fmt.Errorf("VM %s: roce_mode: %w", req.Name, err)
+	}
+	if mode == 0 {
+		mode = d.cfg.Fabric.RoCEMode
+	}
+	if mode == 0 {
+		mode = hostverbs.GIDTypeRoCEv2
+	}
+	if err := d.cfg.Fabric.checkRoCEMode(mode); err != nil {
+		return VMStatus{}, fmt.Errorf("VM %s: %w", req.Name, err)
+	}
 	if allow == nil {
 		allow = d.cfg.GIDAllow
 	}
@@ -218,7 +231,7 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if req.MemBytes > 0 {
 		lockLimit = min(lockLimit, req.MemBytes+LockSlack)
 	}
-	s, err := startVM(d, req.Name, mac, pol, vdev.NewBudget(lockLimit, d.locked))
+	s, err := startVM(d, req.Name, mac, pol, mode, vdev.NewBudget(lockLimit, d.locked))
 	if err != nil {
 		return VMStatus{}, err
 	}
@@ -316,6 +329,19 @@ type FabricConfig struct {
 	Bridge string
 	// DefaultTOS is the IP TOS of RoCE packets whose traffic class is 0.
 	DefaultTOS uint8
+	// VLAN (L2 mode) is the 802.1Q VLAN the fabric's frames carry and the
+	// only one it takes frames from; 0: untagged.
+	VLAN uint16
+	// PCP (L2 mode, with FixedPCP) is the 802.1Q priority of every frame;
+	// without FixedPCP each frame's priority is its traffic class's top
+	// three bits (DSCP >> 3).
+	PCP      uint8
+	FixedPCP bool
+	// RoCEMode is the RoCE version of VMs registered without their own
+	// (VMRequest.RoCEMode): hostverbs.GIDTypeRoCEv1 or v2; 0 means v2.
+	// A device offers one version (the stock driver takes one GID type
+	// per device); RoCE v1 needs L2 mode or an in-process fabric.
+	RoCEMode hostverbs.GIDType
 	// IBDevice, if set, relays the VMs' verbs to this host RDMA device
 	// through libibverbs instead of the soft transport (needs Netdev).
 	IBDevice string
@@ -340,13 +366,28 @@ func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 	if cfg.Netdev != "" && cfg.Bridge != "" {
 		return nil, errors.New("fabric: choose IP mode (netdev) or L2 mode (bridge), not both")
 	}
+	if (cfg.VLAN != 0 || cfg.FixedPCP) && cfg.Bridge == "" {
+		return nil, errors.New("fabric: a VLAN and PCP need L2 mode (a fabric bridge); in IP mode tag with a VLAN netdev instead")
+	}
+	if cfg.VLAN > 4094 || cfg.PCP > 7 {
+		return nil, fmt.Errorf("fabric: VLAN %d / PCP %d: want VLAN 1-4094 (0: untagged) and PCP 0-7", cfg.VLAN, cfg.PCP)
+	}
+	switch cfg.RoCEMode {
+	case 0, hostverbs.GIDTypeRoCEv2:
+	case hostverbs.GIDTypeRoCEv1:
+		if err := cfg.checkRoCEMode(cfg.RoCEMode); err != nil {
+			return nil, fmt.Errorf("fabric: default %w", err)
+		}
+	default:
+		return nil, fmt.Errorf("fabric: RoCE mode %d: %w", cfg.RoCEMode, ErrBadRoCEMode)
+	}
 	if cfg.Transport() == "ibverbs" {
 		return newRelayFabric(cfg, log)
 	}
 	f := &fabric{cfg: cfg, log: log}
 	scfg := soft.Config{DefaultTOS: cfg.DefaultTOS, Logger: log.With("component", "fabric")}
 	if cfg.Bridge != "" {
-		w, mtu, err := newPacketWire(cfg.Bridge)
+		w, mtu, err := newPacketWire(cfg)
 		if err != nil {
 			return nil, err
 		}
@@ -433,8 +474,15 @@ func (f *fabric) status() FabricStatus {
 	case f.cfg.Netdev != "":
 		st = FabricStatus{Mode: "ip", Netdev: f.cfg.Netdev}
 	case f.cfg.Bridge != "":
-		st = FabricStatus{Mode: "l2", Netdev: f.cfg.Bridge}
+		st = FabricStatus{Mode: "l2", Netdev: f.cfg.Bridge, VLAN: f.cfg.VLAN}
+		if f.cfg.VLAN != 0 {
+			st.PCP = "auto (traffic class >> 5)"
+			if f.cfg.FixedPCP {
+				st.PCP = fmt.Sprint(f.cfg.PCP)
+			}
+		}
 	}
+	st.RoCEMode = RoCEModeName(f.cfg.RoCEMode)
 	if f.relay != nil {
 		st.HostDevice = relayStatus(f.relay, f.rxe != "")
 	}

@@ -28,6 +28,7 @@ type vmSession struct {
 	d      *Daemon
 	name   string
 	mac    net.HardwareAddr
+	mode   hostverbs.GIDType // the device's one RoCE version
 	socket string
 	log    *slog.Logger
 	srv    *vfiouser.Server
@@ -68,8 +69,8 @@ type vmConn struct {
 	gids map[int]hostverbs.GIDEntry
 }
 
-func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, locked *vdev.Budget) (*vmSession, error) {
-	s := &vmSession{d: d, name: name, mac: mac, socket: SocketPath(d.cfg.SocketDir, name),
+func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode hostverbs.GIDType, locked *vdev.Budget) (*vmSession, error) {
+	s := &vmSession{d: d, name: name, mac: mac, mode: mode, socket: SocketPath(d.cfg.SocketDir, name),
 		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
 	s.lim = ratelog.New(s.log, 0)
 	s.binds = ratelog.NewBucket(d.cfg.GIDBindRate, d.cfg.GIDBindBurst)
@@ -93,7 +94,7 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, locked
 			s.log.Error("vfio-user server stopped", "err", err)
 		}
 	}()
-	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String(), "gid_allow", FormatGIDAllow(pol.allow))
+	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String(), "roce_mode", RoCEModeName(mode), "gid_allow", FormatGIDAllow(pol.allow))
 	return s, nil
 }
 
@@ -135,7 +136,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	copy(mac[:], s.mac)
 	var events eventRelay
 	verbs, err := s.d.fabric.provider.Open(hostverbs.DeviceConfig{
-		Name: s.name, Memory: h.Memory, NodeGUID: NodeGUID(s.mac), MAC: mac,
+		Name: s.name, Memory: h.Memory, NodeGUID: NodeGUID(s.mac), MAC: mac, RoCEMode: s.mode,
 		Events: events.deliver, Logger: h.Logger,
 	})
 	if err != nil {
@@ -278,7 +279,7 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 
 func (s *vmSession) status() VMStatus {
 	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String(),
-		GIDAllow: FormatGIDAllow(s.policy.allow), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit()}
+		GIDAllow: FormatGIDAllow(s.policy.allow), RoCEMode: RoCEModeName(s.mode), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit()}
 	for _, a := range s.d.owners.reserved(s.name) {
 		st.ReservedGIDs = append(st.ReservedGIDs, a.String())
 	}

@@ -192,6 +192,11 @@ func ParseVMFlag(v string) (VMRequest, error) {
 		switch {
 		case ok && k == "gid-allow":
 			req.GIDAllow = append(req.GIDAllow, val)
+		case ok && k == "roce":
+			if _, err := ParseRoCEMode(val); err != nil || val == "" {
+				return VMRequest{}, fmt.Errorf("VM %s: roce=%q: want v1 or v2: %w", name, val, ErrBadRoCEMode)
+			}
+			req.RoCEMode = val
 		case ok && k == "mem":
 			n, err := ParseSize(val)
 			if err != nil || n == 0 {
@@ -199,7 +204,7 @@ func ParseVMFlag(v string) (VMRequest, error) {
 			}
 			req.MemBytes = n
 		default:
-			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX or mem=SIZE: %w", name, o, ErrBadGIDPolicy)
+			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX, mem=SIZE or roce=v1|v2: %w", name, o, ErrBadGIDPolicy)
 		}
 	}
 	if _, err := ParseGIDAllow(req.GIDAllow...); err != nil {

@@ -23,14 +23,19 @@ func newKernelWire(netdev string) (soft.Wire, int, error) {
 	return w, link.Attrs().MTU, nil
 }
 
-// newPacketWire attaches the soft fabric to a bridge (L2 mode) and reports
-// the bridge's MTU.
-func newPacketWire(bridge string) (soft.Wire, int, error) {
+// newPacketWire attaches the soft fabric to a bridge (L2 mode), on the
+// fabric's VLAN if it has one, and reports the bridge's MTU.
+func newPacketWire(cfg FabricConfig) (soft.Wire, int, error) {
+	bridge := cfg.Bridge
 	link, err := netlink.LinkByName(bridge)
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric bridge %s: %w", bridge, err)
 	}
-	w, err := soft.NewPacketWire(soft.PacketWireConfig{Interface: bridge})
+	pcp := soft.PCPFromTrafficClass
+	if cfg.FixedPCP {
+		pcp = int(cfg.PCP)
+	}
+	w, err := soft.NewPacketWire(soft.PacketWireConfig{Interface: bridge, VLAN: cfg.VLAN, PCP: pcp})
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric bridge %s: %w", bridge, err)
 	}

@@ -39,6 +39,11 @@ type DeviceConfig struct {
 	MAC [6]byte
 	// Events receives asynchronous events. May be nil.
 	Events func(AsyncEvent)
+	// RoCEMode is the one GID type the device offers (the stock PVRDMA
+	// driver accepts a device of one type only): GIDTypeRoCEv1 or
+	// GIDTypeRoCEv2. Zero means RoCE v2. A provider that cannot carry
+	// the mode fails Open.
+	RoCEMode GIDType
 	// Limits caps the resources this device may create; zero fields mean
 	// the provider's own maximum.
 	Limits Limits
@@ -266,6 +271,9 @@ type DeviceAttr struct {
 	MaxPKeys              uint16
 	GIDTableLen           int
 	PhysPortCnt           uint8
+	// GIDType is the one RoCE version the device's GIDs have (the
+	// DeviceConfig's RoCEMode); zero means RoCE v2.
+	GIDType GIDType
 }
 
 // PortState is a port's logical state.

@@ -59,6 +59,10 @@ func computeCaps(a hostverbs.DeviceAttr, l Limits, mac [6]byte) Caps {
 		Mode:         DeviceModeRoCE,
 		GIDTypes:     GIDTypeFlagRoCEv2,
 	}
+	if a.GIDType == hostverbs.GIDTypeRoCEv1 {
+		// One type only: the driver refuses a device offering both.
+		c.GIDTypes = GIDTypeFlagRoCEv1
+	}
 	if c.FWVer == 0 {
 		c.FWVer = firmwareVersion
 	}

@@ -159,6 +159,10 @@ func (d *Device) cmdCreateBind(req, resp []byte) error {
 	if typ != hostverbs.GIDTypeRoCEv1 && typ != hostverbs.GIDTypeRoCEv2 {
 		return fmt.Errorf("GID type %d: %w", r.GIDType, syscall.EINVAL)
 	}
+	if d.caps.GIDTypes&(1<<(typ-1)) == 0 {
+		// The device offers one RoCE version (caps gid_types).
+		return fmt.Errorf("%v GID on a device of GID types %#x: %w", typ, d.caps.GIDTypes, syscall.EINVAL)
+	}
 	e := hostverbs.GIDEntry{GID: hostverbs.GID(r.NewGID), Type: typ}
 	if e.GID.IsZero() {
 		return fmt.Errorf("zero GID: %w", syscall.EINVAL)

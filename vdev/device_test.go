@@ -452,3 +452,12 @@ func TestNewValidatesConfig(t *testing.T) {
 	_, err := New(Config{})
 	assert.True(t, errors.Is(err, hostverbs.ErrInvalid))
 }
+
+// TestCapsGIDTypes: a device offers exactly one GID type, the provider's
+// (the stock driver refuses a device offering both).
+func TestCapsGIDTypes(t *testing.T) {
+	a := newFakeVerbs().attr
+	assert.EqualValues(t, GIDTypeFlagRoCEv2, computeCaps(a, Limits{}.withDefaults(), testMAC).GIDTypes)
+	a.GIDType = hostverbs.GIDTypeRoCEv1
+	assert.EqualValues(t, GIDTypeFlagRoCEv1, computeCaps(a, Limits{}.withDefaults(), testMAC).GIDTypes)
+}

@@ -57,13 +57,16 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	socketDir := fs.String("socket-dir", defaultSocketDir, "directory for the per-VM vfio-user sockets and control.sock")
 	netdev := fs.String("fabric-netdev", "", "IP mode: add bound guest GIDs as addresses on this netdev and use UDP 4791 through it")
 	bridge := fs.String("fabric-bridge", "", "L2 mode: carry RoCE as frames with the VMs' own MACs on this bridge (the VMs' NICs are on it)")
+	vlan := fs.Uint("fabric-vlan", 0, "L2 mode: the 802.1Q VLAN ID (1-4094) the fabric's frames carry and the only one it takes in; 0: untagged")
+	pcp := fs.String("pcp", "auto", "L2 mode with --fabric-vlan: the 802.1Q priority of RoCE frames, 0-7, or auto (each frame's traffic class >> 5, i.e. DSCP >> 3)")
+	roceMode := fs.String("roce-mode", "v2", "RoCE version of VMs registered without their own (--vm NAME,roce=v1): v2 (UDP 4791, routable) or v1 (Ethertype 0x8915; L2 mode or VMs of this daemon only); a VM's device offers exactly one")
 	tos := fs.Uint("default-tos", 0, "IP TOS of RoCE packets whose traffic class is 0 (default_roce_tos)")
 	transport := fs.String("transport", "soft", "host verbs provider: soft (pure-Go RoCE v2) or ibverbs (relay to a host RDMA device through libibverbs)")
 	ibdev := fs.String("ibdev", "", "ibverbs: the host RDMA device (ibv_devices; e.g. mlx5_0, rxe0)")
 	ibPort := fs.Uint("ib-port", 1, "ibverbs: the device's port")
 	createRXE := fs.String("create-rxe", "", "ibverbs: create a Soft-RoCE link over this netdev (rdma link add rxe_NETDEV type rxe netdev NETDEV), relay to it, remove it at shutdown")
 	var vms vmList
-	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC, optionally followed by ,gid-allow=PREFIX (its own GID allow list; both repeatable)")
+	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC, optionally followed by ,gid-allow=PREFIX (its own GID allow list; both repeatable), ,mem=SIZE and ,roce=v1|v2")
 	gidAllow := fs.String("gid-allow", backend.DefaultGIDAllow,
 		"GID prefixes (CIDR, comma-separated; \"none\": only each VM's own link-local GID) for VMs registered without their own gid-allow")
 	lim := vdev.DefaultLimits()
@@ -103,6 +106,24 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	default:
 		return fmt.Errorf("--transport %s: want soft or ibverbs", *transport)
 	}
+	mode, err := backend.ParseRoCEMode(*roceMode)
+	if err != nil {
+		return fmt.Errorf("--roce-mode: %w", err)
+	}
+	if *vlan > 4094 {
+		return fmt.Errorf("--fabric-vlan %d: want 1-4094 (0: untagged)", *vlan)
+	}
+	fixedPCP, pcpVal := false, uint64(0)
+	if *pcp != "auto" {
+		pcpVal, err = strconv.ParseUint(*pcp, 10, 8)
+		if err != nil || pcpVal > 7 {
+			return fmt.Errorf("--pcp %q: want 0-7 or auto", *pcp)
+		}
+		fixedPCP = true
+	}
+	if (*vlan != 0 || fixedPCP) && *bridge == "" {
+		return errors.New("--fabric-vlan and --pcp need L2 mode (--fabric-bridge)")
+	}
 	if *tos > 255 {
 		return fmt.Errorf("--default-tos %d: must be 0..255", *tos)
 	}
@@ -141,7 +162,8 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	d, err := backend.New(backend.Config{
 		GIDAllow:  allow,
 		SocketDir: *socketDir,
-		Fabric: backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos),
+		Fabric: backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos), RoCEMode: mode,
+			VLAN: uint16(*vlan), PCP: uint8(pcpVal), FixedPCP: fixedPCP,
 			IBDevice: *ibdev, IBPort: uint8(*ibPort), CreateRXE: *createRXE},
 		Limits:          lim,
 		MemoryBudget:    uint64(daemonBudget),

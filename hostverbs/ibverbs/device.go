@@ -63,6 +63,18 @@ func newDevice(p *Provider, cfg hostverbs.DeviceConfig) (*Device, error) {
 	if cfg.Memory == nil {
 		return nil, fmt.Errorf("ibverbs: open %s: no guest memory: %w", cfg.Name, hostverbs.ErrInvalid)
 	}
+	switch cfg.RoCEMode {
+	case 0:
+		cfg.RoCEMode = hostverbs.GIDTypeRoCEv2
+	case hostverbs.GIDTypeRoCEv2:
+	case hostverbs.GIDTypeRoCEv1:
+		// Kernel rxe offers v2 GIDs only; an HCA lists v1 entries too.
+		if !p.hasGIDType(hostverbs.GIDTypeRoCEv1) {
+			return nil, fmt.Errorf("ibverbs: open %s: %s has no RoCE v1 GIDs (rxe carries RoCE v2 only): %w", cfg.Name, p.name, hostverbs.ErrNotSupported)
+		}
+	default:
+		return nil, fmt.Errorf("ibverbs: open %s: RoCE mode %v: %w", cfg.Name, cfg.RoCEMode, hostverbs.ErrInvalid)
+	}
 	log := cfg.Logger
 	if log == nil {
 		log = p.log
@@ -146,6 +158,7 @@ func (d *Device) Attr() hostverbs.DeviceAttr {
 		MaxPKeys:        uint16(a.max_pkeys),
 		GIDTableLen:     gidTableLen,
 		PhysPortCnt:     1,
+		GIDType:         d.cfg.RoCEMode,
 	}
 }
 
@@ -186,6 +199,9 @@ func (d *Device) QueryPort(port uint8) (hostverbs.PortAttr, error) {
 func (d *Device) SetGID(index int, e hostverbs.GIDEntry) error {
 	if index < 0 || index >= gidTableLen || e.GID.IsZero() {
 		return fmt.Errorf("GID index %d: %w", index, hostverbs.ErrInvalid)
+	}
+	if e.Type != d.cfg.RoCEMode {
+		return fmt.Errorf("GID index %d: %v GID on a %v device: %w", index, e.Type, d.cfg.RoCEMode, hostverbs.ErrNotSupported)
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()

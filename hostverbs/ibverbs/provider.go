@@ -214,6 +214,21 @@ func (p *Provider) GIDTable() ([]HostGID, error) {
 	return out, nil
 }
 
+// hasGIDType reports whether the host port's GID table holds a GID of
+// type t.
+func (p *Provider) hasGIDType(t hostverbs.GIDType) bool {
+	tbl, err := p.GIDTable()
+	if err != nil {
+		return false
+	}
+	for _, h := range tbl {
+		if h.Type == t {
+			return true
+		}
+	}
+	return false
+}
+
 // hostGIDIndex finds the host GID index holding e.
 func (p *Provider) hostGIDIndex(e hostverbs.GIDEntry) (int, error) {
 	tbl, err := p.GIDTable()

@@ -71,6 +71,18 @@ func benchCPUs() int {
 	return max(n, 1)
 }
 
+// benchEnv is extra environment for the relay's side of the benchmark
+// (PVRDMA_BENCH_ENV, for example GOMAXPROCS=2), as NAME=VALUE words.
+func benchEnv() string {
+	var words []string
+	for _, w := range strings.Fields(os.Getenv("PVRDMA_BENCH_ENV")) {
+		if regexp.MustCompile(`^[A-Z_][A-Z0-9_]*=[A-Za-z0-9_.,=:-]*$`).MatchString(w) {
+			words = append(words, w)
+		}
+	}
+	return strings.Join(words, " ")
+}
+
 // BenchmarkRelayVsPlainLibibverbs runs, in one guest with kernel rxe, the
 // relay's benchmarks and testdata/plainbench.c (plain libibverbs, the same
 // loopback and work) and prints the ratios: 64 KiB WRITE throughput
@@ -101,7 +113,7 @@ pvt_rxe eth0
 g=$(pvt_gid_index rxe0 10.0.2.15)
 for round in 1 2 3; do
 	plainbench rxe0 $g 2000 2000
-	PVRDMA_IBDEV=rxe0 ibverbs.test -test.run '^$' -test.bench 'RelayWrite64K|RelaySend8|CgoCall' -test.benchtime 2000x
+	` + benchEnv() + ` PVRDMA_IBDEV=rxe0 ibverbs.test -test.run '^$' -test.bench 'RelayWrite64K|RelaySend8|CgoCall' -test.benchtime 2000x
 done
 `,
 		})

@@ -56,6 +56,9 @@ func (q *qp) receiveResponse(tx *txBatch, p *packet) {
 		q.dev.ctrs.inc(cntDropAddress)
 		return
 	}
+	if p.ce {
+		q.notifyCongestion(tx)
+	}
 	q.complete(tx, p)
 	if q.state != hostverbs.QPStateErr {
 		q.reqRun(tx)
@@ -333,6 +336,80 @@ func (q *qp) rtoFired(tx *txBatch) {
 }
 
 // onRNRTimer resumes transmission after an RNR NAK wait (no lock held).
+// pacedOK reports whether the pacer lets the next packet go now; if not,
+// it arms the pacing timer (sqMu held).
+func (q *qp) pacedOK() bool {
+	d := q.cc.wait(&q.dev.f.cc, q.dev.f.clock.Now())
+	if d <= 0 {
+		return true
+	}
+	if !q.paceArmed {
+		q.paceArmed = true
+		q.pace.Reset(d)
+	}
+	return false
+}
+
+// onPace runs when the pacing timer fires: the requester goes on.
+func (q *qp) onPace() {
+	f := q.dev.f
+	tx := f.getTx()
+	q.sqMu.Lock()
+	q.paceArmed = false
+	if !q.dead {
+		q.reqRun(tx)
+	}
+	q.sqMu.Unlock()
+	tx.flush()
+	f.putTx(tx)
+}
+
+// onCNP is the reaction point: a CNP from this QP's peer cuts its rate.
+// A CNP from anyone else is dropped: it must not slow a QP down.
+func (q *qp) onCNP(p *packet) {
+	q.sqMu.Lock()
+	defer q.sqMu.Unlock()
+	switch {
+	case q.dead || q.dev.f.cc.Disabled:
+	case q.state != hostverbs.QPStateRTS && q.state != hostverbs.QPStateSQD:
+		q.dev.ctrs.inc(cntDropQPState)
+	case p.src != q.attr.AV.DGID || p.dst != q.sgid:
+		q.dev.ctrs.inc(cntDropAddress)
+	default:
+		q.cc.onCNP(&q.dev.f.cc, q.dev.f.clock.Now())
+	}
+}
+
+// cnpTClass is the traffic class of CNPs: DSCP 48 (CS6), Not-ECT, as RoCE
+// NICs send them by default, so that they are not marked themselves.
+const cnpTClass = 48 << 2
+
+// notifyCongestion is the notification point: a packet for this QP came
+// marked CE, so the peer QP that sent it gets a CNP, at most one per
+// CNPInterval. Either of the QP's locks is held (it reads the AV).
+func (q *qp) notifyCongestion(tx *txBatch) {
+	f := q.dev.f
+	if f.cc.Disabled || q.isUD() {
+		return
+	}
+	now := f.clock.Now().UnixNano()
+	last := q.cnpSentAt.Load()
+	if last != 0 && now-last < int64(f.cc.CNPInterval) {
+		return
+	}
+	if !q.cnpSentAt.CompareAndSwap(last, now) {
+		return
+	}
+	var c packet
+	q.fillNet(&c)
+	c.op = roce.CNP
+	c.info = c.op.Info()
+	c.tclass = cnpTClass
+	c.becn = true
+	q.dev.ctrs.inc(cntTxCNP)
+	tx.emit(&c)
+}
+
 func (q *qp) onRNRTimer() {
 	f := q.dev.f
 	tx := f.getTx()

@@ -25,6 +25,7 @@ const (
 	cntDropICRC
 	cntDropUnknownGID
 	cntDropWrongMAC
+	cntDropRoCEVersion
 	cntDropUnknownQPN
 	cntDropQPState
 	cntDropTransport
@@ -55,6 +56,9 @@ const (
 	cntTxDropOversize
 	cntTxErrors
 	cntCompletions
+	cntRxECNCE
+	cntTxCNP
+	cntRxCNP
 	cntAsyncEvents
 	numCounters
 )
@@ -73,6 +77,7 @@ var counterNames = [numCounters]string{
 	cntDropICRC:          "drop_bad_icrc",
 	cntDropUnknownGID:    "drop_unknown_gid",
 	cntDropWrongMAC:      "drop_wrong_mac",
+	cntDropRoCEVersion:   "drop_roce_version_mismatch",
 	cntDropUnknownQPN:    "drop_unknown_qpn",
 	cntDropQPState:       "drop_qp_state",
 	cntDropTransport:     "drop_wrong_transport",
@@ -103,6 +108,9 @@ var counterNames = [numCounters]string{
 	cntTxDropOversize:    "tx_drop_oversize",
 	cntTxErrors:          "tx_errors",
 	cntCompletions:       "completions",
+	cntRxECNCE:           "rx_ecn_ce_marked",
+	cntTxCNP:             "tx_cnp",
+	cntRxCNP:             "rx_cnp",
 	cntAsyncEvents:       "async_events",
 }
 
@@ -123,7 +131,7 @@ func parseDropCounter(err error) counter {
 	case errors.Is(err, roce.ErrTruncated):
 		return cntDropTruncated
 	case errors.Is(err, roce.ErrIPVersion), errors.Is(err, roce.ErrIPHeader),
-		errors.Is(err, roce.ErrFragment):
+		errors.Is(err, roce.ErrFragment), errors.Is(err, roce.ErrGRH):
 		return cntDropIPHeader
 	case errors.Is(err, roce.ErrOpcode), errors.Is(err, roce.ErrTVer):
 		return cntDropOpcode

@@ -43,6 +43,7 @@ type device struct {
 	lim  *ratelog.Limiter // what a guest or peer provokes
 	attr hostverbs.DeviceAttr
 	ctrs counters
+	v1   bool // a RoCE v1 device: its GIDs, packets and peers are v1
 
 	closedFlag atomic.Bool
 
@@ -71,6 +72,7 @@ func newDevice(f *Fabric, cfg hostverbs.DeviceConfig) *device {
 	}
 	d := &device{
 		f: f, cfg: cfg, mem: cfg.Memory, log: lg.With("device", cfg.Name),
+		v1:     cfg.RoCEMode == hostverbs.GIDTypeRoCEv1,
 		lim:    ratelog.New(lg.With("device", cfg.Name), 0),
 		all:    make(map[*qp]struct{}),
 		cqs:    make(map[*cq]struct{}),
@@ -111,6 +113,10 @@ func newDevice(f *Fabric, cfg hostverbs.DeviceConfig) *device {
 		PhysPortCnt:           1,
 		MaxFastRegPageListLen: 0,
 	}
+	d.attr.GIDType = hostverbs.GIDTypeRoCEv2
+	if d.v1 {
+		d.attr.GIDType = hostverbs.GIDTypeRoCEv1
+	}
 	d.keys = newKeyTable(d.attr.MaxMR)
 	empty := map[uint32]*qp{}
 	d.qps.Store(&empty)
@@ -146,8 +152,8 @@ func (d *device) SetGID(index int, e hostverbs.GIDEntry) error {
 	if e.GID.IsZero() {
 		return fmt.Errorf("set gid %d: zero gid: %w", index, hostverbs.ErrInvalid)
 	}
-	if e.Type != hostverbs.GIDTypeRoCEv2 {
-		return fmt.Errorf("set gid %d: %v gids are not supported: %w", index, e.Type, hostverbs.ErrNotSupported)
+	if e.Type != d.attr.GIDType {
+		return fmt.Errorf("set gid %d: %v gid on a %v device: %w", index, e.Type, d.attr.GIDType, hostverbs.ErrNotSupported)
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()

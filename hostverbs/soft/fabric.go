@@ -36,6 +36,9 @@ type Config struct {
 	DisableLocalDelivery bool
 	// Window caps the PSNs a requester may have unacknowledged; 0 means 256.
 	Window int
+	// Congestion configures DCQCN congestion control (on by default;
+	// Congestion.Disabled turns it off).
+	Congestion CongestionConfig
 	// Logger is the fabric's logger; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -53,10 +56,15 @@ type Fabric struct {
 	wire      Wire
 	activeMTU hostverbs.MTU
 	window    uint32
+	cc        CongestionConfig
 
 	mu      sync.Mutex // guards devices and writers of gids
 	devices map[*device]struct{}
 	gids    atomic.Pointer[map[hostverbs.GID]*device]
+
+	// l2 is set when the wire carries Ethernet frames (a linkWire): RoCE
+	// v1 devices need it.
+	l2 bool
 
 	ipID   atomic.Uint32
 	ctrs   counters
@@ -83,12 +91,21 @@ func New(cfg Config) (*Fabric, error) {
 		f.log = slog.Default()
 	}
 	f.lim = ratelog.New(f.log, 0)
+	_, f.l2 = cfg.Wire.(linkWire)
+	if cfg.Wire == nil {
+		f.l2 = true // in process: any version
+	}
 	if f.clock == nil {
 		f.clock = RealClock{}
 	}
 	if f.window == 0 {
 		f.window = 256
 	}
+	cc, err := cfg.Congestion.withDefaults()
+	if err != nil {
+		return nil, fmt.Errorf("soft fabric: %w", err)
+	}
+	f.cc = cc
 	if f.window > 1<<22 {
 		return nil, fmt.Errorf("soft fabric: window %d too large: %w", cfg.Window, hostverbs.ErrInvalid)
 	}
@@ -146,6 +163,15 @@ func (f *Fabric) Open(cfg hostverbs.DeviceConfig) (hostverbs.Device, error) {
 	}
 	if cfg.Memory == nil {
 		return nil, fmt.Errorf("open device %q: no guest memory: %w", cfg.Name, hostverbs.ErrInvalid)
+	}
+	switch cfg.RoCEMode {
+	case 0, hostverbs.GIDTypeRoCEv2:
+	case hostverbs.GIDTypeRoCEv1:
+		if !f.l2 {
+			return nil, fmt.Errorf("open device %q: RoCE v1 needs an Ethernet (L2) fabric: v1 packets carry no IP header and cannot be routed: %w", cfg.Name, hostverbs.ErrNotSupported)
+		}
+	default:
+		return nil, fmt.Errorf("open device %q: RoCE mode %v: %w", cfg.Name, cfg.RoCEMode, hostverbs.ErrInvalid)
 	}
 	d := newDevice(f, cfg)
 	f.mu.Lock()
@@ -297,8 +323,8 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 		}
 		for i := range n {
 			if lw != nil {
-				mac := lw.DstMAC(queue, i)
-				f.receive(tx, bufs[i][:lens[i]], &mac, &rp, &p)
+				fi := lw.Frame(queue, i)
+				f.receive(tx, bufs[i][:lens[i]], &fi, &rp, &p)
 				continue
 			}
 			f.receive(tx, bufs[i][:lens[i]], nil, &rp, &p)
@@ -335,14 +361,20 @@ func (f *Fabric) receiveDatagram(tx *txBatch, d []byte, rp *roce.Packet, p *pack
 }
 
 // receive is receiveDatagram for a datagram captured in an Ethernet frame
-// addressed to dstMAC (nil: not captured): the device owning the
-// destination GID takes it only if the frame was addressed to that
-// device's own MAC, so a frame built for one VM's NIC cannot reach
-// another VM that binds the same address.
-func (f *Fabric) receive(tx *txBatch, d []byte, dstMAC *[6]byte, rp *roce.Packet, p *packet) {
+// (fi nil: not captured): the device owning the destination GID takes it
+// only if the frame was addressed to that device's own MAC, so a frame
+// built for one VM's NIC cannot reach another VM that binds the same
+// address. An Ethertype 0x8915 frame holds a RoCE v1 packet.
+func (f *Fabric) receive(tx *txBatch, d []byte, fi *FrameInfo, rp *roce.Packet, p *packet) {
 	f.ctrs.inc(cntRxPackets)
 	f.ctrs.add(cntRxBytes, uint64(len(d)))
-	if err := rp.Parse(d); err != nil {
+	var err error
+	if fi != nil && fi.RoCEv1 {
+		err = rp.ParseV1(d)
+	} else {
+		err = rp.Parse(d)
+	}
+	if err != nil {
 		f.ctrs.inc(parseDropCounter(err))
 		return
 	}
@@ -356,10 +388,14 @@ func (f *Fabric) receive(tx *txBatch, d []byte, dstMAC *[6]byte, rp *roce.Packet
 		f.ctrs.inc(cntDropUnknownGID)
 		return
 	}
-	if dstMAC != nil && *dstMAC != dev.cfg.MAC {
+	if fi != nil && fi.DstMAC != dev.cfg.MAC {
 		f.ctrs.inc(cntDropWrongMAC)
 		return
 	}
 	p.fromWire(rp)
+	if !rp.V1 && rp.TClass()&roce.ECNMask == roce.ECNCE {
+		p.ce = true
+		dev.ctrs.inc(cntRxECNCE)
+	}
 	dev.deliver(tx, p)
 }

@@ -66,10 +66,17 @@ func newEndpoint(t testing.TB, f *Fabric, name, ip string, size uint64) *endpoin
 // order (contiguous) or reversed (every page boundary a discontinuity).
 func newEndpointLayout(t testing.TB, f *Fabric, name, ip string, size uint64, contiguous bool) *endpoint {
 	t.Helper()
+	return newEndpointMode(t, f, name, ip, size, contiguous, hostverbs.GIDTypeRoCEv2)
+}
+
+// newEndpointMode is newEndpointLayout for a device of the given RoCE mode.
+func newEndpointMode(t testing.TB, f *Fabric, name, ip string, size uint64, contiguous bool, mode hostverbs.GIDType) *endpoint {
+	t.Helper()
 	size = (size + guestmem.PageSize - 1) &^ (guestmem.PageSize - 1)
 	mem, data := guestmem.NewFlat(0, size)
 	ev := make(chan hostverbs.AsyncEvent, 64)
 	dev, err := f.Open(hostverbs.DeviceConfig{Name: name, Memory: mem, MAC: [6]byte{0x52, 0x54, 0, 0, 0, byte(len(name))},
+		RoCEMode: mode,
 		Events: func(e hostverbs.AsyncEvent) {
 			select {
 			case ev <- e:
@@ -79,7 +86,7 @@ func newEndpointLayout(t testing.TB, f *Fabric, name, ip string, size uint64, co
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = dev.Close() })
 	g := hostverbs.GIDFromAddr(netip.MustParseAddr(ip))
-	require.NoError(t, dev.SetGID(0, hostverbs.GIDEntry{GID: g, Type: hostverbs.GIDTypeRoCEv2}))
+	require.NoError(t, dev.SetGID(0, hostverbs.GIDEntry{GID: g, Type: mode}))
 	pd, err := dev.AllocPD()
 	require.NoError(t, err)
 	ccq := newChanCQ()

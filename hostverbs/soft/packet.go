@@ -19,6 +19,8 @@ type packet struct {
 	// Network layer.
 	src, dst   hostverbs.GID
 	v4         bool
+	v1         bool // RoCE v1 (GRH in an Ethertype 0x8915 frame), not v2
+	ce         bool // arrived marked ECN Congestion Experienced
 	tclass     uint8
 	hopLimit   uint8
 	flowLabel  uint32
@@ -69,10 +71,10 @@ func (p *packet) fromWire(rp *roce.Packet) {
 		src:       hostverbs.GID(rp.SrcGID()),
 		dst:       hostverbs.GID(rp.DstGID()),
 		v4:        !rp.IPv6,
+		v1:        rp.V1,
 		tclass:    rp.TClass(),
 		hopLimit:  rp.HopLimit(),
 		flowLabel: rp.FlowLabel(),
-		srcPort:   rp.UDP.SrcPort(),
 		ipHdr:     rp.IPHeader,
 		se:        rp.BTH.SolicitedEvent(),
 		ackReq:    rp.BTH.AckReq(),
@@ -82,6 +84,9 @@ func (p *packet) fromWire(rp *roce.Packet) {
 		psn:       rp.BTH.PSN(),
 		n:         uint32(len(rp.Payload)),
 		data:      rp.Payload,
+	}
+	if !rp.V1 {
+		p.srcPort = rp.UDP.SrcPort()
 	}
 	i := rp.Info
 	if i.Has(roce.MaskRETH) {

@@ -40,6 +40,12 @@ type qp struct {
 	sqWC hostverbs.WorkCompletion
 	rto  Timer
 	rnr  Timer
+	// cc is the requester's DCQCN state and pace its pacing timer.
+	cc        rateState
+	pace      Timer
+	paceArmed bool
+	// cnpSentAt is when this QP last sent a CNP (UnixNano; either lock).
+	cnpSentAt atomic.Int64
 
 	rqMu sync.Mutex
 	rq   recvQueue
@@ -126,6 +132,8 @@ func (d *device) createQP(p *pd, a hostverbs.QPInitAttr) (hostverbs.QP, error) {
 	q.rto.Stop()
 	q.rnr = d.f.clock.AfterFunc(1<<62, q.onRNRTimer)
 	q.rnr.Stop()
+	q.pace = d.f.clock.AfterFunc(1<<62, q.onPace)
+	q.pace.Stop()
 	p.refs.Add(1)
 	scq.refs.Add(1)
 	rcq.refs.Add(1)
@@ -230,7 +238,7 @@ func (q *qp) checkValues(a *hostverbs.QPAttr, mask hostverbs.AttrMask, sgid *hos
 		if err != nil {
 			return fmt.Errorf("av sgid index %d: %w", a.AV.SGIDIndex, err)
 		}
-		if a.AV.DGID.IsZero() || g.IsV4() != a.AV.DGID.IsV4() {
+		if a.AV.DGID.IsZero() || (!q.dev.v1 && g.IsV4() != a.AV.DGID.IsV4()) { // v1 GIDs need no common IP family
 			return fmt.Errorf("av dgid %v with sgid %v: %w", a.AV.DGID, g, inv)
 		}
 		*sgid = g
@@ -343,6 +351,9 @@ func (q *qp) transition(tx *txBatch, cur, next hostverbs.QPState) {
 func (q *qp) resetLocked() {
 	q.rto.Stop()
 	q.rnr.Stop()
+	q.pace.Stop()
+	q.paceArmed = false
+	q.cc = rateState{}
 	q.sq.head, q.sq.next, q.sq.tail = 0, 0, 0
 	if q.srq == nil {
 		q.rq.head, q.rq.tail = 0, 0
@@ -367,6 +378,8 @@ func (q *qp) resetLocked() {
 func (q *qp) flushLocked() {
 	q.rto.Stop()
 	q.rnr.Stop()
+	q.pace.Stop()
+	q.paceArmed = false
 	q.comp.rtoArmed = false
 	q.req.waitRNR = false
 	for q.sq.head != q.sq.tail {
@@ -444,6 +457,7 @@ func (q *qp) destroy() {
 	q.dead = true
 	q.rto.Stop()
 	q.rnr.Stop()
+	q.pace.Stop()
 	q.rqMu.Unlock()
 	q.sqMu.Unlock()
 	d := q.dev
@@ -576,9 +590,13 @@ func (q *qp) completeRecv(w *recvWQE, st hostverbs.WCStatus, p *packet, n uint32
 		if q.isUD() {
 			wc.SrcQP = p.srcQP
 			wc.Flags |= hostverbs.WCFlagGRH | hostverbs.WCFlagWithNetworkHdrTyp
-			wc.NetworkHdrType = hostverbs.NetworkIPv6
-			if p.v4 {
+			switch {
+			case p.v1:
+				wc.NetworkHdrType = hostverbs.NetworkIB
+			case p.v4:
 				wc.NetworkHdrType = hostverbs.NetworkIPv4
+			default:
+				wc.NetworkHdrType = hostverbs.NetworkIPv6
 			}
 		} else {
 			wc.SrcQP = q.attr.DestQPN

@@ -11,9 +11,22 @@ import (
 // QP, transport service, P_Key; then the fork to the responder (requests)
 // or the completer (responses). Every drop has its counter.
 func (d *device) deliver(tx *txBatch, p *packet) {
+	if p.v1 != d.v1 {
+		// A device speaks one RoCE version; the other is not addressed
+		// to it even when the GID matches.
+		d.ctrs.inc(cntDropRoCEVersion)
+		return
+	}
 	q := d.lookupQP(p.dqpn)
 	if q == nil {
 		d.ctrs.inc(cntDropUnknownQPN)
+		return
+	}
+	if p.op == roce.CNP {
+		d.ctrs.inc(cntRxCNP)
+		if !q.isUD() {
+			q.onCNP(p)
+		}
 		return
 	}
 	if p.op.IsRC() != (q.typ == hostverbs.QPTypeRC) {
@@ -47,6 +60,9 @@ func (q *qp) receiveRequest(tx *txBatch, p *packet) {
 		// A connected QP talks to one peer only.
 		q.dev.ctrs.inc(cntDropAddress)
 	default:
+		if p.ce {
+			q.notifyCongestion(tx)
+		}
 		q.respondRC(tx, p)
 	}
 	gotoError, ev := q.resp.gotoError, q.resp.errEvent
@@ -131,8 +147,18 @@ func (q *qp) receiveUD(tx *txBatch, p *packet) {
 }
 
 // buildGRH fills the GRH of a received UD packet: the IP header it
-// arrived with, or for in-process delivery the header it would have had.
+// arrived with, or for in-process delivery the header it would have had;
+// for RoCE v1, the GRH itself.
 func buildGRH(g *[grhSize]byte, p *packet) {
+	if p.v1 {
+		if len(p.ipHdr) == roce.GRHSize {
+			copy(g[:], p.ipHdr)
+			return
+		}
+		net := roce.NetFields{Src: p.src, Dst: p.dst, TClass: p.tclass, HopLimit: p.hopLimit, FlowLabel: p.flowLabel}
+		roce.EncodeGRH(g[:], &net, roce.PacketSizeV1(p.op, int(p.n))-roce.GRHSize)
+		return
+	}
 	if p.v4 {
 		h := g[20:]
 		if len(p.ipHdr) == roce.IPv4HeaderSize {

@@ -480,7 +480,16 @@ func udTest(t *testing.T, a, b *endpoint, typ hostverbs.QPType) {
 	assert.Equal(t, qa.QPN(), wc.ImmData)
 	got := b.read(t, b.iova, 40+len(msg))
 	assert.Equal(t, msg, got[40:])
-	if a.gid.IsV4() {
+	if b.dev.Attr().GIDType == hostverbs.GIDTypeRoCEv1 {
+		// RoCE v1: the GRH itself (IBA 8.3), next header 0x1B.
+		assert.Equal(t, hostverbs.NetworkIB, wc.NetworkHdrType)
+		assert.Equal(t, uint32(6<<28|0x20<<20), binary.BigEndian.Uint32(got[0:])&0xfff00000)
+		assert.Equal(t, uint16(roce.PacketSizeV1(roce.UDSendOnlyImm, len(msg))-roce.GRHSize), binary.BigEndian.Uint16(got[4:]))
+		assert.Equal(t, byte(0x1b), got[6])
+		assert.Equal(t, byte(9), got[7])
+		assert.Equal(t, a.gid[:], got[8:24])
+		assert.Equal(t, b.gid[:], got[24:40])
+	} else if a.gid.IsV4() {
 		assert.Equal(t, hostverbs.NetworkIPv4, wc.NetworkHdrType)
 		assert.Equal(t, make([]byte, 20), got[:20])
 		h := got[20:40]

@@ -111,7 +111,7 @@ func (q *qp) reqStart(w *sendWQE) bool {
 	if q.isUD() {
 		dgid = w.wr.AV.DGID
 		g, err := q.dev.sgid(w.wr.AV.SGIDIndex)
-		if err != nil || g.IsV4() != dgid.IsV4() || dgid.IsZero() {
+		if err != nil || (!q.dev.v1 && g.IsV4() != dgid.IsV4()) || dgid.IsZero() {
 			w.state, w.status = wqeError, hostverbs.WCLocQPOpErr
 			q.enterErrorLocked()
 			return false
@@ -157,7 +157,14 @@ func (q *qp) reqSend(tx *txBatch, w *sendWQE) bool {
 		if !q.isUD() && psn.Distance(q.comp.psn) >= q.dev.f.window {
 			return false
 		}
+		if q.cc.limited && !q.pacedOK() {
+			return false
+		}
 		q.reqPacket(tx, w, w.nextPkt)
+		if q.cc.limited {
+			off := uint64(w.nextPkt) * w.mtu
+			q.cc.sent(&q.dev.f.cc, q.dev.f.clock.Now(), int(min(w.mtu, w.length-min(off, w.length)))+pktOverhead)
+		}
 		high := psn
 		if w.wr.Opcode == hostverbs.WRRDMARead {
 			// The request stands for all its response PSNs.
@@ -201,6 +208,7 @@ func (q *qp) fillNetAV(p *packet, av *hostverbs.AddressVector) {
 	p.flowLabel = av.FlowLabel
 	p.srcPort = q.srcPort
 	p.smac = q.dev.cfg.MAC
+	p.v1 = q.dev.v1
 	p.dmac = av.DMAC
 	p.pkey = roce.DefaultPKey
 }

@@ -249,7 +249,8 @@ func TestVethNetnsImpaired(t *testing.T) {
 }
 
 // checkWireHeaders asserts what rxe puts on the wire (VM-TESTBED.md, "rxe
-// on the wire"): DF, a non-zero IPv4 ID, the TOS of the traffic class,
+// on the wire"): DF, a non-zero IPv4 ID, the TOS of the traffic class
+// (with ECT(0): congestion control is on),
 // UDP checksum 0, a source port in the RoCE range, P_Key 0xFFFF, ICRC valid.
 func checkWireHeaders(t *testing.T, frame []byte, v6 bool) {
 	t.Helper()
@@ -257,7 +258,7 @@ func checkWireHeaders(t *testing.T, frame []byte, v6 bool) {
 	var p roce.Packet
 	require.NoError(t, p.Parse(ip))
 	assert.True(t, p.ICRCValid())
-	assert.Equal(t, uint8(0x48), p.TClass(), "TOS from the fabric default")
+	assert.Equal(t, uint8(0x48|roce.ECNECT0), p.TClass(), "TOS from the fabric default, ECN-capable (ECT(0))")
 	assert.GreaterOrEqual(t, p.UDP.SrcPort(), uint16(roce.SourcePortMin))
 	assert.Equal(t, uint16(0), binary.BigEndian.Uint16(p.UDP[6:]), "UDP checksum 0")
 	assert.Equal(t, uint16(0xffff), p.BTH.PKey())

@@ -33,20 +33,33 @@ type pollingWire interface {
 	TryReceive(queue int, bufs [][]byte, lens []int) (int, error)
 }
 
-// linkWire is implemented by wires that capture Ethernet frames: the
+// linkWire is implemented by wires that carry Ethernet frames: the
 // fabric hands a captured datagram only to the device whose MAC the frame
-// was addressed to.
+// was addressed to, and such a wire carries RoCE v1 as well as v2.
 type linkWire interface {
-	// DstMAC returns the destination MAC of datagram i of the batch the
+	// Frame describes the frame that carried datagram i of the batch the
 	// last Receive (or TryReceive) on queue returned.
-	DstMAC(queue, i int) [6]byte
+	Frame(queue, i int) FrameInfo
 }
 
-// Datagram is one outgoing RoCE v2 packet.
+// FrameInfo is what a link wire knows of a received frame beyond its
+// datagram.
+type FrameInfo struct {
+	// DstMAC is the frame's destination MAC.
+	DstMAC [6]byte
+	// RoCEv1 is set for an Ethertype 0x8915 frame: the datagram is a
+	// GRH-framed RoCE v1 packet, not an IP datagram.
+	RoCEv1 bool
+}
+
+// Datagram is one outgoing RoCE packet.
 type Datagram struct {
 	// Packet is an IPv4 or IPv6 datagram carrying UDP port 4791, ICRC
-	// included.
+	// included; for RoCE v1, the GRH-framed packet.
 	Packet []byte
+	// RoCEv1 marks a RoCE v1 packet, which only link wires carry (in an
+	// Ethertype 0x8915 frame).
+	RoCEv1 bool
 	// SrcMAC and DstMAC are the link addresses of the sending device and
 	// of the AV's destination, for wires that build Ethernet frames; IP
 	// wires ignore them.

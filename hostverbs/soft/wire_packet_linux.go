@@ -34,19 +34,21 @@ type PacketWire struct {
 	file      *os.File
 	rc        syscall.RawConn
 	ifindex   int
+	vlan      uint16
+	pcp       int
 	closeOnce sync.Once
 	closed    chan struct{}
 	scratch   sync.Pool
 
 	// Receive state (one reader: queue 0).
-	rxHdrs []unix.Mmsghdr
-	rxIovs []unix.Iovec
-	rxEth  [][ethHeaderSize]byte
-	rxDst  [][6]byte // destination MACs of the last batch Receive returned
-	rxK    int
-	rxN    int
-	rxErr  error
-	rxFn   func(uintptr) bool
+	rxHdrs  []unix.Mmsghdr
+	rxIovs  []unix.Iovec
+	rxEth   [][ethHeaderSize]byte
+	rxFrame []FrameInfo // the frames of the last batch Receive returned
+	rxK     int
+	rxN     int
+	rxErr   error
+	rxFn    func(uintptr) bool
 
 	txMu   sync.Mutex
 	txHdrs []unix.Mmsghdr
@@ -61,9 +63,37 @@ type PacketWireConfig struct {
 	Interface string
 	// SocketBuffer is the receive and send buffer size (default 8 MiB).
 	SocketBuffer int
+	// VLAN, if not 0, is the 802.1Q VLAN (1-4094) of the fabric: every
+	// frame sent carries its tag, and only frames of that VLAN are taken
+	// in. 0: frames are sent untagged and tagged frames are ignored.
+	VLAN uint16
+	// PCP is the 802.1Q priority of tagged frames: 0-7, or
+	// PCPFromTrafficClass (each frame's DSCP's class selector: the top
+	// three bits of its traffic class).
+	PCP int
 }
 
-const ethHeaderSize = 14
+// PCPFromTrafficClass as PacketWireConfig.PCP derives each frame's
+// priority from its traffic class: DSCP >> 3, so CS3 and AF3x give 3.
+const PCPFromTrafficClass = -1
+
+const (
+	ethHeaderSize  = 14
+	vlanHeaderSize = 4
+	etherType8021Q = 0x8100
+)
+
+// Ancillary loads of classic BPF on sockets (linux/filter.h): SKF_AD_OFF
+// plus the offset of the field.
+const (
+	skfAdOff             = 0xfffff000 // -0x1000
+	skfAdVLANTag         = 44
+	skfAdVLANTagPresent  = 48
+	vlanIDMask           = 0x0fff
+	maxVLANID            = 4094
+	pcpShift             = 13
+	dscpClassSelectorPCP = 5 // a traffic class's top three bits (DSCP >> 3)
+)
 
 // NewPacketWire opens a promiscuous packet socket on cfg.Interface. It
 // needs CAP_NET_RAW.
@@ -75,20 +105,26 @@ func NewPacketWire(cfg PacketWireConfig) (w *PacketWire, err error) {
 	if cfg.SocketBuffer == 0 {
 		cfg.SocketBuffer = 8 << 20
 	}
+	if cfg.VLAN > maxVLANID {
+		return nil, fmt.Errorf("packet wire: VLAN %d: want 1-%d (0: untagged): %w", cfg.VLAN, maxVLANID, hostverbs.ErrInvalid)
+	}
+	if cfg.PCP < PCPFromTrafficClass || cfg.PCP > 7 {
+		return nil, fmt.Errorf("packet wire: PCP %d: want 0-7: %w", cfg.PCP, hostverbs.ErrInvalid)
+	}
 	// Protocol 0 receives nothing until bind, so the filter is in place
 	// before the first frame can be queued.
 	fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("packet wire: socket: %w", err)
 	}
-	w = &PacketWire{fd: fd, ifindex: ifi.Index, closed: make(chan struct{})}
+	w = &PacketWire{fd: fd, ifindex: ifi.Index, closed: make(chan struct{}), vlan: cfg.VLAN, pcp: cfg.PCP}
 	defer func() {
 		if err != nil {
 			unix.Close(fd)
 		}
 	}()
 	setBuffers(fd, cfg.SocketBuffer)
-	if err := attachFilter(fd, filterEthRoCE()); err != nil {
+	if err := attachFilter(fd, filterEthRoCE(cfg.VLAN)); err != nil {
 		return nil, fmt.Errorf("packet wire: filter: %w", err)
 	}
 	// Our own transmissions would otherwise come back to us as outgoing
@@ -111,7 +147,7 @@ func NewPacketWire(cfg PacketWireConfig) (w *PacketWire, err error) {
 	w.rxHdrs = make([]unix.Mmsghdr, rxBatch)
 	w.rxIovs = make([]unix.Iovec, 2*rxBatch)
 	w.rxEth = make([][ethHeaderSize]byte, rxBatch)
-	w.rxDst = make([][6]byte, rxBatch)
+	w.rxFrame = make([]FrameInfo, rxBatch)
 	w.rxFn, w.txFn = w.recvReady, w.sendReady
 	w.scratch.New = func() any { return newPacketTxScratch() }
 	return w, nil
@@ -119,14 +155,36 @@ func NewPacketWire(cfg PacketWireConfig) (w *PacketWire, err error) {
 
 func htons16(v uint16) uint16 { return v<<8 | v>>8 }
 
-// filterEthRoCE accepts untagged Ethernet frames carrying an unfragmented
-// IPv4 or an IPv6 UDP datagram to port 4791.
-func filterEthRoCE() []unix.SockFilter {
+// filterEthRoCE accepts Ethernet frames of the VLAN (0: untagged) carrying
+// an unfragmented IPv4 or an IPv6 UDP datagram to port 4791 (RoCE v2), or a
+// GRH whose next header is the IBA transport (RoCE v1, Ethertype 0x8915).
+// The kernel takes a received frame's 802.1Q tag out of its data before
+// packet sockets see it; the filter reads it through the VLAN ancillary
+// loads.
+func filterEthRoCE(vlan uint16) []unix.SockFilter {
 	// Jump offsets are relative to the next instruction; to() turns the
 	// absolute targets below into them.
-	const accept, drop = 14, 15
+	const accept, drop = 17, 18
 	to := func(pc, target int) uint8 { return uint8(target - pc - 1) }
-	return []unix.SockFilter{
+	var pre []unix.SockFilter
+	if vlan == 0 {
+		pre = []unix.SockFilter{
+			{Code: unix.BPF_LD | unix.BPF_W | unix.BPF_ABS, K: skfAdOff + skfAdVLANTagPresent},
+			{Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: 1, K: 0},
+			{Code: unix.BPF_JMP | unix.BPF_JA, K: 1},
+			{Code: unix.BPF_RET | unix.BPF_K, K: 0},
+		}
+	} else {
+		pre = []unix.SockFilter{
+			{Code: unix.BPF_LD | unix.BPF_W | unix.BPF_ABS, K: skfAdOff + skfAdVLANTagPresent},
+			{Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: 3, K: 1},
+			{Code: unix.BPF_LD | unix.BPF_W | unix.BPF_ABS, K: skfAdOff + skfAdVLANTag},
+			{Code: unix.BPF_ALU | unix.BPF_AND | unix.BPF_K, K: vlanIDMask},
+			{Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 1, Jf: 0, K: uint32(vlan)},
+			{Code: unix.BPF_RET | unix.BPF_K, K: 0},
+		}
+	}
+	return append(pre, []unix.SockFilter{
 		/* 0 */ {Code: unix.BPF_LD | unix.BPF_H | unix.BPF_ABS, K: 12}, // ethertype
 		/* 1 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: to(1, 9), K: unix.ETH_P_IP},
 		/* 2 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_ABS, K: 14 + 9}, // IPv4 protocol
@@ -136,14 +194,17 @@ func filterEthRoCE() []unix.SockFilter {
 		/* 6 */ {Code: unix.BPF_LDX | unix.BPF_B | unix.BPF_MSH, K: 14}, // X = IHL*4
 		/* 7 */ {Code: unix.BPF_LD | unix.BPF_H | unix.BPF_IND, K: 14 + 2}, // UDP destination port
 		/* 8 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: to(8, accept), Jf: to(8, drop), K: roce.UDPPort},
-		/* 9 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: to(9, drop), K: unix.ETH_P_IPV6},
+		/* 9 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: to(9, 14), K: unix.ETH_P_IPV6},
 		/* 10 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_ABS, K: 14 + 6}, // IPv6 next header
 		/* 11 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: to(11, drop), K: unix.IPPROTO_UDP},
 		/* 12 */ {Code: unix.BPF_LD | unix.BPF_H | unix.BPF_ABS, K: 14 + 40 + 2},
 		/* 13 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: to(13, accept), Jf: to(13, drop), K: roce.UDPPort},
-		/* 14 */ {Code: unix.BPF_RET | unix.BPF_K, K: 0xffffffff},
-		/* 15 */ {Code: unix.BPF_RET | unix.BPF_K, K: 0},
-	}
+		/* 14 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: 0, Jf: to(14, drop), K: roce.EtherTypeRoCEv1},
+		/* 15 */ {Code: unix.BPF_LD | unix.BPF_B | unix.BPF_ABS, K: 14 + 6}, // GRH next header
+		/* 16 */ {Code: unix.BPF_JMP | unix.BPF_JEQ | unix.BPF_K, Jt: to(16, accept), Jf: to(16, drop), K: roce.GRHNextHeaderBTH},
+		/* 17 */ {Code: unix.BPF_RET | unix.BPF_K, K: 0xffffffff},
+		/* 18 */ {Code: unix.BPF_RET | unix.BPF_K, K: 0},
+	}...)
 }
 
 // Queues is 1: one packet socket.
@@ -161,12 +222,12 @@ func (w *PacketWire) Close() error {
 type packetTxScratch struct {
 	hdrs []unix.Mmsghdr
 	iovs []unix.Iovec
-	eth  [][ethHeaderSize]byte
+	eth  [][ethHeaderSize + vlanHeaderSize]byte
 }
 
 func newPacketTxScratch() *packetTxScratch {
 	return &packetTxScratch{hdrs: make([]unix.Mmsghdr, txMax), iovs: make([]unix.Iovec, 2*txMax),
-		eth: make([][ethHeaderSize]byte, txMax)}
+		eth: make([][ethHeaderSize + vlanHeaderSize]byte, txMax)}
 }
 
 // Transmit sends each datagram as one frame: an Ethernet header built from
@@ -188,11 +249,20 @@ func (w *PacketWire) Transmit(pkts []Datagram) (int, error) {
 			copy(eth[0:6], d.DstMAC[:])
 			copy(eth[6:12], d.SrcMAC[:])
 			et := uint16(unix.ETH_P_IP)
-			if d.Packet[0]>>4 == 6 {
+			switch {
+			case d.RoCEv1:
+				et = roce.EtherTypeRoCEv1
+			case d.Packet[0]>>4 == 6:
 				et = unix.ETH_P_IPV6
 			}
-			binary.BigEndian.PutUint16(eth[12:], et)
-			setIov(&s.iovs[2*k], eth[:])
+			hdr := eth[:ethHeaderSize]
+			if w.vlan != 0 {
+				binary.BigEndian.PutUint16(eth[12:], etherType8021Q)
+				binary.BigEndian.PutUint16(eth[14:], uint16(w.framePCP(d))<<pcpShift|w.vlan)
+				hdr = eth[:ethHeaderSize+vlanHeaderSize]
+			}
+			binary.BigEndian.PutUint16(hdr[len(hdr)-2:], et)
+			setIov(&s.iovs[2*k], hdr)
 			setIov(&s.iovs[2*k+1], d.Packet)
 			h := &s.hdrs[k].Hdr
 			*h = unix.Msghdr{Iov: &s.iovs[2*k]}
@@ -215,6 +285,20 @@ func (w *PacketWire) Transmit(pkts []Datagram) (int, error) {
 		}
 	}
 	return sent, nil
+}
+
+// framePCP is the 802.1Q priority of d's frame.
+func (w *PacketWire) framePCP(d *Datagram) int {
+	if w.pcp != PCPFromTrafficClass {
+		return w.pcp
+	}
+	var tclass byte
+	if d.Packet[0]>>4 == 4 {
+		tclass = d.Packet[1] // IPv4 TOS
+	} else {
+		tclass = byte(binary.BigEndian.Uint32(d.Packet) >> 20) // IPv6 or GRH traffic class
+	}
+	return int(tclass >> dscpClassSelectorPCP)
 }
 
 func (w *PacketWire) sendmmsg(hdrs []unix.Mmsghdr) (int, error) {
@@ -258,13 +342,14 @@ func (w *PacketWire) recvReady(fd uintptr) bool {
 	}
 }
 
-// DstMAC returns the destination MAC of frame i of the last batch Receive
-// returned (the fabric delivers it only to the device with that MAC).
-func (w *PacketWire) DstMAC(queue, i int) [6]byte {
-	if queue != 0 || i < 0 || i >= len(w.rxDst) {
-		return [6]byte{}
+// Frame describes frame i of the last batch Receive returned: its
+// destination MAC (the fabric delivers it only to the device with that
+// MAC) and whether it is RoCE v1.
+func (w *PacketWire) Frame(queue, i int) FrameInfo {
+	if queue != 0 || i < 0 || i >= len(w.rxFrame) {
+		return FrameInfo{}
 	}
-	return w.rxDst[i]
+	return w.rxFrame[i]
 }
 
 // Receive reads a batch of frames, scattering each Ethernet header aside
@@ -306,7 +391,9 @@ func (w *PacketWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 				bufs[out], bufs[i] = bufs[i], bufs[out]
 			}
 			lens[out] = l
-			w.rxDst[out] = [6]byte(w.rxEth[i][0:6])
+			eth := &w.rxEth[i]
+			w.rxFrame[out] = FrameInfo{DstMAC: [6]byte(eth[0:6]),
+				RoCEv1: binary.BigEndian.Uint16(eth[12:]) == roce.EtherTypeRoCEv1}
 			out++
 		}
 		if out > 0 {

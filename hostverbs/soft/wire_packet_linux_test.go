@@ -4,6 +4,7 @@ package soft
 
 import (
 	"bytes"
+	"encoding/binary"
 	"net"
 	"strings"
 	"testing"
@@ -12,7 +13,10 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
 )
 
 // connectL2 connects an RC pair whose address vectors carry the peers'
@@ -93,6 +97,12 @@ func TestPacketWireBridgedHosts(t *testing.T) {
 // a bridge (brx, bry), the bridges joined by a veth, and a fabric on
 // each bridge through PacketWire.
 func bridgedFabrics(t *testing.T) (x, y *netns, fx, fy *Fabric) {
+	return bridgedFabricsWith(t, PacketWireConfig{}, PacketWireConfig{})
+}
+
+// bridgedFabricsWith is bridgedFabrics with the two wires' settings
+// (their Interface is filled in).
+func bridgedFabricsWith(t *testing.T, cx, cy PacketWireConfig) (x, y *netns, fx, fy *Fabric) {
 	needRoot(t)
 	x, y = newNetns(t, "x"), newNetns(t, "y")
 	x.ip(t, "link", "add", "brx", "type", "bridge")
@@ -108,10 +118,11 @@ func bridgedFabrics(t *testing.T) (x, y *netns, fx, fy *Fabric) {
 			strings.Contains(y.ip(t, "link", "show", "bry"), "state UP")
 	}, 10*time.Second, 50*time.Millisecond)
 
-	fabric := func(ns *netns, dev string) *Fabric {
+	fabric := func(ns *netns, dev string, c PacketWireConfig) *Fabric {
 		var f *Fabric
 		ns.do(t, func() {
-			w, err := NewPacketWire(PacketWireConfig{Interface: dev})
+			c.Interface = dev
+			w, err := NewPacketWire(c)
 			require.NoError(t, err)
 			f, err = New(Config{Wire: w, LinkMTU: 1500})
 			require.NoError(t, err)
@@ -119,7 +130,7 @@ func bridgedFabrics(t *testing.T) (x, y *netns, fx, fy *Fabric) {
 		t.Cleanup(func() { f.Close() })
 		return f
 	}
-	return x, y, fabric(x, "brx"), fabric(y, "bry")
+	return x, y, fabric(x, "brx", cx), fabric(y, "bry", cy)
 }
 
 // TestPacketWireWrongMAC: in L2 mode every RoCE frame on the bridge is
@@ -166,4 +177,76 @@ func nonzero(m map[string]uint64) map[string]uint64 {
 		}
 	}
 	return out
+}
+
+// TestPacketWireRoCEv1: RoCE v1 devices on two bridged hosts reach each
+// other through PacketWire in Ethertype 0x8915 frames (captured on the
+// uplink: every RoCE frame there is v1), and a v2 device's UD datagram
+// to a v1 device's GID crosses the wire but is dropped on arrival as a
+// version mismatch.
+func TestPacketWireRoCEv1(t *testing.T) {
+	_, y, fx, fy := bridgedFabrics(t)
+	var capFD int
+	y.do(t, func() {
+		var err error
+		capFD, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK, int(htons16(unix.ETH_P_ALL)))
+		require.NoError(t, err)
+		require.NoError(t, unix.SetsockoptInt(capFD, unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, 16<<20))
+		ifi, err := net.InterfaceByName("vy")
+		require.NoError(t, err)
+		require.NoError(t, unix.Bind(capFD, &unix.SockaddrLinklayer{Protocol: htons16(unix.ETH_P_ALL), Ifindex: ifi.Index}))
+	})
+	t.Cleanup(func() { unix.Close(capFD) })
+	a := newEndpointMode(t, fx, "a", "10.9.0.1", 1<<20, false, hostverbs.GIDTypeRoCEv1)
+	b := newEndpointMode(t, fy, "bb", "10.9.0.2", 1<<20, false, hostverbs.GIDTypeRoCEv1)
+	o := defaultRC()
+	o.mtu = hostverbs.MTU1024
+	qa, qb := connectL2(t, a, b, harnessMAC("a"), harnessMAC("bb"), o)
+	src := make([]byte, 256<<10)
+	fill(src, 11)
+	a.write(t, a.iova, src)
+	require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
+		SGL: sge(a, 0, len(src)), RemoteAddr: b.iova + 4096, RKey: b.mr.RKey()}))
+	wc := a.ccq.wait(t, 10*time.Second)
+	require.Equal(t, hostverbs.WCSuccess, wc.Status, "%+v\nx: %v\ny: %v", wc, nonzero(fx.Counters()), nonzero(fy.Counters()))
+	assert.True(t, bytes.Equal(src, b.read(t, b.iova+4096, len(src))), "written bytes differ")
+	require.NoError(t, qa.PostRecv(&hostverbs.RecvWR{WRID: 2, SGL: sge(a, 512<<10, 4096)}))
+	msg := []byte("v1 over the bridge")
+	b.write(t, b.iova+900<<10, msg)
+	require.NoError(t, qb.PostSend(&hostverbs.SendWR{WRID: 3, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
+		SGL: sge(b, 900<<10, len(msg))}))
+	require.Equal(t, hostverbs.WCSuccess, b.ccq.wait(t, 10*time.Second).Status)
+	require.Equal(t, hostverbs.WCSuccess, a.ccq.wait(t, 10*time.Second).Status)
+	assert.Equal(t, msg, a.read(t, a.iova+512<<10, len(msg)))
+
+	types := map[uint16]int{}
+	buf := make([]byte, 9000)
+	for {
+		n, _, err := unix.Recvfrom(capFD, buf, 0)
+		if err != nil {
+			break
+		}
+		if n < 14 {
+			continue
+		}
+		et := binary.BigEndian.Uint16(buf[12:])
+		var rp roce.Packet
+		if et == roce.EtherTypeRoCEv1 || rp.Parse(buf[14:n]) == nil { // RoCE v1, or a RoCE v2 datagram
+			types[et]++
+		}
+	}
+	assert.Greater(t, types[roce.EtherTypeRoCEv1], 256, "v1 frames on the uplink: %v", types)
+	assert.Zero(t, types[unix.ETH_P_IP]+types[unix.ETH_P_IPV6], "RoCE v2 frames on the uplink: %v", types)
+
+	// A v2 device on x aims a UD datagram at b's GID and MAC.
+	c := newEndpoint(t, fx, "ccc", "10.9.0.3", 1<<20)
+	qc, qbu := udQP(t, c, hostverbs.QPTypeUD, 7), udQP(t, b, hostverbs.QPTypeUD, 7)
+	require.NoError(t, qbu.PostRecv(&hostverbs.RecvWR{WRID: 4, SGL: sge(b, 0, 4096)}))
+	require.NoError(t, qc.PostSend(&hostverbs.SendWR{WRID: 5, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
+		SGL: sge(c, 0, 64), AV: hostverbs.AddressVector{DGID: b.gid, DMAC: harnessMAC("bb")}, RemoteQPN: qbu.QPN(), RemoteQKey: 7}))
+	require.Equal(t, hostverbs.WCSuccess, c.ccq.wait(t, 5*time.Second).Status)
+	require.Eventually(t, func() bool { return fy.Counters()["drop_roce_version_mismatch"] == 1 }, 10*time.Second, 10*time.Millisecond,
+		"y: %v", nonzero(fy.Counters()))
+	b.ccq.none(t, 100*time.Millisecond)
+	assert.Zero(t, fy.Counters()["drop_bad_icrc"])
 }

@@ -67,12 +67,21 @@ func (t *txBatch) emit(p *packet) {
 // encode queues p on the transmit ring.
 func (t *txBatch) encode(p *packet) {
 	f := t.f
-	if p.src.IsV4() != p.dst.IsV4() {
+	if p.v1 && !f.l2 {
+		// Open refuses v1 devices on an IP wire; nothing to route by.
+		f.ctrs.inc(cntTxErrors)
+		return
+	}
+	if !p.v1 && p.src.IsV4() != p.dst.IsV4() {
 		f.ctrs.inc(cntTxErrors)
 		return
 	}
 	v4 := p.dst.IsV4()
-	if roce.DatagramSize(v4, p.op, int(p.n)) > MaxDatagram {
+	size := roce.DatagramSize(v4, p.op, int(p.n))
+	if p.v1 {
+		size = roce.PacketSizeV1(p.op, int(p.n))
+	}
+	if size > MaxDatagram {
 		f.ctrs.inc(cntTxDropOversize)
 		return
 	}
@@ -80,12 +89,21 @@ func (t *txBatch) encode(p *packet) {
 		Src: p.src, Dst: p.dst, TClass: p.tclass, HopLimit: p.hopLimit,
 		FlowLabel: p.flowLabel, SrcPort: p.srcPort,
 	}
-	if v4 {
+	if !p.v1 && !f.cc.Disabled && p.op != roce.CNP && net.TClass&roce.ECNMask == 0 {
+		net.TClass |= roce.ECNECT0 // ECN-capable: switches mark instead of dropping
+	}
+	if v4 && !p.v1 {
 		net.ID = f.nextIPID()
 	}
 	tf := p.transportFields()
 	slot := f.ring.reserve()
-	d, off := roce.Build(slot.buf, &net, &tf, int(p.n))
+	var d []byte
+	var off int
+	if p.v1 {
+		d, off = roce.BuildV1(slot.buf, &net, &tf, int(p.n))
+	} else {
+		d, off = roce.Build(slot.buf, &net, &tf, int(p.n))
+	}
 	switch {
 	case p.n == 0:
 	case p.data != nil:
@@ -100,12 +118,15 @@ func (t *txBatch) encode(p *packet) {
 			return
 		}
 	}
-	ipLen := roce.IPv6HeaderSize
-	if v4 {
-		ipLen = roce.IPv4HeaderSize
+	switch {
+	case p.v1:
+		roce.SealICRCv1(d)
+	case v4:
+		roce.SealICRC(d, roce.IPv4HeaderSize)
+	default:
+		roce.SealICRC(d, roce.IPv6HeaderSize)
 	}
-	roce.SealICRC(d, ipLen)
-	slot.commit(Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac})
+	slot.commit(Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac, RoCEv1: p.v1})
 }
 
 // errOversize is what a Wire returns for a datagram larger than the path

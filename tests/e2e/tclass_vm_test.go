@@ -99,7 +99,7 @@ func TestTrafficClassOnTheWire(t *testing.T) {
 	d := daemonIn(t, nw, backend.FabricConfig{Bridge: nw.Bridge()}, "tc1")
 	caps := captureTOS(t, nw, backend.DefaultMAC("tc1"))
 
-	const tclass = 0x68 // DSCP 26 (AF31), ECN 00
+	const tclass = 0x6a // DSCP 26 (AF31), ECN ECT(0): the daemon's DCQCN makes its packets ECN-capable
 	steps := []step{
 		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 100 -s 65536", "ib_write_bw -d $dev -x $g -F -n 100 -s 65536 --tclass=104 $peer"},
 	}

@@ -21,7 +21,7 @@ import (
 )
 
 // kernelRecipe names what the kernel component holds; bump it when the build changes.
-const kernelRecipe = "kernel-v1"
+const kernelRecipe = "kernel-v2"
 
 // guestModules are the modules shipped in the initramfs (with their dependencies).
 var guestModules = []string{
@@ -30,6 +30,7 @@ var guestModules = []string{
 	"configfs", "iw_cm", "ib_cm", "rdma_cm", "rdma_ucm",
 	"crc32_generic", "udp_tunnel", "ip6_udp_tunnel", "rdma_rxe",
 	"virtio_pci", "virtio_net",
+	"8021q",
 }
 
 // moduleSubtreeRE selects the parts of the module tree that can hold guestModules and

@@ -53,3 +53,30 @@ func ICRC(d []byte, ipLen int) uint32 {
 func SealICRC(d []byte, ipLen int) {
 	binary.LittleEndian.PutUint32(d[len(d)-ICRCSize:], ICRC(d, ipLen))
 }
+
+// ICRCv1 computes the invariant CRC of a RoCE v1 packet d (IBA Annex
+// A16.4.3, 7.8.1): the masked LRH's eight 0xFF bytes, then the GRH with
+// the fields a router may change (traffic class, flow label, hop limit)
+// replaced by ones, the BTH with byte 4 replaced by ones, then the rest
+// up to the ICRC field. d starts at the GRH and must hold at least
+// GRHSize + BTHSize + ICRCSize bytes.
+func ICRCv1(d []byte) uint32 {
+	var ps [GRHSize + BTHSize]byte
+	n := copy(ps[:], d[:GRHSize+BTHSize])
+	ps[0] |= 0x0f // low nibble of the traffic class
+	ps[1], ps[2], ps[3] = 0xff, 0xff, 0xff
+	ps[7] = 0xff // hop limit
+	ps[GRHSize+bthResv8a] = 0xff
+	tab := crc32.IEEETable
+	c := ^icrcSeed
+	for _, b := range ps[:n] {
+		c = tab[byte(c)^b] ^ (c >> 8)
+	}
+	return crc32.Update(^c, crc32.IEEETable, d[n:len(d)-ICRCSize])
+}
+
+// SealICRCv1 computes the ICRC of RoCE v1 packet d and stores it in its
+// last four bytes.
+func SealICRCv1(d []byte) {
+	binary.LittleEndian.PutUint32(d[len(d)-ICRCSize:], ICRCv1(d))
+}

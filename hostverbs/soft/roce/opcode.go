@@ -34,6 +34,11 @@ const (
 	RCSendOnlyInvalidate Opcode = 0x17
 	UDSendOnly           Opcode = 0x64
 	UDSendOnlyImm        Opcode = 0x65
+	// CNP is the RoCE v2 Congestion Notification Packet (IBA Annex
+	// A17.9.3): a BTH with this opcode, 16 reserved bytes, the ICRC. It
+	// tells the QP in its DestQP that packets it sent arrived marked
+	// Congestion Experienced.
+	CNP Opcode = 0x81
 
 	opcodeServiceMask Opcode = 0xe0
 	opcodeServiceRC   Opcode = 0x00
@@ -67,6 +72,18 @@ const (
 	MaskEnd                        // LAST or ONLY
 	MaskRC                         // RC service
 	MaskUD                         // UD service
+	MaskCNP                        // congestion notification (16 reserved bytes follow the BTH)
+)
+
+// CNPReservedSize is the length of the reserved field after a CNP's BTH.
+const CNPReservedSize = 16
+
+// ECN codepoints: the low two bits of the IPv4 TOS / IPv6 traffic class
+// (RFC 3168).
+const (
+	ECNMask = 0x03
+	ECNECT0 = 0x02 // ECN-capable transport
+	ECNCE   = 0x03 // congestion experienced
 )
 
 // OpInfo describes one opcode: its properties, the total transport header
@@ -99,7 +116,7 @@ func (i *OpInfo) Any(m Mask) bool { return i.Mask&m != 0 }
 var opTable = buildOpTable()
 
 // Info returns the table entry for op; Valid() is false for opcodes we do
-// not implement (UC, RD, CNP, reserved).
+// not implement (UC, RD, reserved).
 func (op Opcode) Info() *OpInfo { return &opTable[op] }
 
 func (op Opcode) String() string {
@@ -141,6 +158,8 @@ func buildOpTable() (t [256]OpInfo) {
 		place(MaskAtomicAck, AtomicAckETHSize, &i.AtomicAckOff)
 		place(MaskImm, ImmDtSize, &i.ImmOff)
 		place(MaskIETH, IETHSize, &i.IETHOff)
+		var reserved int
+		place(MaskCNP, CNPReservedSize, &reserved)
 		i.Length = off
 		i.PayloadOffset = off
 	}
@@ -173,5 +192,6 @@ func buildOpTable() (t [256]OpInfo) {
 	ud := MaskUD | MaskReq | MaskSend | MaskPayload | MaskRecvWQE | MaskComp | MaskStart | MaskEnd | MaskDETH
 	def(UDSendOnly, "UD_SEND_ONLY", ud)
 	def(UDSendOnlyImm, "UD_SEND_ONLY_WITH_IMMEDIATE", ud|MaskImm)
+	def(CNP, "CNP", MaskCNP)
 	return t
 }

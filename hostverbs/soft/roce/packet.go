@@ -19,18 +19,23 @@ var (
 	ErrPadding    = errors.New("roce: bad pad count or unaligned length")
 	ErrNoPayload  = errors.New("roce: payload on an opcode that carries none")
 	ErrAddrFamily = errors.New("roce: address family mismatch")
+	ErrGRH        = errors.New("roce: GRH version, length or next header mismatch")
 )
 
-// Packet is a parsed RoCE v2 datagram. Its slices are views into the
-// datagram given to Parse, valid while that buffer is.
+// Packet is a parsed RoCE v2 datagram (Parse) or RoCE v1 packet
+// (ParseV1). Its slices are views into the buffer given to Parse, valid
+// while that buffer is.
 type Packet struct {
-	// Datagram is the whole IP datagram.
+	// Datagram is the whole IP datagram (v2) or GRH-framed packet (v1).
 	Datagram []byte
-	// IPv6 is true for IPv6, false for IPv4.
+	// V1 is true for a RoCE v1 packet: IPHeader is then its GRH, laid
+	// out as an IPv6 header (IPv6 is true), and there is no UDP header.
+	V1 bool
+	// IPv6 is true for IPv6 (and a v1 GRH), false for IPv4.
 	IPv6 bool
-	// IPHeader is the 20- or 40-byte IP header.
+	// IPHeader is the 20- or 40-byte IP header, or the 40-byte GRH.
 	IPHeader []byte
-	// UDP is the UDP header.
+	// UDP is the UDP header (nil for RoCE v1).
 	UDP UDP
 	// BTH is the base transport header.
 	BTH BTH
@@ -95,7 +100,12 @@ func (p *Packet) Parse(d []byte) error {
 	if udpLen != len(d)-ipLen {
 		return ErrUDPLength
 	}
-	t := d[ipLen+UDPHeaderSize:] // transport headers .. ICRC
+	return p.parseTransport(d[ipLen+UDPHeaderSize:])
+}
+
+// parseTransport fills the transport views from t: the transport
+// headers, payload, pad and ICRC.
+func (p *Packet) parseTransport(t []byte) error {
 	if len(t) < BTHSize+ICRCSize {
 		return ErrTruncated
 	}
@@ -127,7 +137,11 @@ func (p *Packet) Parse(d []byte) error {
 // ICRCValid reports whether the stored ICRC matches the datagram.
 func (p *Packet) ICRCValid() bool {
 	d := p.Datagram
-	return binary.LittleEndian.Uint32(d[len(d)-ICRCSize:]) == ICRC(d, len(p.IPHeader))
+	want := binary.LittleEndian.Uint32(d[len(d)-ICRCSize:])
+	if p.V1 {
+		return want == ICRCv1(d)
+	}
+	return want == ICRC(d, len(p.IPHeader))
 }
 
 // RETH returns the RETH view; valid only if Info has MaskRETH.
@@ -244,6 +258,9 @@ func EncodeTransport(b []byte, f *TransportFields) int {
 	}
 	if info.IETHOff != 0 {
 		IETH(b[info.IETHOff:]).Encode(f.IETHRKey)
+	}
+	if info.Has(MaskCNP) {
+		clear(b[BTHSize : BTHSize+CNPReservedSize])
 	}
 	return info.Length
 }
