@@ -33,8 +33,23 @@ type FabricStatus struct {
 	PCP  string `json:"pcp,omitempty"`
 	// RoCEMode is the RoCE version of VMs registered without their own.
 	RoCEMode string `json:"roce_mode"`
+	// Congestion is the soft transport's congestion control: "dcqcn" or
+	// "off" (empty for the relay: the host device's own).
+	Congestion string `json:"congestion,omitempty"`
+	// QPRates lists the QPs DCQCN has paced (those that received a CNP).
+	QPRates []QPRateStatus `json:"qp_rates,omitempty"`
 	// HostDevice is the RDMA device the ibverbs relay uses.
 	HostDevice *HostDeviceStatus `json:"host_device,omitempty"`
+}
+
+// QPRateStatus is one QP's DCQCN state.
+type QPRateStatus struct {
+	VM         string  `json:"vm"`
+	QPN        uint32  `json:"qpn"`
+	RateMbps   float64 `json:"rate_mbps"`
+	TargetMbps float64 `json:"target_mbps"`
+	Alpha      float64 `json:"alpha"`
+	CNPs       uint64  `json:"cnps"`
 }
 
 // HostDeviceStatus describes the relay's host RDMA device.
@@ -331,7 +346,11 @@ func WriteMetrics(w io.Writer, st Status) {
 			fmt.Fprintf(&b, "pvrdma_vm_events_total{vm=%q,event=%q} %d\n", vm.Name, k, vm.Counters[k])
 		}
 	}
-	family("pvrdma_fabric_events_total", "counter", "Fabric counters (packets, drops by reason, retransmissions).")
+	family("pvrdma_qp_rate_bits_per_second", "gauge", "Current DCQCN rate of QPs that received a CNP.")
+	for _, q := range st.Fabric.QPRates {
+		fmt.Fprintf(&b, "pvrdma_qp_rate_bits_per_second{vm=%q,qpn=\"%d\"} %.0f\n", q.VM, q.QPN, q.RateMbps*1e6)
+	}
+	family("pvrdma_fabric_events_total", "counter", "Fabric counters (packets, drops by reason, retransmissions, CNPs, CE-marked packets).")
 	for _, k := range sortedKeys(st.Counters) {
 		fmt.Fprintf(&b, "pvrdma_fabric_events_total{event=%q} %d\n", k, st.Counters[k])
 	}

@@ -337,6 +337,9 @@ type FabricConfig struct {
 	// three bits (DSCP >> 3).
 	PCP      uint8
 	FixedPCP bool
+	// Congestion configures the soft transport's DCQCN (on by default;
+	// Congestion.Disabled turns it off).
+	Congestion soft.CongestionConfig
 	// RoCEMode is the RoCE version of VMs registered without their own
 	// (VMRequest.RoCEMode): hostverbs.GIDTypeRoCEv1 or v2; 0 means v2.
 	// A device offers one version (the stock driver takes one GID type
@@ -385,7 +388,7 @@ func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 		return newRelayFabric(cfg, log)
 	}
 	f := &fabric{cfg: cfg, log: log}
-	scfg := soft.Config{DefaultTOS: cfg.DefaultTOS, Logger: log.With("component", "fabric")}
+	scfg := soft.Config{DefaultTOS: cfg.DefaultTOS, Congestion: cfg.Congestion, Logger: log.With("component", "fabric")}
 	if cfg.Bridge != "" {
 		w, mtu, err := newPacketWire(cfg)
 		if err != nil {
@@ -483,6 +486,20 @@ func (f *fabric) status() FabricStatus {
 		}
 	}
 	st.RoCEMode = RoCEModeName(f.cfg.RoCEMode)
+	if f.soft != nil {
+		st.Congestion = "dcqcn"
+		if f.cfg.Congestion.Disabled {
+			st.Congestion = "off"
+		}
+		for _, r := range f.soft.QPRates() {
+			st.QPRates = append(st.QPRates, QPRateStatus{VM: r.Device, QPN: r.QPN, RateMbps: r.Rate / 1e6,
+				TargetMbps: r.Target / 1e6, Alpha: r.Alpha, CNPs: r.CNPs})
+		}
+		sort.Slice(st.QPRates, func(i, j int) bool {
+			a, b := st.QPRates[i], st.QPRates[j]
+			return a.VM < b.VM || a.VM == b.VM && a.QPN < b.QPN
+		})
+	}
 	if f.relay != nil {
 		st.HostDevice = relayStatus(f.relay, f.rxe != "")
 	}

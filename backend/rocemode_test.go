@@ -3,6 +3,7 @@ package backend
 import (
 	"log/slog"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -47,4 +48,31 @@ func TestRoCEv1NeedsL2(t *testing.T) {
 	assert.ErrorContains(t, err, "not routable")
 	_, err = newFabric(FabricConfig{RoCEMode: 7}, slog.Default())
 	assert.ErrorIs(t, err, ErrBadRoCEMode)
+}
+
+func TestParseCongestion(t *testing.T) {
+	c, err := ParseCongestion("off")
+	require.NoError(t, err)
+	assert.True(t, c.Disabled)
+	c, err = ParseCongestion("")
+	require.NoError(t, err)
+	assert.False(t, c.Disabled)
+	c, err = ParseCongestion("line-rate=10G,rate-timer=1ms,g=1/128,f=3,byte-counter=1M,ai-rate=10M,cnp-interval=4us")
+	require.NoError(t, err)
+	assert.Equal(t, 10e9, c.LineRate)
+	assert.Equal(t, time.Millisecond, c.RateIncreasePeriod)
+	assert.Equal(t, 1.0/128, c.AlphaG)
+	assert.Equal(t, 3, c.FastRecoverySteps)
+	assert.Equal(t, uint64(1<<20), c.ByteCounter)
+	assert.Equal(t, 10e6, c.AIRate)
+	assert.Equal(t, 4*time.Microsecond, c.CNPInterval)
+	for _, bad := range []string{"fast", "line-rate=-1", "g=1/0", "rate-timer=soon", "x=1"} {
+		_, err := ParseCongestion(bad)
+		assert.ErrorIs(t, err, ErrBadCongestion, bad)
+	}
+	// A setting soft rejects fails the fabric.
+	c, err = ParseCongestion("g=2")
+	require.NoError(t, err)
+	_, err = newFabric(FabricConfig{Congestion: c}, slog.Default())
+	assert.Error(t, err)
 }

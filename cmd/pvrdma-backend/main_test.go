@@ -53,7 +53,7 @@ func TestUsage(t *testing.T) {
 
 func TestQEMUArgsRegistersAndGuardsTheMAC(t *testing.T) {
 	dir := t.TempDir()
-	d, err := backend.New(backend.Config{SocketDir: dir, VMs: []backend.VMRequest{{Name: "vm1"}},
+	d, err := backend.New(backend.Config{SocketDir: dir, VMs: []backend.VMRequest{{Name: "vm1"}, {Name: "vm3", RoCEMode: "v1"}},
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -82,6 +82,8 @@ func TestQEMUArgsRegistersAndGuardsTheMAC(t *testing.T) {
 	code, out, _ = cli(t, "status", "--socket-dir", dir)
 	require.Equal(t, 0, code)
 	assert.True(t, strings.Contains(out, "vm1") && strings.Contains(out, "vm2"), out)
+	assert.Contains(t, out, "RoCE v2 by default, congestion control dcqcn; CNPs sent 0 received 0")
+	assert.Regexp(t, `vm3 +false +\S+ +v1 `, out)
 	code, out, _ = cli(t, "status", "--socket-dir", dir, "--metrics")
 	require.Equal(t, 0, code)
 	assert.Contains(t, out, `pvrdma_vm_connected{vm="vm2"} 0`)

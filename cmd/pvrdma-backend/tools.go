@@ -212,6 +212,18 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return enc.Encode(st)
 	}
 	fmt.Fprintf(stdout, "transport %s, fabric %s%s, sockets in %s\n", st.Transport, st.Fabric.Mode, strings.TrimSuffix(" "+st.Fabric.Netdev, " "), st.SocketDir)
+	fab := "RoCE " + st.Fabric.RoCEMode + " by default"
+	if st.Fabric.VLAN != 0 {
+		fab += fmt.Sprintf(", VLAN %d PCP %s", st.Fabric.VLAN, st.Fabric.PCP)
+	}
+	if st.Fabric.Congestion != "" {
+		fab += ", congestion control " + st.Fabric.Congestion
+	}
+	fmt.Fprintf(stdout, "%s; CNPs sent %d received %d, CE-marked packets received %d, RoCE version mismatches dropped %d\n", fab,
+		st.Counters["tx_cnp"], st.Counters["rx_cnp"], st.Counters["rx_ecn_ce_marked"], st.Counters["drop_roce_version_mismatch"])
+	for _, q := range st.Fabric.QPRates {
+		fmt.Fprintf(stdout, "  %s qp %d: rate %.1f Mb/s (target %.1f, alpha %.3f, %d CNPs)\n", q.VM, q.QPN, q.RateMbps, q.TargetMbps, q.Alpha, q.CNPs)
+	}
 	if h := st.Fabric.HostDevice; h != nil {
 		created := ""
 		if h.CreatedRXE {
@@ -223,13 +235,13 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "VM\tCONNECTED\tMAC\tGIDS\tQPS\tMRS\tLOCKED")
+	fmt.Fprintln(tw, "VM\tCONNECTED\tMAC\tROCE\tGIDS\tQPS\tMRS\tLOCKED")
 	for _, vm := range st.VMs {
 		gids := make([]string, 0, len(vm.GIDs))
 		for _, g := range vm.GIDs {
 			gids = append(gids, fmt.Sprintf("%d:%s", g.Index, g.GID))
 		}
-		fmt.Fprintf(tw, "%s\t%v\t%s\t%s\t%d\t%d\t%dM\n", vm.Name, vm.Connected, vm.MAC, strings.Join(gids, ","),
+		fmt.Fprintf(tw, "%s\t%v\t%s\t%s\t%s\t%d\t%d\t%dM\n", vm.Name, vm.Connected, vm.MAC, vm.RoCEMode, strings.Join(gids, ","),
 			vm.Resources["qp"], vm.Resources["mr"], vm.LockedBytes>>20)
 	}
 	if err := tw.Flush(); err != nil {

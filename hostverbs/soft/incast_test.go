@@ -212,6 +212,7 @@ type incastResult struct {
 	drops, marked      uint64
 	retransmitted      uint64
 	cnps, cnpsSent     uint64
+	rates              []QPRate // the senders' QPs, at the end
 	seconds            float64
 }
 
@@ -338,6 +339,9 @@ func runIncast(t testing.TB, cc CongestionConfig, d time.Duration) incastResult 
 	if len(all) > 0 {
 		r.queueP99All = all[len(all)*99/100]
 	}
+	for _, f := range fabrics[1:] {
+		r.rates = append(r.rates, f.QPRates()...)
+	}
 	for _, f := range fabrics {
 		c := f.Counters()
 		r.retransmitted += c["retransmitted_packets"]
@@ -408,7 +412,13 @@ func TestIncastDCQCN(t *testing.T) {
 		assert.Less(t, on.drops, off.drops, "drops")
 		assert.Less(t, on.retransmitted, off.retransmitted, "retransmissions")
 		assert.Positive(t, on.cnps)
+		if assert.Len(t, on.rates, incastSenders, "every sender's QP was paced") {
+			for _, q := range on.rates {
+				assert.True(t, q.Limited && q.CNPs > 0 && q.Rate <= incastLineRate && q.Rate > 0, "%+v", q)
+			}
+		}
 	}
+	assert.Empty(t, off.rates)
 	assert.Less(t, res[2].queueP99, 2*incastMarkAt, "queue p99 with DCQCN scaled to the bottleneck")
 }
 
