@@ -136,3 +136,42 @@ func TestCongestionConfigChecks(t *testing.T) {
 	_, err := New(Config{Congestion: CongestionConfig{AlphaG: 2}})
 	assert.ErrorIs(t, err, hostverbs.ErrInvalid)
 }
+
+// TestInProcessCongestionPoint: between two VMs of one fabric there is no
+// queue to mark; a receiver that runs out of receive WQEs is the
+// congestion point: its RNR NAK goes with a CNP, and the sender's QP is
+// paced from then on. Every message still arrives, in order.
+func TestInProcessCongestionPoint(t *testing.T) {
+	f, err := New(Config{Congestion: CongestionConfig{LineRate: 1e9}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.Close() })
+	a := newEndpoint(t, f, "a", "10.1.0.1", 1<<20)
+	b := newEndpoint(t, f, "bb", "10.1.0.2", 1<<20)
+	o := defaultRC()
+	o.rnr = 7 // retry for ever
+	o.minRNR = 1
+	qa, qb := connectRC(t, a, b, o)
+	const n = 32
+	for i := range n {
+		a.write(t, a.iova+uint64(i)*64, []byte{byte(i)})
+		require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: uint64(i), Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
+			SGL: sge(a, uint64(i)*64, 1)}))
+	}
+	eventually(t, "a CNP", func() bool { return ctr(a, "tx_cnp") > 0 })
+	for i := range n {
+		require.NoError(t, qb.PostRecv(&hostverbs.RecvWR{WRID: uint64(i), SGL: sge(b, 1<<19+uint64(i)*64, 64)}))
+	}
+	for i := range n {
+		wc := b.ccq.wait(t, 10*time.Second)
+		require.Equal(t, hostverbs.WCSuccess, wc.Status)
+		require.Equal(t, uint64(i), wc.WRID)
+		assert.Equal(t, []byte{byte(i)}, b.read(t, b.iova+1<<19+uint64(i)*64, 1))
+	}
+	rates := f.QPRates()
+	require.Len(t, rates, 1)
+	assert.Equal(t, "a", rates[0].Device)
+	assert.Equal(t, qa.QPN(), rates[0].QPN)
+	assert.Positive(t, rates[0].CNPs)
+	assert.Less(t, rates[0].Rate, 1e9)
+	assert.Equal(t, ctr(a, "tx_cnp"), ctr(a, "rx_cnp"))
+}
