@@ -350,6 +350,10 @@ type FabricConfig struct {
 	IBDevice string
 	// IBPort is the host device's port (default 1).
 	IBPort uint8
+	// IBBusyPoll is the relay's ibverbs.Config.BusyPoll: how long it
+	// keeps polling CQs that just completed work before it waits for the
+	// next completion event (lower latency for that much CPU; 0: off).
+	IBBusyPoll time.Duration
 	// CreateRXE, if set, creates a Soft-RoCE link over this netdev (as
 	// `rdma link add NAME type rxe netdev NETDEV` does), relays to it, and
 	// removes it at shutdown if the daemon created it. It implies IBDevice
@@ -463,7 +467,7 @@ func newRelayFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 		return fail(err)
 	}
 	f.addrs = am
-	p, err := ibverbs.New(ibverbs.Config{Device: cfg.IBDevice, Port: cfg.IBPort, Logger: log.With("component", "relay")})
+	p, err := ibverbs.New(ibverbs.Config{Device: cfg.IBDevice, Port: cfg.IBPort, BusyPoll: cfg.IBBusyPoll, Logger: log.With("component", "relay")})
 	if err != nil {
 		return fail(err)
 	}

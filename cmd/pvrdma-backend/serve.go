@@ -65,6 +65,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	transport := fs.String("transport", "soft", "host verbs provider: soft (pure-Go RoCE v2) or ibverbs (relay to a host RDMA device through libibverbs)")
 	ibdev := fs.String("ibdev", "", "ibverbs: the host RDMA device (ibv_devices; e.g. mlx5_0, rxe0)")
 	ibPort := fs.Uint("ib-port", 1, "ibverbs: the device's port")
+	ibBusy := fs.Duration("ibverbs-busy-poll", 0, "ibverbs: keep polling CQs that just completed work this long (e.g. 50us) before waiting for the next completion event: lower latency for that much CPU after each burst; 0: off")
 	createRXE := fs.String("create-rxe", "", "ibverbs: create a Soft-RoCE link over this netdev (rdma link add rxe_NETDEV type rxe netdev NETDEV), relay to it, remove it at shutdown")
 	var vms vmList
 	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC, optionally followed by ,gid-allow=PREFIX (its own GID allow list; both repeatable), ,mem=SIZE and ,roce=v1|v2")
@@ -94,8 +95,8 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	}
 	switch *transport {
 	case "soft":
-		if *ibdev != "" || *createRXE != "" {
-			return errors.New("--ibdev and --create-rxe need --transport ibverbs")
+		if *ibdev != "" || *createRXE != "" || *ibBusy != 0 {
+			return errors.New("--ibdev, --create-rxe and --ibverbs-busy-poll need --transport ibverbs")
 		}
 	case "ibverbs":
 		if *ibdev == "" && *createRXE == "" {
@@ -169,7 +170,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		SocketDir: *socketDir,
 		Fabric: backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos), RoCEMode: mode,
 			VLAN: uint16(*vlan), PCP: uint8(pcpVal), FixedPCP: fixedPCP, Congestion: cc,
-			IBDevice: *ibdev, IBPort: uint8(*ibPort), CreateRXE: *createRXE},
+			IBDevice: *ibdev, IBPort: uint8(*ibPort), IBBusyPoll: *ibBusy, CreateRXE: *createRXE},
 		Limits:          lim,
 		MemoryBudget:    uint64(daemonBudget),
 		MaxLockedMemory: uint64(maxLocked),

@@ -36,12 +36,17 @@ type benchPair struct {
 
 const benchIOVA = 0x7f5500000000
 
-func newBenchPair(b *testing.B) *benchPair { return newBenchPairDevices(b, false) }
+func newBenchPair(b *testing.B) *benchPair { return newBenchPairDevices(b, false, 0) }
+
+// benchBusyPoll is the relay's Config.BusyPoll in the benchmarks that set
+// it: long enough, in a TCG guest, to span one ping-pong iteration.
+const benchBusyPoll = 200 * time.Microsecond
 
 // newBenchPairDevices is newBenchPair with both QPs on one device (one
-// completion channel and goroutine) when oneDevice is set.
-func newBenchPairDevices(b *testing.B, oneDevice bool) *benchPair {
-	p, gid := testProviderTB(b)
+// completion channel and goroutine) when oneDevice is set, and the
+// provider's BusyPoll set to busy.
+func newBenchPairDevices(b *testing.B, oneDevice bool, busy time.Duration) *benchPair {
+	p, gid := testProviderBusy(b, busy)
 	bp := &benchPair{cqa: make(chanHandler, 1024), cqb: make(chanHandler, 1024)}
 	var shared hostverbs.Device
 	mk := func(h chanHandler) (hostverbs.PD, hostverbs.CQ, hostverbs.MR) {
@@ -112,8 +117,9 @@ func (bp *benchPair) wait(b *testing.B, h chanHandler) hostverbs.WorkCompletion 
 
 // BenchmarkRelayWrite64K: 64 KiB RDMA WRITEs through the relay, 16
 // outstanding (testdata/plainbench.c does the same with plain libibverbs).
-func BenchmarkRelayWrite64K(b *testing.B) {
-	bp := newBenchPair(b)
+func BenchmarkRelayWrite64K(b *testing.B) { benchWrite64K(b, newBenchPair(b)) }
+
+func benchWrite64K(b *testing.B, bp *benchPair) {
 	const size = 64 << 10
 	sge := []hostverbs.SGE{{Addr: benchIOVA, Length: size, LKey: bp.mra.LKey()}}
 	posted, done := 0, 0
@@ -138,7 +144,20 @@ func BenchmarkRelaySend8(b *testing.B) { benchSend8(b, newBenchPair(b)) }
 
 // BenchmarkRelaySend8OneDevice is BenchmarkRelaySend8 with both QPs on one
 // device: one completion goroutine instead of two.
-func BenchmarkRelaySend8OneDevice(b *testing.B) { benchSend8(b, newBenchPairDevices(b, true)) }
+func BenchmarkRelaySend8OneDevice(b *testing.B) { benchSend8(b, newBenchPairDevices(b, true, 0)) }
+
+// BenchmarkRelaySend8BusyPoll is BenchmarkRelaySend8 with the relay's
+// busy polling on (Config.BusyPoll): no completion event, hence no thread
+// woken, while the post is in rxe's system call.
+func BenchmarkRelaySend8BusyPoll(b *testing.B) {
+	benchSend8(b, newBenchPairDevices(b, false, benchBusyPoll))
+}
+
+// BenchmarkRelayWrite64KBusyPoll is BenchmarkRelayWrite64K with busy
+// polling on: what the polling costs a stream.
+func BenchmarkRelayWrite64KBusyPoll(b *testing.B) {
+	benchWrite64K(b, newBenchPairDevices(b, false, benchBusyPoll))
+}
 
 func benchSend8(b *testing.B, bp *benchPair) {
 	sge := []hostverbs.SGE{{Addr: benchIOVA, Length: 8, LKey: bp.mra.LKey()}}

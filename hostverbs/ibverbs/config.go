@@ -2,6 +2,7 @@ package ibverbs
 
 import (
 	"log/slog"
+	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 )
@@ -13,6 +14,14 @@ type Config struct {
 	Device string
 	// Port is the device port (default 1).
 	Port uint8
+	// BusyPoll is how long a device's completion goroutine keeps polling
+	// CQs that just completed work, unarmed, before it arms them and
+	// waits for the next event. Completions that come meanwhile (typically
+	// the answer to what just completed) are taken without an event, so
+	// no thread is woken while a post is inside its system call (rxe
+	// completes a loopback send there). It costs that much CPU after each
+	// burst of completions. 0: arm at once.
+	BusyPoll time.Duration
 	// Logger is the provider's logger; nil means slog.Default().
 	Logger *slog.Logger
 }

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -24,13 +25,16 @@ import (
 
 func testProvider(t *testing.T) (*Provider, hostverbs.GID) { return testProviderTB(t) }
 
-func testProviderTB(t testing.TB) (*Provider, hostverbs.GID) {
+func testProviderTB(t testing.TB) (*Provider, hostverbs.GID) { return testProviderBusy(t, 0) }
+
+// testProviderBusy is testProviderTB with Config.BusyPoll set.
+func testProviderBusy(t testing.TB, busy time.Duration) (*Provider, hostverbs.GID) {
 	t.Helper()
 	dev := os.Getenv("PVRDMA_IBDEV")
 	if dev == "" {
 		t.Skip("PVRDMA_IBDEV is not set (the VM test runs this in a guest with rxe)")
 	}
-	p, err := New(Config{Device: dev, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	p, err := New(Config{Device: dev, BusyPoll: busy, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, p.Close()) })
 	tbl, err := p.GIDTable()

@@ -114,22 +114,41 @@ func (c *CQ) drain(buf *C.struct_ibv_wc) {
 		return
 	}
 	C.pv_arm_cq(c.cq)
+	c.pollLocked(buf)
+}
+
+// poll takes every completion without arming the CQ and returns how many
+// (-1: the CQ is destroyed).
+func (c *CQ) poll(buf *C.struct_ibv_wc) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.dead {
+		return -1
+	}
+	return c.pollLocked(buf)
+}
+
+// pollLocked hands the CQ's completions to the handler, pollBatch at a
+// time, and returns how many there were.
+func (c *CQ) pollLocked(buf *C.struct_ibv_wc) int {
 	wcs := unsafe.Slice(buf, pollBatch)
 	var wc hostverbs.WorkCompletion
+	total := 0
 	for {
 		n := int(C.pv_poll_cq(c.cq, pollBatch, buf))
 		if n <= 0 {
 			if n < 0 {
 				c.d.log.Error("ibv_poll_cq failed", "rc", n)
 			}
-			return
+			return total
 		}
 		for i := range n {
 			c.convert(&wcs[i], &wc)
 			c.handler.Complete(&wc)
 		}
+		total += n
 		if n < pollBatch {
-			return
+			return total
 		}
 	}
 }

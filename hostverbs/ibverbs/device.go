@@ -13,8 +13,11 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"runtime"
+	"slices"
 	"sync"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -328,19 +331,59 @@ func (d *Device) Close() error {
 // closed.
 func (d *Device) completions(raw syscall.RawConn) {
 	defer close(d.done)
-	serve(raw, d.log, "completion channel", func() bool {
-		var h C.uintptr_t
-		if C.pv_get_cq_event(d.p.lib.l, d.channel, &h) <= 0 {
-			return false
+	var hot []*CQ // CQs an event named since the goroutine last waited
+	for {
+		err := raw.Read(func(uintptr) bool {
+			got := false
+			for {
+				var h C.uintptr_t
+				if C.pv_get_cq_event(d.p.lib.l, d.channel, &h) <= 0 {
+					return got
+				}
+				got = true
+				d.mu.Lock()
+				cq := d.cqs[uintptr(h)]
+				d.mu.Unlock()
+				if cq == nil {
+					continue
+				}
+				if d.p.busy == 0 {
+					cq.drain(d.wc)
+				} else if cq.poll(d.wc) >= 0 && !slices.Contains(hot, cq) {
+					hot = append(hot, cq)
+				}
+			}
+		})
+		if err != nil {
+			if !errors.Is(err, os.ErrClosed) {
+				d.log.Error("completion channel", "err", err)
+			}
+			return
 		}
-		d.mu.Lock()
-		cq := d.cqs[uintptr(h)]
-		d.mu.Unlock()
-		if cq != nil {
-			cq.drain(d.wc)
+		d.busyPoll(hot)
+		hot = hot[:0]
+	}
+}
+
+// busyPoll polls the CQs an event just named, unarmed, until none has
+// had a completion for the provider's BusyPoll, then arms each (taking
+// what came before the arming): see Config.BusyPoll.
+func (d *Device) busyPoll(hot []*CQ) {
+	if len(hot) == 0 {
+		return
+	}
+	deadline := time.Now().Add(d.p.busy)
+	for time.Now().Before(deadline) {
+		for _, cq := range hot {
+			if cq.poll(d.wc) > 0 {
+				deadline = time.Now().Add(d.p.busy)
+			}
 		}
-		return true
-	})
+		runtime.Gosched()
+	}
+	for _, cq := range hot {
+		cq.drain(d.wc)
+	}
 }
 
 // serve calls take, whenever the descriptor behind raw is readable, until

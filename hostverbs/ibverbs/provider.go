@@ -17,6 +17,7 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -33,6 +34,7 @@ type Provider struct {
 	name string
 	attr C.struct_ibv_device_attr
 	log  *slog.Logger
+	busy time.Duration // Config.BusyPoll
 
 	mu      sync.Mutex
 	devices map[*Device]struct{}
@@ -133,7 +135,11 @@ func New(cfg Config) (*Provider, error) {
 		return nil, fmt.Errorf("ibverbs: open %s: %v: %w (devices: %s; create Soft-RoCE with `rdma link add rxe0 type rxe netdev IFACE` or --create-rxe)",
 			cfg.Device, err, ErrNoDevice, have)
 	}
-	p := &Provider{lib: l, ctx: ctx, port: cfg.Port, name: cfg.Device, log: log, devices: map[*Device]struct{}{},
+	if cfg.BusyPoll < 0 || cfg.BusyPoll > 10*time.Millisecond {
+		l.close()
+		return nil, fmt.Errorf("ibverbs: busy poll %v: want 0 to 10ms: %w", cfg.BusyPoll, hostverbs.ErrInvalid)
+	}
+	p := &Provider{lib: l, ctx: ctx, port: cfg.Port, name: cfg.Device, log: log, busy: cfg.BusyPoll, devices: map[*Device]struct{}{},
 		objs: map[uintptr]asyncTarget{}, runLimit: mapCountLimit()}
 	if rc, err := C.pv_query_device(l.l, ctx, &p.attr); rc != 0 {
 		p.closeContext()

@@ -74,7 +74,7 @@ echo rc=0
 		fmt.Fprintf(&b, "(%s >/tmp/u 2>&1; echo rc=$? >>/tmp/u) &\n", ucmatose)
 	}
 	if g.serveRefused != "" {
-		both("timeout 200 rping -s -a $self -C 10 -v", "timeout 200 ucmatose -b $self")
+		both("timeout 140 rping -s -a $self -C 10 -v", "timeout 140 ucmatose -b $self")
 		fmt.Fprintf(&b, "sleep 2\nip addr add %s dev $nic\nwait\n", g.syncIP)
 		fmt.Fprintf(&b, "echo '=== %s_rping_server'\ncat /tmp/r\necho '=== %s_ucmatose_server'\ncat /tmp/u\n", g.serveRefused, g.serveRefused)
 	}
