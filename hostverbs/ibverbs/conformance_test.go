@@ -52,6 +52,18 @@ func testProviderBusy(t testing.TB, busy time.Duration) (*Provider, hostverbs.GI
 // devices on one host device talk to each other through it.
 func TestConformanceRelay(t *testing.T) {
 	p, gid := testProvider(t)
+	runConformance(t, p, gid)
+}
+
+// TestConformanceRelayBusyPoll is TestConformanceRelay with the relay's
+// busy polling on (Config.BusyPoll): completions taken while the CQs are
+// unarmed, and the arming after the polling window, lose nothing.
+func TestConformanceRelayBusyPoll(t *testing.T) {
+	p, gid := testProviderBusy(t, time.Millisecond)
+	runConformance(t, p, gid)
+}
+
+func runConformance(t *testing.T, p *Provider, gid hostverbs.GID) {
 	conformance.Run(t, conformance.Env{
 		Open: func(t *testing.T, name string, mem *guestmem.Memory, lim hostverbs.Limits, events func(hostverbs.AsyncEvent)) (hostverbs.Device, hostverbs.GID) {
 			d, err := p.Open(hostverbs.DeviceConfig{Name: name, Memory: mem, Limits: lim, Events: events})

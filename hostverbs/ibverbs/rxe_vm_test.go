@@ -50,7 +50,7 @@ PVRDMA_IBDEV=rxe0 /usr/bin/ibverbs.test -test.v -test.count=1 -test.timeout 6m -
 	require.NoError(t, err)
 	res, err := g.WaitOK(context.Background())
 	require.NoError(t, err)
-	for _, name := range []string{"TestConformanceRelay", "TestUnknownGIDRefused", "TestTeardownLeavesNothing", "TestAliasMappingsCapped", "TestUmadCMAgentVersusKernelCM"} {
+	for _, name := range []string{"TestConformanceRelay", "TestConformanceRelayBusyPoll", "TestUnknownGIDRefused", "TestTeardownLeavesNothing", "TestAliasMappingsCapped", "TestUmadCMAgentVersusKernelCM"} {
 		require.Regexp(t, regexp.MustCompile(`(?m)^--- PASS: `+name+` `), res.Output, "%s did not pass in the guest", name)
 	}
 	require.NotContains(t, res.Output, "--- SKIP")
@@ -63,6 +63,7 @@ PVRDMA_IBDEV=rxe0 /usr/bin/ibverbs.test -test.v -test.count=1 -test.timeout 6m -
 	}
 	t.Logf("conformance through the relay over kernel rxe:\n%s", strings.Join(passed, "\n"))
 	require.Len(t, passed, 12)
+	require.Equal(t, 12, strings.Count(res.Output, "--- PASS: TestConformanceRelayBusyPoll/"), "the suite with busy polling")
 }
 
 // benchCPUs is the relay benchmark guest's vCPU count: PVRDMA_BENCH_CPUS, or 1.
