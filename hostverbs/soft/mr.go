@@ -258,9 +258,13 @@ func scatter(segs []seg, off uint64, src []byte) error {
 // copySegs copies n bytes from offset srcOff of src to offset dstOff of
 // dst, guest memory to guest memory: the single copy of the same-host path.
 func copySegs(dst []seg, dstOff uint64, src []seg, srcOff, n uint64) error {
+	// One Copier for the message: its page runs mostly fall in the same
+	// guest memory regions.
+	var c guestmem.Copier
+	defer c.Release()
 	return walkSegs(src, srcOff, n, func(ss *seg, siova, scnt uint64) error {
 		err := walkSegs(dst, dstOff, scnt, func(ds *seg, diova, dcnt uint64) error {
-			err := copyRange(ds.mr, diova, ss.mr, siova, dcnt)
+			err := copyRange(&c, ds.mr, diova, ss.mr, siova, dcnt)
 			siova += dcnt
 			return err
 		})
@@ -271,14 +275,14 @@ func copySegs(dst []seg, dstOff uint64, src []seg, srcOff, n uint64) error {
 
 // copyRange copies n bytes between the IOVA ranges of two MRs, one
 // physically contiguous run at a time.
-func copyRange(dm *mr, diova uint64, sm *mr, siova, n uint64) error {
+func copyRange(c *guestmem.Copier, dm *mr, diova uint64, sm *mr, siova, n uint64) error {
 	for n > 0 {
 		sgpa, sc := pageRun(&sm.pages, siova, n)
 		dgpa, dc := pageRun(&dm.pages, diova, sc)
 		if sc == 0 || dc == 0 {
 			return errShortPages
 		}
-		if err := guestmem.Copy(dm.mem, dgpa, sm.mem, sgpa, dc); err != nil {
+		if err := c.Copy(dm.mem, dgpa, sm.mem, sgpa, dc); err != nil {
 			return err
 		}
 		siova, diova, n = siova+dc, diova+dc, n-dc
