@@ -5,18 +5,18 @@ import (
 
 	"github.com/vishvananda/netlink"
 
-	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 )
 
 // newKernelWire opens the soft fabric's kernel UDP 4791 path (raw sockets in
 // the daemon's network namespace) and reports netdev's MTU, from which the
 // fabric derives the ports' active MTU as rxe does.
-func newKernelWire(netdev string) (soft.Wire, int, error) {
+func newKernelWire(netdev string) (wire.Wire, int, error) {
 	link, err := netlink.LinkByName(netdev)
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)
 	}
-	w, err := soft.NewKernelWire(soft.KernelWireConfig{Interface: netdev})
+	w, err := wire.NewKernelWire(wire.KernelWireConfig{Interface: netdev})
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)
 	}
@@ -25,17 +25,17 @@ func newKernelWire(netdev string) (soft.Wire, int, error) {
 
 // newPacketWire attaches the soft fabric to a bridge (L2 mode), on the
 // fabric's VLAN if it has one, and reports the bridge's MTU.
-func newPacketWire(cfg FabricConfig) (soft.Wire, int, error) {
+func newPacketWire(cfg FabricConfig) (wire.Wire, int, error) {
 	bridge := cfg.Bridge
 	link, err := netlink.LinkByName(bridge)
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric bridge %s: %w", bridge, err)
 	}
-	pcp := soft.PCPFromTrafficClass
+	pcp := wire.PCPFromTrafficClass
 	if cfg.FixedPCP {
 		pcp = int(cfg.PCP)
 	}
-	w, err := soft.NewPacketWire(soft.PacketWireConfig{Interface: bridge, VLAN: cfg.VLAN, PCP: pcp})
+	w, err := wire.NewPacketWire(wire.PacketWireConfig{Interface: bridge, VLAN: cfg.VLAN, PCP: pcp})
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric bridge %s: %w", bridge, err)
 	}

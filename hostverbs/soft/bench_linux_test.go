@@ -3,6 +3,7 @@
 package soft
 
 import (
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/internal/mmsg"
 	"net"
 	"runtime"
 	"slices"
@@ -186,7 +187,7 @@ func udpBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64
 	hdrs := mmsgBuffers(txMax, dsize)
 	var sent int64
 	for sent < total {
-		n, err := sendmmsg(tx, hdrs)
+		n, err := mmsg.SendMmsg(tx, hdrs)
 		if err != nil {
 			if err == unix.EAGAIN || err == unix.ENOBUFS {
 				continue
@@ -215,8 +216,8 @@ func udpBlastSockets(b *testing.B, ns *netns, rcvTimeout time.Duration) (rx, tx 
 			b.Fatal(err)
 		}
 	})
-	setBuffers(rx, 8<<20)
-	setBuffers(tx, 8<<20)
+	mmsg.SetBuffers(rx, 8<<20)
+	mmsg.SetBuffers(tx, 8<<20)
 	if err := unix.Bind(rx, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}}); err != nil {
 		b.Fatal(err)
 	}
@@ -234,7 +235,7 @@ func mmsgBuffers(n, size int) []unix.Mmsghdr {
 	hdrs := make([]unix.Mmsghdr, n)
 	iovs := make([]unix.Iovec, n)
 	for i := range hdrs {
-		setIov(&iovs[i], make([]byte, size))
+		mmsg.SetIov(&iovs[i], make([]byte, size))
 		hdrs[i].Hdr.Iov = &iovs[i]
 		hdrs[i].Hdr.SetIovlen(1)
 	}

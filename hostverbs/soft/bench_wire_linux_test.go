@@ -4,6 +4,8 @@ package soft
 
 import (
 	"context"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/internal/mmsg"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"net/netip"
 	"runtime"
 	"slices"
@@ -35,9 +37,9 @@ import (
 func BenchmarkWireSenderLoopback(b *testing.B) {
 	needRoot(b)
 	ns := newNetns(b, "wsc")
-	var w *KernelWire
+	var w *wire.KernelWire
 	var err error
-	ns.do(b, func() { w, err = NewKernelWire(KernelWireConfig{DisableIPv6: true}) })
+	ns.do(b, func() { w, err = wire.NewKernelWire(wire.KernelWireConfig{DisableIPv6: true}) })
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -48,12 +50,12 @@ func BenchmarkWireSenderLoopback(b *testing.B) {
 	dst := hostverbs.GIDFromAddr(netip.MustParseAddr("127.0.0.2"))
 	nf := roce.NetFields{Src: src, Dst: dst, HopLimit: 64, SrcPort: roce.SourcePortMin}
 	tf := roce.TransportFields{BTH: roce.BTHFields{Opcode: roce.RCWriteMiddle, PKey: roce.DefaultPKey, DestQP: 17}}
-	d, off := roce.Build(make([]byte, MaxDatagram), &nf, &tf, mtu)
+	d, off := roce.Build(make([]byte, wire.MaxDatagram), &nf, &tf, mtu)
 	fill(d[off:off+mtu], 3)
 	roce.SealICRC(d, roce.IPv4HeaderSize)
-	batch := make([]Datagram, txMax)
+	batch := make([]wire.Datagram, txMax)
 	for i := range batch {
-		batch[i] = Datagram{Packet: d}
+		batch[i] = wire.Datagram{Packet: d}
 	}
 
 	// The wire's receiver: Receive and count, nothing else.
@@ -65,7 +67,7 @@ func BenchmarkWireSenderLoopback(b *testing.B) {
 		defer wg.Done()
 		bufs := make([][]byte, rxBatch)
 		for i := range bufs {
-			bufs[i] = make([]byte, MaxDatagram)
+			bufs[i] = make([]byte, wire.MaxDatagram)
 		}
 		lens := make([]int, rxBatch)
 		for {
@@ -155,7 +157,7 @@ func blastSenderCost(b *testing.B, ns *netns, dsize, n int) float64 {
 	cost, _ := threadCost(func() int {
 		sent := 0
 		for sent < n {
-			k, err := sendmmsg(tx, hdrs)
+			k, err := mmsg.SendMmsg(tx, hdrs)
 			if err != nil {
 				if err == unix.EAGAIN || err == unix.ENOBUFS || err == unix.EINTR {
 					continue

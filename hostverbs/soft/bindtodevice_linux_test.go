@@ -3,6 +3,7 @@
 package soft
 
 import (
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"testing"
 	"time"
 
@@ -37,9 +38,9 @@ func TestKernelWireBoundToNetdev(t *testing.T) {
 	// B reaches A's GID through the other network.
 	b.ip(t, "route", "add", "10.98.0.1/32", "via", "10.97.0.1", "dev", "b1")
 
-	var bw *KernelWire
+	var bw *wire.KernelWire
 	var err error
-	b.do(t, func() { bw, err = NewKernelWire(KernelWireConfig{DisableIPv6: true}) })
+	b.do(t, func() { bw, err = wire.NewKernelWire(wire.KernelWireConfig{DisableIPv6: true}) })
 	require.NoError(t, err)
 	fb, err := New(Config{Wire: bw})
 	require.NoError(t, err)
@@ -48,8 +49,8 @@ func TestKernelWireBoundToNetdev(t *testing.T) {
 	// sendToA opens A's fabric (wire bound to iface, or not), sends one
 	// message from B and reports whether A received it.
 	sendToA := func(t *testing.T, iface string) (bool, map[string]uint64) {
-		var aw *KernelWire
-		a.do(t, func() { aw, err = NewKernelWire(KernelWireConfig{DisableIPv6: true, Interface: iface}) })
+		var aw *wire.KernelWire
+		a.do(t, func() { aw, err = wire.NewKernelWire(wire.KernelWireConfig{DisableIPv6: true, Interface: iface}) })
 		require.NoError(t, err)
 		fa, err := New(Config{Wire: aw})
 		require.NoError(t, err)

@@ -44,7 +44,7 @@
 // from anywhere):
 //
 //	var w *soft.KernelWire
-//	err := inNetns(func() (err error) { w, err = soft.NewKernelWire(soft.KernelWireConfig{}); return })
+//	err := inNetns(func() (err error) { w, err = wire.NewKernelWire(wire.KernelWireConfig{}); return })
 //	f, err := soft.New(soft.Config{Wire: w, LinkMTU: 1500, DefaultTOS: 0})
 //
 // # Concurrency and completions

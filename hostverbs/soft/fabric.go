@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"log/slog"
 	"runtime"
 	"sync"
@@ -19,7 +20,7 @@ import (
 type Config struct {
 	// Wire carries traffic to GIDs that no device of this fabric owns. Nil
 	// means an in-process fabric: only its own devices are reachable.
-	Wire Wire
+	Wire wire.Wire
 	// Clock drives retransmission and RNR timers; nil means RealClock.
 	Clock Clock
 	// DefaultTOS is the IP TOS (DSCP << 2 | ECN) of packets whose address
@@ -53,7 +54,7 @@ type Fabric struct {
 	log       *slog.Logger
 	lim       *ratelog.Limiter // what peers provoke
 	clock     Clock
-	wire      Wire
+	wire      wire.Wire
 	activeMTU hostverbs.MTU
 	window    uint32
 	cc        CongestionConfig
@@ -91,7 +92,7 @@ func New(cfg Config) (*Fabric, error) {
 		f.log = slog.Default()
 	}
 	f.lim = ratelog.New(f.log, 0)
-	_, f.l2 = cfg.Wire.(linkWire)
+	_, f.l2 = cfg.Wire.(wire.LinkWire)
 	if cfg.Wire == nil {
 		f.l2 = true // in process: any version
 	}
@@ -275,7 +276,7 @@ func (f *Fabric) getTx() *txBatch  { return f.txPool.Get().(*txBatch) }
 func (f *Fabric) putTx(t *txBatch) { f.txPool.Put(t) }
 
 // rxBatch is how many datagrams one Receive call may return.
-const rxBatch = 64
+const rxBatch = wire.BatchSize
 
 // drainPackets bounds how many packets the receive loop takes in before it
 // sends the ACKs it owes: the default window, so a stream's ACKs keep it
@@ -295,15 +296,15 @@ const drainTime = 200 * time.Microsecond
 func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 	defer f.rxDone.Done()
 	bufs := make([][]byte, rxBatch)
-	backing := make([]byte, rxBatch*MaxDatagram)
+	backing := make([]byte, rxBatch*wire.MaxDatagram)
 	for i := range bufs {
-		bufs[i] = backing[i*MaxDatagram : (i+1)*MaxDatagram : (i+1)*MaxDatagram]
+		bufs[i] = backing[i*wire.MaxDatagram : (i+1)*wire.MaxDatagram : (i+1)*wire.MaxDatagram]
 	}
 	lens := make([]int, rxBatch)
 	tx := newTxBatch(f)
 	tx.rx = true
-	pw, _ := f.wire.(pollingWire)
-	lw, _ := f.wire.(linkWire)
+	pw, _ := f.wire.(wire.PollingWire)
+	lw, _ := f.wire.(wire.LinkWire)
 	var rp roce.Packet
 	var p packet
 	for {
@@ -365,7 +366,7 @@ func (f *Fabric) receiveDatagram(tx *txBatch, d []byte, rp *roce.Packet, p *pack
 // only if the frame was addressed to that device's own MAC, so a frame
 // built for one VM's NIC cannot reach another VM that binds the same
 // address. An Ethertype 0x8915 frame holds a RoCE v1 packet.
-func (f *Fabric) receive(tx *txBatch, d []byte, fi *FrameInfo, rp *roce.Packet, p *packet) {
+func (f *Fabric) receive(tx *txBatch, d []byte, fi *wire.FrameInfo, rp *roce.Packet, p *packet) {
 	f.ctrs.inc(cntRxPackets)
 	f.ctrs.add(cntRxBytes, uint64(len(d)))
 	var err error

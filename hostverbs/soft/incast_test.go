@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"runtime"
 	"slices"
 	"strings"
@@ -120,7 +121,7 @@ func (fw *forwarder) drain() {
 	}
 }
 
-func (p *fwdPort) Transmit(pkts []Datagram) (int, error) {
+func (p *fwdPort) Transmit(pkts []wire.Datagram) (int, error) {
 	fw := p.fw
 	fw.mu.Lock()
 	defer fw.mu.Unlock()

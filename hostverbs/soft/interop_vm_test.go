@@ -8,6 +8,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -46,10 +47,10 @@ func newInteropEnv(t *testing.T) *interopEnv {
 	require.NoError(t, err)
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{HostAddr: hostIP + "/24"})
 	require.NoError(t, err)
-	var w *KernelWire
+	var w *wire.KernelWire
 	require.NoError(t, nw.Do(func() error {
 		var err error
-		w, err = NewKernelWire(KernelWireConfig{})
+		w, err = wire.NewKernelWire(wire.KernelWireConfig{})
 		return err
 	}))
 	f, err := New(Config{Wire: w, LinkMTU: 1500})

@@ -3,6 +3,7 @@
 package soft
 
 import (
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"testing"
 	"time"
 
@@ -13,9 +14,9 @@ import (
 // newKernelFabric opens a fabric on a kernel wire inside ns.
 func newKernelFabric(t testing.TB, ns *netns, cfg Config) *Fabric {
 	t.Helper()
-	var w *KernelWire
+	var w *wire.KernelWire
 	var err error
-	ns.do(t, func() { w, err = NewKernelWire(KernelWireConfig{}) })
+	ns.do(t, func() { w, err = wire.NewKernelWire(wire.KernelWireConfig{}) })
 	require.NoError(t, err)
 	cfg.Wire = w
 	f, err := New(cfg)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"testing"
 	"time"
 
@@ -131,8 +132,8 @@ func TestInProcessAllOps(t *testing.T) {
 }
 
 // newMemNetPair puts a and b on two fabrics joined by a MemNet.
-func newMemNetPair(t *testing.T, o rcOpts, clock Clock, seed uint64) (pair, *MemNet) {
-	net := NewMemNet(seed)
+func newMemNetPair(t *testing.T, o rcOpts, clock Clock, seed uint64) (pair, *wire.MemNet) {
+	net := wire.NewMemNet(seed)
 	t.Cleanup(net.Close)
 	mk := func() *Fabric {
 		f, err := New(Config{Wire: net.Attach(), Clock: clock, LinkMTU: 9000})

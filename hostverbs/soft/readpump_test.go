@@ -1,6 +1,7 @@
 package soft
 
 import (
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"net/netip"
 	"slices"
 	"sync"
@@ -20,7 +21,7 @@ import (
 // (the network drops them before they reach anyone, so the only cost they
 // have is the responder's).
 type readAttack struct {
-	wire Wire
+	wire wire.Wire
 	gid  hostverbs.GID
 	qpn  uint32 // the attacker's QPN, as the target QP knows it
 	dst  hostverbs.GID
@@ -42,14 +43,14 @@ func (a *readAttack) read(psn roce.PSN, n uint32) {
 		DestQP: a.dqpn, PSN: psn, AckReq: true}, VA: a.va, RKey: a.rkey, DMALength: n}
 	d, _ := roce.Build(a.buf, &net, &tf, 0)
 	roce.SealICRC(d, roce.IPv4HeaderSize)
-	if _, err := a.wire.Transmit([]Datagram{{Packet: d}}); err == nil {
+	if _, err := a.wire.Transmit([]wire.Datagram{{Packet: d}}); err == nil {
 		a.sent.Add(1)
 	}
 }
 
 // newReadAttack connects a fresh QP of e (with a 1 GiB MR aliasing one of
 // its pages) to a raw attacker on net.
-func newReadAttack(t *testing.T, net *MemNet, e *endpoint) *readAttack {
+func newReadAttack(t *testing.T, net *wire.MemNet, e *endpoint) *readAttack {
 	const size = 1 << 30
 	pages := make([]guestmem.GPA, size/guestmem.PageSize) // every page is page 0
 	pl, err := guestmem.NewPageList(0x10000000000, size, pages)
@@ -57,7 +58,7 @@ func newReadAttack(t *testing.T, net *MemNet, e *endpoint) *readAttack {
 	big, err := e.pd.RegMR(hostverbs.MRAttr{Pages: pl, Access: hostverbs.AccessLocalWrite | hostverbs.AccessRemoteRead})
 	require.NoError(t, err)
 	a := &readAttack{wire: net.Attach(), gid: hostverbs.GIDFromAddr(netip.MustParseAddr("10.0.0.66")), qpn: 0x77,
-		dst: e.gid, rkey: big.RKey(), va: 0x10000000000, psn: 0x1000, buf: make([]byte, MaxDatagram)}
+		dst: e.gid, rkey: big.RKey(), va: 0x10000000000, psn: 0x1000, buf: make([]byte, wire.MaxDatagram)}
 	t.Cleanup(func() { _ = a.wire.Close() })
 	o := defaultRC()
 	q := createRC(t, e, o)
@@ -132,10 +133,10 @@ func TestReadFloodFairness(t *testing.T) {
 	if testing.Short() {
 		t.Skip("timing test")
 	}
-	net := NewMemNet(3)
+	net := wire.NewMemNet(3)
 	t.Cleanup(net.Close)
 	attacker := hostverbs.GIDFromAddr(netip.MustParseAddr("10.0.0.66"))
-	net.SetImpairment(Impairment{Drop: func(pkt []byte) bool {
+	net.SetImpairment(wire.Impairment{Drop: func(pkt []byte) bool {
 		var rp roce.Packet
 		return rp.Parse(pkt) == nil && rp.DstGID() == attacker
 	}})

@@ -2,6 +2,7 @@ package soft
 
 import (
 	"encoding/binary"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
@@ -99,7 +100,7 @@ func (q *qp) receiveUD(tx *txBatch, p *packet) {
 	// taken: if the sending VM's memory is gone the datagram is lost, as if
 	// the sender had failed to gather it, and the WQE stays queued.
 	payload := p.data[:min(p.n, uint32(len(p.data)))]
-	var local [MaxDatagram]byte
+	var local [wire.MaxDatagram]byte
 	if p.local && p.n > 0 {
 		if p.n > uint32(len(local)) {
 			q.dev.ctrs.inc(cntDropUDLength)

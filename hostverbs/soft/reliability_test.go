@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"fmt"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"testing"
 	"time"
 
@@ -109,13 +110,13 @@ func bulkCheck(t *testing.T, p pair, timeout time.Duration) {
 func TestMemNetImpaired(t *testing.T) {
 	for _, tc := range []struct {
 		name string
-		imp  Impairment
+		imp  wire.Impairment
 	}{
-		{"loss1", Impairment{Loss: 0.01}},
-		{"loss5", Impairment{Loss: 0.05}},
-		{"reorder", Impairment{Reorder: 0.05, ReorderDepth: 4}},
-		{"duplicate", Impairment{Duplicate: 0.05}},
-		{"all", Impairment{Loss: 0.02, Reorder: 0.02, Duplicate: 0.02}},
+		{"loss1", wire.Impairment{Loss: 0.01}},
+		{"loss5", wire.Impairment{Loss: 0.05}},
+		{"reorder", wire.Impairment{Reorder: 0.05, ReorderDepth: 4}},
+		{"duplicate", wire.Impairment{Duplicate: 0.05}},
+		{"all", wire.Impairment{Loss: 0.02, Reorder: 0.02, Duplicate: 0.02}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			o := defaultRC()
@@ -145,7 +146,7 @@ func TestMemNetImpaired(t *testing.T) {
 
 // Manual-clock tests: the network is lossless unless told; timers fire
 // only when the test advances the clock.
-func newManualPair(t *testing.T, o rcOpts) (pair, *MemNet, *ManualClock) {
+func newManualPair(t *testing.T, o rcOpts) (pair, *wire.MemNet, *ManualClock) {
 	clk := NewManualClock(time.Unix(1000, 0))
 	p, net := newMemNetPair(t, o, clk, 7)
 	return p, net, clk
@@ -198,7 +199,7 @@ func TestRetryExceeded(t *testing.T) {
 	o.retry = 3
 	o.timeout = 12 // 16.8 ms
 	p, net, clk := newManualPair(t, o)
-	net.SetImpairment(Impairment{Loss: 1})
+	net.SetImpairment(wire.Impairment{Loss: 1})
 	require.NoError(t, p.qa.PostRecv(&hostverbs.RecvWR{WRID: 1, SGL: sge(p.a, 0, 64)}))
 	require.NoError(t, p.qa.PostSend(&hostverbs.SendWR{WRID: 11, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
 		SGL: sge(p.a, 0, 5000), RemoteAddr: p.b.iova, RKey: p.b.mr.RKey()}))
@@ -377,7 +378,7 @@ func TestReplayCache(t *testing.T) {
 	o.timeout = 10
 	p, net := newMemNetPair(t, o, nil, 5)
 	dropped := 0
-	net.SetImpairment(Impairment{Drop: func(pkt []byte) bool {
+	net.SetImpairment(wire.Impairment{Drop: func(pkt []byte) bool {
 		var rp roce.Packet
 		if rp.Parse(pkt) != nil {
 			return false
@@ -409,11 +410,11 @@ func TestReplayCache(t *testing.T) {
 
 func TestUDAndGSI(t *testing.T) {
 	for _, fam := range [][2]string{{"10.1.0.1", "10.1.0.2"}, {"fd00::1", "fd00::2"}} {
-		for _, wire := range []bool{false, true} {
-			t.Run(fmt.Sprintf("%s-wire=%v", fam[0], wire), func(t *testing.T) {
+		for _, overWire := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s-wire=%v", fam[0], overWire), func(t *testing.T) {
 				var fa, fb *Fabric
-				if wire {
-					net := NewMemNet(1)
+				if overWire {
+					net := wire.NewMemNet(1)
 					t.Cleanup(net.Close)
 					fa, _ = New(Config{Wire: net.Attach()})
 					fb, _ = New(Config{Wire: net.Attach()})
@@ -527,7 +528,7 @@ func TestDeregDuringWrite(t *testing.T) {
 	p, net := newMemNetPair(t, o, nil, 9)
 	var once bool
 	var deregErr error
-	net.SetImpairment(Impairment{Drop: func(pkt []byte) bool {
+	net.SetImpairment(wire.Impairment{Drop: func(pkt []byte) bool {
 		var rp roce.Packet
 		if rp.Parse(pkt) == nil && rp.Op == roce.RCWriteMiddle && !once {
 			once = true

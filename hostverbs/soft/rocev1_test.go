@@ -2,6 +2,7 @@ package soft
 
 import (
 	"bytes"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"net/netip"
 	"testing"
 	"time"
@@ -84,7 +85,7 @@ func TestRoCEv1Config(t *testing.T) {
 	_, err = f.Open(hostverbs.DeviceConfig{Name: "v3", Memory: mem, RoCEMode: 3})
 	assert.ErrorIs(t, err, hostverbs.ErrInvalid)
 
-	n := NewMemNet(1)
+	n := wire.NewMemNet(1)
 	t.Cleanup(n.Close)
 	fip, err := New(Config{Wire: n.Attach()})
 	require.NoError(t, err)

@@ -3,6 +3,7 @@ package soft
 import (
 	"context"
 	"errors"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -20,16 +21,16 @@ type txRing struct {
 	f     *Fabric
 	mu    sync.Mutex // guards tail (reservations)
 	slots []txSlot
-	head  atomic.Uint64 // next slot to send
-	tail  atomic.Uint64 // next slot to reserve
-	drain sync.Mutex    // held by the goroutine sending
-	dgs   []Datagram    // the drainer's batch
+	head  atomic.Uint64   // next slot to send
+	tail  atomic.Uint64   // next slot to reserve
+	drain sync.Mutex      // held by the goroutine sending
+	dgs   []wire.Datagram // the drainer's batch
 	wake  chan struct{}
 }
 
 type txSlot struct {
 	buf       []byte
-	dg        Datagram
+	dg        wire.Datagram
 	committed atomic.Bool
 }
 
@@ -38,11 +39,11 @@ type txSlot struct {
 const txRingSlots = 1024
 
 func newTxRing(f *Fabric) *txRing {
-	r := &txRing{f: f, slots: make([]txSlot, txRingSlots), dgs: make([]Datagram, txMax),
+	r := &txRing{f: f, slots: make([]txSlot, txRingSlots), dgs: make([]wire.Datagram, txMax),
 		wake: make(chan struct{}, 1)}
-	backing := make([]byte, txRingSlots*MaxDatagram)
+	backing := make([]byte, txRingSlots*wire.MaxDatagram)
 	for i := range r.slots {
-		r.slots[i].buf = backing[i*MaxDatagram : (i+1)*MaxDatagram : (i+1)*MaxDatagram]
+		r.slots[i].buf = backing[i*wire.MaxDatagram : (i+1)*wire.MaxDatagram : (i+1)*wire.MaxDatagram]
 	}
 	return r
 }
@@ -70,7 +71,7 @@ func (r *txRing) reserve() *txSlot {
 }
 
 // commit publishes a reserved slot holding d (d.Packet nil: nothing to send).
-func (s *txSlot) commit(d Datagram) {
+func (s *txSlot) commit(d wire.Datagram) {
 	s.dg = d
 	s.committed.Store(true)
 }
@@ -141,7 +142,7 @@ func (r *txRing) drainLocked() (sent bool) {
 		r.transmit(r.dgs[:k])
 		for i := range k {
 			s := &r.slots[(h+uint64(i))%n]
-			s.dg = Datagram{}
+			s.dg = wire.Datagram{}
 			s.committed.Store(false)
 		}
 		r.head.Store(h + uint64(k))
@@ -150,7 +151,7 @@ func (r *txRing) drainLocked() (sent bool) {
 
 // transmit hands a batch to the wire, skipping (and counting) datagrams it
 // refuses and slots that hold nothing.
-func (r *txRing) transmit(dgs []Datagram) {
+func (r *txRing) transmit(dgs []wire.Datagram) {
 	f := r.f
 	// Drop placeholders of packets that failed to encode.
 	k := 0
@@ -172,7 +173,7 @@ func (r *txRing) transmit(dgs []Datagram) {
 		dgs = dgs[sent:]
 		switch {
 		case err != nil:
-			if errors.Is(err, errOversize) {
+			if errors.Is(err, wire.ErrOversize) {
 				f.ctrs.inc(cntTxDropOversize)
 			} else {
 				f.ctrs.inc(cntTxErrors)

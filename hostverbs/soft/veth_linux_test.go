@@ -5,6 +5,8 @@ package soft
 import (
 	"encoding/binary"
 	"fmt"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/internal/mmsg"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"math/rand/v2"
 	"net"
 	"os/exec"
@@ -30,7 +32,7 @@ import (
 //	ns A: a0 10.99.0.1 fd99::1 ==veth== ma [ns M: impairer] mb ==veth== b0 10.99.0.2 fd99::2 :ns B
 
 type l2Impairer struct {
-	imp     Impairment
+	imp     wire.Impairment
 	mu      sync.Mutex
 	rng     *rand.Rand
 	fds     [2]int
@@ -48,7 +50,7 @@ type topo struct {
 	imp     *l2Impairer
 }
 
-func newTopo(t *testing.T, imp Impairment, seed uint64) *topo {
+func newTopo(t *testing.T, imp wire.Impairment, seed uint64) *topo {
 	needRoot(t)
 	tp := &topo{a: newNetns(t, "a"), b: newNetns(t, "b"), m: newNetns(t, "m")}
 	run(t, "ip", "link", "add", "a0", "netns", tp.a.name, "type", "veth", "peer", "name", "ma", "netns", tp.m.name)
@@ -77,7 +79,7 @@ func newTopo(t *testing.T, imp Impairment, seed uint64) *topo {
 			require.NoError(t, err)
 			require.NoError(t, unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifi.Index}))
 			require.NoError(t, unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Usec: 20000}))
-			setBuffers(fd, 16<<20)
+			mmsg.SetBuffers(fd, 16<<20)
 			tp.imp.fds[i] = fd
 		}
 	})
@@ -199,13 +201,13 @@ func TestVethNetnsImpaired(t *testing.T) {
 	needRoot(t)
 	for _, tc := range []struct {
 		name string
-		imp  Impairment
+		imp  wire.Impairment
 	}{
-		{"clean", Impairment{}},
-		{"loss1", Impairment{Loss: 0.01}},
-		{"loss5", Impairment{Loss: 0.05}},
-		{"reorder", Impairment{Reorder: 0.03, ReorderDepth: 4}},
-		{"duplicate", Impairment{Duplicate: 0.03}},
+		{"clean", wire.Impairment{}},
+		{"loss1", wire.Impairment{Loss: 0.01}},
+		{"loss5", wire.Impairment{Loss: 0.05}},
+		{"reorder", wire.Impairment{Reorder: 0.03, ReorderDepth: 4}},
+		{"duplicate", wire.Impairment{Duplicate: 0.03}},
 	} {
 		for _, v6 := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/ipv6=%v", tc.name, v6), func(t *testing.T) {

@@ -4,6 +4,7 @@ package soft
 
 import (
 	"encoding/binary"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"net"
 	"testing"
 	"time"
@@ -14,6 +15,13 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+)
+
+// 802.1Q, as the tests read it.
+const (
+	etherType8021Q = 0x8100
+	vlanIDMask     = 0x0fff
+	pcpShift       = 13
 )
 
 // frameTag is one captured frame's Ethertype and 802.1Q tag (tagged is
@@ -31,13 +39,13 @@ func tagCapture(t *testing.T, ns *netns, ifname string) func() []frameTag {
 	var fd int
 	ns.do(t, func() {
 		var err error
-		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK, int(htons16(unix.ETH_P_ALL)))
+		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK, int(htons(unix.ETH_P_ALL)))
 		require.NoError(t, err)
 		require.NoError(t, unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, 16<<20))
 		require.NoError(t, unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_AUXDATA, 1))
 		ifi, err := net.InterfaceByName(ifname)
 		require.NoError(t, err)
-		require.NoError(t, unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons16(unix.ETH_P_ALL), Ifindex: ifi.Index}))
+		require.NoError(t, unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifi.Index}))
 	})
 	t.Cleanup(func() { unix.Close(fd) })
 	return func() []frameTag {
@@ -77,7 +85,7 @@ func tagCapture(t *testing.T, ns *netns, ifname string) func() []frameTag {
 // (PCPFromTrafficClass: TOS 0x68, DSCP 26, gives 3) on one side and is
 // fixed (5) on the other; the uplink carries no untagged RoCE frame.
 func TestPacketWireVLAN(t *testing.T) {
-	x, _, fx, fy := bridgedFabricsWith(t, PacketWireConfig{VLAN: 100, PCP: PCPFromTrafficClass}, PacketWireConfig{VLAN: 100, PCP: 5})
+	x, _, fx, fy := bridgedFabricsWith(t, wire.PacketWireConfig{VLAN: 100, PCP: wire.PCPFromTrafficClass}, wire.PacketWireConfig{VLAN: 100, PCP: 5})
 	capX := tagCapture(t, x, "vx")
 	a := newEndpoint(t, fx, "a", "10.9.0.1", 1<<20)
 	b := newEndpoint(t, fy, "bb", "10.9.0.2", 1<<20)
@@ -127,7 +135,7 @@ func TestPacketWireVLAN(t *testing.T) {
 // TestPacketWireOtherVLAN: a fabric takes in only frames of its own VLAN:
 // y (untagged) ignores x's VLAN 100 frames, so b never sees a's datagram.
 func TestPacketWireOtherVLAN(t *testing.T) {
-	_, _, fx, fy := bridgedFabricsWith(t, PacketWireConfig{VLAN: 100}, PacketWireConfig{})
+	_, _, fx, fy := bridgedFabricsWith(t, wire.PacketWireConfig{VLAN: 100}, wire.PacketWireConfig{})
 	a := newEndpoint(t, fx, "a", "10.9.0.1", 1<<20)
 	b := newEndpoint(t, fy, "bb", "10.9.0.2", 1<<20)
 	qa, qb := udQP(t, a, hostverbs.QPTypeUD, 7), udQP(t, b, hostverbs.QPTypeUD, 7)
@@ -144,8 +152,8 @@ func TestPacketWireOtherVLAN(t *testing.T) {
 
 func TestPacketWireVLANConfig(t *testing.T) {
 	needRoot(t)
-	_, err := NewPacketWire(PacketWireConfig{Interface: "lo", VLAN: 4095})
+	_, err := wire.NewPacketWire(wire.PacketWireConfig{Interface: "lo", VLAN: 4095})
 	assert.ErrorIs(t, err, hostverbs.ErrInvalid)
-	_, err = NewPacketWire(PacketWireConfig{Interface: "lo", VLAN: 10, PCP: 8})
+	_, err = wire.NewPacketWire(wire.PacketWireConfig{Interface: "lo", VLAN: 10, PCP: 8})
 	assert.ErrorIs(t, err, hostverbs.ErrInvalid)
 }

@@ -5,6 +5,7 @@ package soft
 import (
 	"bytes"
 	"encoding/binary"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"net"
 	"strings"
 	"testing"
@@ -97,12 +98,12 @@ func TestPacketWireBridgedHosts(t *testing.T) {
 // a bridge (brx, bry), the bridges joined by a veth, and a fabric on
 // each bridge through PacketWire.
 func bridgedFabrics(t *testing.T) (x, y *netns, fx, fy *Fabric) {
-	return bridgedFabricsWith(t, PacketWireConfig{}, PacketWireConfig{})
+	return bridgedFabricsWith(t, wire.PacketWireConfig{}, wire.PacketWireConfig{})
 }
 
 // bridgedFabricsWith is bridgedFabrics with the two wires' settings
 // (their Interface is filled in).
-func bridgedFabricsWith(t *testing.T, cx, cy PacketWireConfig) (x, y *netns, fx, fy *Fabric) {
+func bridgedFabricsWith(t *testing.T, cx, cy wire.PacketWireConfig) (x, y *netns, fx, fy *Fabric) {
 	needRoot(t)
 	x, y = newNetns(t, "x"), newNetns(t, "y")
 	x.ip(t, "link", "add", "brx", "type", "bridge")
@@ -118,11 +119,11 @@ func bridgedFabricsWith(t *testing.T, cx, cy PacketWireConfig) (x, y *netns, fx,
 			strings.Contains(y.ip(t, "link", "show", "bry"), "state UP")
 	}, 10*time.Second, 50*time.Millisecond)
 
-	fabric := func(ns *netns, dev string, c PacketWireConfig) *Fabric {
+	fabric := func(ns *netns, dev string, c wire.PacketWireConfig) *Fabric {
 		var f *Fabric
 		ns.do(t, func() {
 			c.Interface = dev
-			w, err := NewPacketWire(c)
+			w, err := wire.NewPacketWire(c)
 			require.NoError(t, err)
 			f, err = New(Config{Wire: w, LinkMTU: 1500})
 			require.NoError(t, err)
@@ -189,12 +190,12 @@ func TestPacketWireRoCEv1(t *testing.T) {
 	var capFD int
 	y.do(t, func() {
 		var err error
-		capFD, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK, int(htons16(unix.ETH_P_ALL)))
+		capFD, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK, int(htons(unix.ETH_P_ALL)))
 		require.NoError(t, err)
 		require.NoError(t, unix.SetsockoptInt(capFD, unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, 16<<20))
 		ifi, err := net.InterfaceByName("vy")
 		require.NoError(t, err)
-		require.NoError(t, unix.Bind(capFD, &unix.SockaddrLinklayer{Protocol: htons16(unix.ETH_P_ALL), Ifindex: ifi.Index}))
+		require.NoError(t, unix.Bind(capFD, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifi.Index}))
 	})
 	t.Cleanup(func() { unix.Close(capFD) })
 	a := newEndpointMode(t, fx, "a", "10.9.0.1", 1<<20, false, hostverbs.GIDTypeRoCEv1)

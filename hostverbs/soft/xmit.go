@@ -1,7 +1,7 @@
 package soft
 
 import (
-	"errors"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
 )
@@ -27,7 +27,7 @@ type txBatch struct {
 }
 
 // txMax is the number of datagrams handed to the wire at once.
-const txMax = 64
+const txMax = wire.BatchSize
 
 // inlineMax is the most datagrams the receive loop sends itself (ACKs,
 // short answers: latency); more go to the transmit goroutine.
@@ -81,7 +81,7 @@ func (t *txBatch) encode(p *packet) {
 	if p.v1 {
 		size = roce.PacketSizeV1(p.op, int(p.n))
 	}
-	if size > MaxDatagram {
+	if size > wire.MaxDatagram {
 		f.ctrs.inc(cntTxDropOversize)
 		return
 	}
@@ -114,7 +114,7 @@ func (t *txBatch) encode(p *packet) {
 			// deregistered): send nothing; retransmission or the local
 			// checks at completion time surface the error.
 			f.ctrs.inc(cntTxErrors)
-			slot.commit(Datagram{})
+			slot.commit(wire.Datagram{})
 			return
 		}
 	}
@@ -126,12 +126,8 @@ func (t *txBatch) encode(p *packet) {
 	default:
 		roce.SealICRC(d, roce.IPv6HeaderSize)
 	}
-	slot.commit(Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac, RoCEv1: p.v1})
+	slot.commit(wire.Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac, RoCEv1: p.v1})
 }
-
-// errOversize is what a Wire returns for a datagram larger than the path
-// allows (EMSGSIZE).
-var errOversize = errors.New("datagram exceeds the path MTU")
 
 // flush delivers in-process packets until none are left, sends the
 // coalesced ACKs that produced, then the wire batch.

@@ -1,6 +1,6 @@
 //go:build linux
 
-package soft
+package wire
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 	"syscall"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/internal/mmsg"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
 	"golang.org/x/sys/unix"
 )
@@ -110,7 +111,7 @@ func NewKernelWire(cfg KernelWireConfig) (w *KernelWire, err error) {
 	if err := bindToDevice(rx4.fd, cfg.Interface); err != nil {
 		return nil, err
 	}
-	if err := attachFilter(rx4.fd, filterIPv4RoCE()); err != nil {
+	if err := mmsg.AttachFilter(rx4.fd, filterIPv4RoCE()); err != nil {
 		return nil, fmt.Errorf("kernel wire: ipv4 filter: %w", err)
 	}
 	if err := w.sink(unix.AF_INET); err != nil {
@@ -131,7 +132,7 @@ func NewKernelWire(cfg KernelWireConfig) (w *KernelWire, err error) {
 		if err := bindToDevice(rx6.fd, cfg.Interface); err != nil {
 			return nil, err
 		}
-		if err := attachFilter(rx6.fd, filterIPv6RoCE()); err != nil {
+		if err := mmsg.AttachFilter(rx6.fd, filterIPv6RoCE()); err != nil {
 			return nil, fmt.Errorf("kernel wire: ipv6 filter: %w", err)
 		}
 		for _, opt := range []int{unix.IPV6_RECVPKTINFO, unix.IPV6_RECVHOPLIMIT, unix.IPV6_RECVTCLASS} {
@@ -144,7 +145,7 @@ func NewKernelWire(cfg KernelWireConfig) (w *KernelWire, err error) {
 		}
 	}
 	for _, r := range w.rx {
-		r.initRecv(rxBatch)
+		r.initRecv(BatchSize)
 	}
 	w.scratch.New = func() any { return newTxScratch() }
 	return w, nil
@@ -155,7 +156,7 @@ func openRaw(family, proto, buf int) (*rawSock, error) {
 	if err != nil {
 		return nil, err
 	}
-	setBuffers(fd, buf)
+	mmsg.SetBuffers(fd, buf)
 	f := os.NewFile(uintptr(fd), fmt.Sprintf("roce-raw-%d-%d", family, proto))
 	rc, err := f.SyscallConn()
 	if err != nil {
@@ -165,14 +166,6 @@ func openRaw(family, proto, buf int) (*rawSock, error) {
 	s := &rawSock{fd: fd, file: f, rc: rc, v6: family == unix.AF_INET6}
 	s.rxFn = s.recvReady
 	return s, nil
-}
-
-func setBuffers(fd, n int) {
-	for _, o := range [][2]int{{unix.SO_RCVBUFFORCE, unix.SO_RCVBUF}, {unix.SO_SNDBUFFORCE, unix.SO_SNDBUF}} {
-		if unix.SetsockoptInt(fd, unix.SOL_SOCKET, o[0], n) != nil {
-			_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, o[1], n)
-		}
-	}
 }
 
 // sink binds a UDP socket to port 4791 that drops everything it gets.
@@ -193,7 +186,7 @@ func (w *KernelWire) sink(family int) error {
 		return fmt.Errorf("kernel wire: udp %d socket: %w", roce.UDPPort, err)
 	}
 	w.sinks = append(w.sinks, fd)
-	if err := attachFilter(fd, []unix.SockFilter{{Code: unix.BPF_RET | unix.BPF_K, K: 0}}); err != nil {
+	if err := mmsg.AttachFilter(fd, []unix.SockFilter{{Code: unix.BPF_RET | unix.BPF_K, K: 0}}); err != nil {
 		return fmt.Errorf("kernel wire: udp %d drop filter: %w", roce.UDPPort, err)
 	}
 	var sa unix.Sockaddr = &unix.SockaddrInet4{Port: roce.UDPPort}
@@ -266,8 +259,8 @@ type txScratch struct {
 
 func newTxScratch() *txScratch {
 	return &txScratch{
-		hdrs: make([]unix.Mmsghdr, txMax), iovs: make([]unix.Iovec, txMax),
-		names4: make([]unix.RawSockaddrInet4, txMax), names6: make([]unix.RawSockaddrInet6, txMax),
+		hdrs: make([]unix.Mmsghdr, BatchSize), iovs: make([]unix.Iovec, BatchSize),
+		names4: make([]unix.RawSockaddrInet4, BatchSize), names6: make([]unix.RawSockaddrInet6, BatchSize),
 	}
 }
 
@@ -295,19 +288,19 @@ func (w *KernelWire) Transmit(pkts []Datagram) (int, error) {
 			}
 			h := &s.hdrs[k].Hdr
 			*h = unix.Msghdr{}
-			setIov(&s.iovs[k], b)
+			mmsg.SetIov(&s.iovs[k], b)
 			h.Iov = &s.iovs[k]
 			h.SetIovlen(1)
 			if v6 {
 				sa := &s.names6[k]
 				*sa = unix.RawSockaddrInet6{Family: unix.AF_INET6}
 				copy(sa.Addr[:], b[24:40])
-				setName6(h, sa)
+				mmsg.SetName6(h, sa)
 			} else {
 				sa := &s.names4[k]
 				*sa = unix.RawSockaddrInet4{Family: unix.AF_INET}
 				copy(sa.Addr[:], b[16:20])
-				setName4(h, sa)
+				mmsg.SetName4(h, sa)
 			}
 			k++
 		}
@@ -318,7 +311,7 @@ func (w *KernelWire) Transmit(pkts []Datagram) (int, error) {
 		sent += n
 		if err != nil {
 			if errors.Is(err, unix.EMSGSIZE) {
-				return sent, fmt.Errorf("kernel wire: %w", errOversize)
+				return sent, fmt.Errorf("kernel wire: %w", ErrOversize)
 			}
 			return sent, fmt.Errorf("kernel wire: sendmmsg: %w", err)
 		}
@@ -328,7 +321,7 @@ func (w *KernelWire) Transmit(pkts []Datagram) (int, error) {
 
 func (s *rawSock) recvReady(fd uintptr) bool {
 	for {
-		s.rxN, s.rxErr = recvmmsg(int(fd), s.hdrs[:s.rxK])
+		s.rxN, s.rxErr = mmsg.RecvMmsg(int(fd), s.hdrs[:s.rxK])
 		if s.rxErr == unix.EINTR {
 			continue
 		}
@@ -380,10 +373,10 @@ func (w *KernelWire) prepareRecv(s *rawSock, bufs [][]byte) int {
 	for i := range k {
 		h := &s.hdrs[i].Hdr
 		*h = unix.Msghdr{}
-		setIov(&s.iovs[i], bufs[i][off:])
+		mmsg.SetIov(&s.iovs[i], bufs[i][off:])
 		h.Iov = &s.iovs[i]
 		h.SetIovlen(1)
-		setName6(h, &s.names[i])
+		mmsg.SetName6(h, &s.names[i])
 		if s.v6 {
 			oob := s.oob[i*oobPerMsg : (i+1)*oobPerMsg]
 			h.Control = &oob[0]
@@ -410,7 +403,7 @@ func (w *KernelWire) TryReceive(queue int, bufs [][]byte, lens []int) (int, erro
 	}
 	s := w.rx[queue]
 	k := w.prepareRecv(s, bufs)
-	n, err := recvmmsg(s.fd, s.hdrs[:k])
+	n, err := mmsg.RecvMmsg(s.fd, s.hdrs[:k])
 	if err == unix.EAGAIN || err == unix.EINTR {
 		return 0, nil
 	}
@@ -430,7 +423,7 @@ func (s *rawSock) rebuildIPv6(b []byte, i, n int) int {
 	var dst [16]byte
 	var hop, tclass uint8
 	haveDst := false
-	cmsgs(s.oob[i*oobPerMsg:i*oobPerMsg+int(h.Controllen)], func(level, typ int32, data []byte) {
+	mmsg.Cmsgs(s.oob[i*oobPerMsg:i*oobPerMsg+int(h.Controllen)], func(level, typ int32, data []byte) {
 		if level != unix.IPPROTO_IPV6 {
 			return
 		}

@@ -1,4 +1,4 @@
-package soft
+package wire
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-package soft
+package wire
 
 import (
 	"context"
@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/internal/mmsg"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
 )
 
@@ -123,8 +124,8 @@ func NewPacketWire(cfg PacketWireConfig) (w *PacketWire, err error) {
 			unix.Close(fd)
 		}
 	}()
-	setBuffers(fd, cfg.SocketBuffer)
-	if err := attachFilter(fd, filterEthRoCE(cfg.VLAN)); err != nil {
+	mmsg.SetBuffers(fd, cfg.SocketBuffer)
+	if err := mmsg.AttachFilter(fd, filterEthRoCE(cfg.VLAN)); err != nil {
 		return nil, fmt.Errorf("packet wire: filter: %w", err)
 	}
 	// Our own transmissions would otherwise come back to us as outgoing
@@ -144,10 +145,10 @@ func NewPacketWire(cfg PacketWireConfig) (w *PacketWire, err error) {
 		w.file.Close()
 		return nil, fmt.Errorf("packet wire: %w", err)
 	}
-	w.rxHdrs = make([]unix.Mmsghdr, rxBatch)
-	w.rxIovs = make([]unix.Iovec, 2*rxBatch)
-	w.rxEth = make([][ethHeaderSize]byte, rxBatch)
-	w.rxFrame = make([]FrameInfo, rxBatch)
+	w.rxHdrs = make([]unix.Mmsghdr, BatchSize)
+	w.rxIovs = make([]unix.Iovec, 2*BatchSize)
+	w.rxEth = make([][ethHeaderSize]byte, BatchSize)
+	w.rxFrame = make([]FrameInfo, BatchSize)
 	w.rxFn, w.txFn = w.recvReady, w.sendReady
 	w.scratch.New = func() any { return newPacketTxScratch() }
 	return w, nil
@@ -226,8 +227,8 @@ type packetTxScratch struct {
 }
 
 func newPacketTxScratch() *packetTxScratch {
-	return &packetTxScratch{hdrs: make([]unix.Mmsghdr, txMax), iovs: make([]unix.Iovec, 2*txMax),
-		eth: make([][ethHeaderSize + vlanHeaderSize]byte, txMax)}
+	return &packetTxScratch{hdrs: make([]unix.Mmsghdr, BatchSize), iovs: make([]unix.Iovec, 2*BatchSize),
+		eth: make([][ethHeaderSize + vlanHeaderSize]byte, BatchSize)}
 }
 
 // Transmit sends each datagram as one frame: an Ethernet header built from
@@ -262,8 +263,8 @@ func (w *PacketWire) Transmit(pkts []Datagram) (int, error) {
 				hdr = eth[:ethHeaderSize+vlanHeaderSize]
 			}
 			binary.BigEndian.PutUint16(hdr[len(hdr)-2:], et)
-			setIov(&s.iovs[2*k], hdr)
-			setIov(&s.iovs[2*k+1], d.Packet)
+			mmsg.SetIov(&s.iovs[2*k], hdr)
+			mmsg.SetIov(&s.iovs[2*k+1], d.Packet)
 			h := &s.hdrs[k].Hdr
 			*h = unix.Msghdr{Iov: &s.iovs[2*k]}
 			h.SetIovlen(2)
@@ -276,7 +277,7 @@ func (w *PacketWire) Transmit(pkts []Datagram) (int, error) {
 		sent += n
 		if err != nil {
 			if errors.Is(err, unix.EMSGSIZE) {
-				return sent, fmt.Errorf("packet wire: %w", errOversize)
+				return sent, fmt.Errorf("packet wire: %w", ErrOversize)
 			}
 			return sent, fmt.Errorf("packet wire: sendmmsg: %w", err)
 		}
@@ -316,7 +317,7 @@ func (w *PacketWire) sendmmsg(hdrs []unix.Mmsghdr) (int, error) {
 
 func (w *PacketWire) sendReady(fd uintptr) bool {
 	for w.txSent < len(w.txHdrs) {
-		n, err := sendmmsg(int(fd), w.txHdrs[w.txSent:])
+		n, err := mmsg.SendMmsg(int(fd), w.txHdrs[w.txSent:])
 		if err == unix.EAGAIN {
 			return false
 		}
@@ -334,7 +335,7 @@ func (w *PacketWire) sendReady(fd uintptr) bool {
 
 func (w *PacketWire) recvReady(fd uintptr) bool {
 	for {
-		w.rxN, w.rxErr = recvmmsg(int(fd), w.rxHdrs[:w.rxK])
+		w.rxN, w.rxErr = mmsg.RecvMmsg(int(fd), w.rxHdrs[:w.rxK])
 		if w.rxErr == unix.EINTR {
 			continue
 		}
@@ -360,8 +361,8 @@ func (w *PacketWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 	}
 	k := min(len(bufs), len(w.rxHdrs))
 	for i := range k {
-		setIov(&w.rxIovs[2*i], w.rxEth[i][:])
-		setIov(&w.rxIovs[2*i+1], bufs[i])
+		mmsg.SetIov(&w.rxIovs[2*i], w.rxEth[i][:])
+		mmsg.SetIov(&w.rxIovs[2*i+1], bufs[i])
 		h := &w.rxHdrs[i].Hdr
 		*h = unix.Msghdr{Iov: &w.rxIovs[2*i]}
 		h.SetIovlen(2)

@@ -1,6 +1,6 @@
 //go:build linux
 
-package soft
+package wire
 
 import (
 	"fmt"
@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/internal/mmsg"
 	"golang.org/x/sys/unix"
 )
 
@@ -35,7 +36,7 @@ func openTx(family, buf int, closed chan struct{}) (*txSock, error) {
 	if err != nil {
 		return nil, err
 	}
-	setBuffers(fd, buf)
+	mmsg.SetBuffers(fd, buf)
 	return &txSock{fd: fd, closed: closed}, nil
 }
 
@@ -59,7 +60,7 @@ func (s *txSock) sendmmsg(hdrs []unix.Mmsghdr) (int, error) {
 	}
 	sent := 0
 	for sent < len(hdrs) {
-		n, err := sendmmsg(s.fd, hdrs[sent:])
+		n, err := mmsg.SendMmsg(s.fd, hdrs[sent:])
 		switch err {
 		case nil:
 			sent += n

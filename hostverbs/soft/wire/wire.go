@@ -1,6 +1,15 @@
-package soft
+// Package wire holds the ways the soft transport's packets travel: the
+// Wire interface the fabric sends and receives RoCE datagrams through, and
+// its implementations: KernelWire (IP mode: raw sockets on the host's UDP
+// 4791 path), PacketWire (L2 mode: Ethernet frames on a bridge, RoCE v1
+// and v2, 802.1Q tags) and MemNet (an in-memory network with seeded
+// impairments, for tests).
+package wire
 
-import "context"
+import (
+	"context"
+	"errors"
+)
 
 // Wire carries RoCE v2 datagrams between a Fabric and the network. The
 // kernel implementation (NewKernelWire) sends and receives UDP 4791
@@ -25,18 +34,18 @@ type Wire interface {
 	Close() error
 }
 
-// pollingWire is implemented by wires that can check a queue without
+// PollingWire is implemented by wires that can check a queue without
 // blocking: the receive loop drains what is already there before it
 // sends the ACKs its work produced.
-type pollingWire interface {
+type PollingWire interface {
 	// TryReceive is Receive that returns 0 at once if nothing is queued.
 	TryReceive(queue int, bufs [][]byte, lens []int) (int, error)
 }
 
-// linkWire is implemented by wires that carry Ethernet frames: the
+// LinkWire is implemented by wires that carry Ethernet frames: the
 // fabric hands a captured datagram only to the device whose MAC the frame
 // was addressed to, and such a wire carries RoCE v1 as well as v2.
-type linkWire interface {
+type LinkWire interface {
 	// Frame describes the frame that carried datagram i of the batch the
 	// last Receive (or TryReceive) on queue returned.
 	Frame(queue, i int) FrameInfo
@@ -65,6 +74,14 @@ type Datagram struct {
 	// wires ignore them.
 	SrcMAC, DstMAC [6]byte
 }
+
+// BatchSize is the most datagrams one Receive returns or one Transmit
+// system call carries: the wires size their scratch to it.
+const BatchSize = 64
+
+// ErrOversize is what a Wire returns for a datagram larger than the path
+// allows (EMSGSIZE).
+var ErrOversize = errors.New("datagram exceeds the path MTU")
 
 // MaxDatagram bounds every datagram a Fabric sends or accepts: a 4096-byte
 // path MTU plus the largest header set.
