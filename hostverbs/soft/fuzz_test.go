@@ -2,6 +2,7 @@ package soft
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
 	"net/netip"
 	"os"
@@ -9,9 +10,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 )
 
 // fuzzFixture is a device with an RC QP that has work outstanding (so
@@ -43,13 +47,20 @@ type discardCQ struct{}
 
 func (discardCQ) Complete(*hostverbs.WorkCompletion) {}
 
-func newFuzzFixture(tb testing.TB, v6 bool) *fuzzFixture {
+func newFuzzFixture(tb testing.TB, v6 bool) *fuzzFixture { return newFuzzFixtureMode(tb, v6, false) }
+
+// newFuzzFixtureMode is newFuzzFixture for a RoCE v1 device if v1.
+func newFuzzFixtureMode(tb testing.TB, v6, v1 bool) *fuzzFixture {
 	f, err := New(Config{Clock: NewManualClock(time.Unix(0, 0))})
 	if err != nil {
 		tb.Fatal(err)
 	}
 	mem, data := guestmem.NewFlat(0, fzMemSize)
-	d, err := f.Open(hostverbs.DeviceConfig{Name: "fuzz", Memory: mem, Events: func(hostverbs.AsyncEvent) {}})
+	mode := hostverbs.GIDTypeRoCEv2
+	if v1 {
+		mode = hostverbs.GIDTypeRoCEv1
+	}
+	d, err := f.Open(hostverbs.DeviceConfig{Name: "fuzz", Memory: mem, RoCEMode: mode, Events: func(hostverbs.AsyncEvent) {}})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -65,7 +76,7 @@ func newFuzzFixture(tb testing.TB, v6 bool) *fuzzFixture {
 			tb.Fatal(err)
 		}
 	}
-	must(d.SetGID(0, hostverbs.GIDEntry{GID: fx.self, Type: hostverbs.GIDTypeRoCEv2}))
+	must(d.SetGID(0, hostverbs.GIDEntry{GID: fx.self, Type: mode}))
 	pd, err := d.AllocPD()
 	must(err)
 	cq, err := d.CreateCQ(hostverbs.CQAttr{Depth: 64, Handler: discardCQ{}})
@@ -155,6 +166,30 @@ func (fx *fuzzFixture) datagram(transport []byte, seal bool) []byte {
 	return d
 }
 
+// datagramV1 is datagram framed as RoCE v1 (a GRH, the content of an
+// Ethertype 0x8915 frame).
+func (fx *fuzzFixture) datagramV1(transport []byte, seal bool) []byte {
+	d := make([]byte, roce.GRHSize+len(transport)+roce.ICRCSize)
+	roce.EncodeGRH(d, &roce.NetFields{Src: fx.peer, Dst: fx.self, HopLimit: 64}, len(transport)+roce.ICRCSize)
+	copy(d[roce.GRHSize:], transport)
+	if seal && len(transport) >= roce.BTHSize {
+		roce.SealICRCv1(d)
+	}
+	return d
+}
+
+// setCE marks a datagram Congestion Experienced, as a switch would have
+// (the IPv4 header checksum follows; the ICRC does not cover the field).
+func setCE(d []byte) {
+	if d[0]>>4 == 4 {
+		d[1] |= roce.ECNCE
+		binary.BigEndian.PutUint16(d[10:], 0)
+		binary.BigEndian.PutUint16(d[10:], roce.IPv4Checksum(d[:20]))
+		return
+	}
+	binary.BigEndian.PutUint32(d, binary.BigEndian.Uint32(d)|roce.ECNCE<<20)
+}
+
 // seedTransports are valid requests and responses for the fixture's QPs.
 func seedTransports() [][]byte {
 	mk := func(tf roce.TransportFields, n int) []byte {
@@ -191,30 +226,53 @@ func seedTransports() [][]byte {
 	add(roce.TransportFields{BTH: bth(roce.RCAtomicAcknowledge, fzRCQPN, fzSQPSN+9), Syndrome: roce.SyndromeACKUnlimited, OrigData: 3}, 0)
 	add(roce.TransportFields{BTH: bth(roce.UDSendOnly, fzUDQPN, 0), QKey: fzQKey, SrcQP: 5}, 200)
 	add(roce.TransportFields{BTH: bth(roce.UDSendOnlyImm, gsiQPN, 0), QKey: roce.GSIQKey, SrcQP: 1, Imm: 9}, 256)
+	add(roce.TransportFields{BTH: roce.BTHFields{Opcode: roce.CNP, PKey: 0xffff, DestQP: fzRCQPN, BECN: true}}, 0)
 	return out
 }
 
+// Flags of FuzzReceive's first input byte.
+const (
+	fzSeal     = 1  // recompute the ICRC (so mutations get past it)
+	fzV6       = 2  // IPv6 addresses
+	fzV1       = 4  // a RoCE v1 device, and the packet framed as v1
+	fzCE       = 8  // the packet arrives marked Congestion Experienced (v2)
+	fzMismatch = 16 // the device is of the other RoCE version
+)
+
 // FuzzReceive drives the receive gate, responder and completer with
-// mutated packets. Input byte 0 picks the family and whether the ICRC is
-// recomputed (so mutations get past it); the rest is the transport part.
-// Nothing may panic, and no byte outside the MR may change.
+// mutated packets. Input byte 0 holds the fz flags; the rest is the
+// transport part. Nothing may panic, and no byte outside the MR may
+// change.
 func FuzzReceive(f *testing.F) {
 	for _, tr := range seedTransports() {
-		f.Add(append([]byte{1}, tr...))
-		f.Add(append([]byte{3}, tr...))
+		for _, flags := range []byte{fzSeal, fzSeal | fzV6, fzSeal | fzV1, fzSeal | fzCE, fzSeal | fzV1 | fzMismatch} {
+			f.Add(append([]byte{flags}, tr...))
+		}
 	}
 	f.Fuzz(func(t *testing.T, in []byte) {
 		if len(in) < 1 || len(in) > 5000 {
 			return
 		}
-		fx := newFuzzFixture(t, in[0]&2 != 0)
+		flags := in[0]
+		v1 := flags&fzV1 != 0
+		fx := newFuzzFixtureMode(t, flags&fzV6 != 0, v1 != (flags&fzMismatch != 0))
 		defer fx.close()
 		var rp roce.Packet
 		var p packet
-		d := fx.datagram(in[1:], in[0]&1 != 0)
-		fx.f.receiveDatagram(fx.tx, d, &rp, &p)
+		var d []byte
+		var fi *wire.FrameInfo
+		if v1 {
+			d = fx.datagramV1(in[1:], flags&fzSeal != 0)
+			fi = &wire.FrameInfo{RoCEv1: true}
+		} else {
+			d = fx.datagram(in[1:], flags&fzSeal != 0)
+			if flags&fzCE != 0 {
+				setCE(d)
+			}
+		}
+		fx.f.receive(fx.tx, d, fi, &rp, &p)
 		// A second copy exercises duplicate handling and state after it.
-		fx.f.receiveDatagram(fx.tx, d, &rp, &p)
+		fx.f.receive(fx.tx, d, fi, &rp, &p)
 		fx.tx.flush()
 		outside := append(append([]byte(nil), fx.mem[:fzMRBase]...), fx.mem[fzMRBase+fzMRSize:]...)
 		if !bytes.Equal(outside, make([]byte, len(outside))) {
@@ -234,7 +292,7 @@ func TestWriteReceiveCorpus(t *testing.T) {
 		t.Fatal(err)
 	}
 	for i, tr := range seedTransports() {
-		for _, flag := range []byte{1, 3} {
+		for _, flag := range []byte{fzSeal, fzSeal | fzV6, fzSeal | fzV1, fzSeal | fzCE, fzSeal | fzV1 | fzMismatch} {
 			op := roce.BTH(tr).Opcode()
 			body := fmt.Sprintf("go test fuzz v1\n[]byte(%q)\n", append([]byte{flag}, tr...))
 			name := fmt.Sprintf("%02d-%s-%d", i, op, flag)
@@ -260,6 +318,47 @@ func TestFuzzSeedsAreValid(t *testing.T) {
 			if c[k] != before[k] {
 				t.Errorf("seed %v dropped: %s", roce.BTH(tr).Opcode(), k)
 			}
+		}
+		fx.close()
+	}
+}
+
+// TestFuzzSeedsV1AndCE: framed as RoCE v1 for a v1 device the seeds are
+// accepted as well; for a v2 device they are version mismatches; marked
+// CE, an RC request makes the QP send a CNP to its peer.
+func TestFuzzSeedsV1AndCE(t *testing.T) {
+	drops := []string{"drop_bad_icrc", "drop_truncated", "drop_unknown_qpn", "drop_wrong_transport",
+		"drop_bad_padding", "drop_bad_qkey", "drop_bad_address", "drop_qp_state", "drop_roce_version_mismatch", "drop_ip_header"}
+	for _, tr := range seedTransports() {
+		op := roce.BTH(tr).Opcode()
+		fx := newFuzzFixtureMode(t, false, true)
+		var rp roce.Packet
+		var p packet
+		fx.f.receive(fx.tx, fx.datagramV1(tr, true), &wire.FrameInfo{RoCEv1: true}, &rp, &p)
+		fx.tx.flush()
+		c := fx.f.Counters()
+		for _, k := range drops {
+			assert.Zero(t, c[k], "v1 seed %v: %s", op, k)
+		}
+		fx.close()
+
+		fx = newFuzzFixtureMode(t, false, false)
+		fx.f.receive(fx.tx, fx.datagramV1(tr, true), &wire.FrameInfo{RoCEv1: true}, &rp, &p)
+		fx.tx.flush()
+		if op != roce.CNP {
+			assert.Equal(t, uint64(1), fx.f.Counters()["drop_roce_version_mismatch"], "v1 seed %v at a v2 device", op)
+		}
+		fx.close()
+
+		fx = newFuzzFixture(t, false)
+		d := fx.datagram(tr, true)
+		setCE(d)
+		fx.f.receive(fx.tx, d, nil, &rp, &p)
+		fx.tx.flush()
+		c = fx.f.Counters()
+		assert.Equal(t, uint64(1), c["rx_ecn_ce_marked"], "seed %v", op)
+		if op.Info().Has(roce.MaskReq) && op.IsRC() {
+			assert.Equal(t, uint64(1), c["tx_cnp"], "CE-marked %v: a CNP", op)
 		}
 		fx.close()
 	}
