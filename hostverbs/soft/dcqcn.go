@@ -82,36 +82,16 @@ func DefaultCongestion() CongestionConfig {
 // withDefaults fills zero fields and checks the result.
 func (c CongestionConfig) withDefaults() (CongestionConfig, error) {
 	d := DefaultCongestion()
-	if c.LineRate == 0 {
-		c.LineRate = d.LineRate
-	}
-	if c.MinRate == 0 {
-		c.MinRate = d.MinRate
-	}
-	if c.CNPInterval == 0 {
-		c.CNPInterval = d.CNPInterval
-	}
-	if c.AlphaG == 0 {
-		c.AlphaG = d.AlphaG
-	}
-	if c.AlphaPeriod == 0 {
-		c.AlphaPeriod = d.AlphaPeriod
-	}
-	if c.RateIncreasePeriod == 0 {
-		c.RateIncreasePeriod = d.RateIncreasePeriod
-	}
-	if c.ByteCounter == 0 {
-		c.ByteCounter = d.ByteCounter
-	}
-	if c.FastRecoverySteps == 0 {
-		c.FastRecoverySteps = d.FastRecoverySteps
-	}
-	if c.AIRate == 0 {
-		c.AIRate = d.AIRate
-	}
-	if c.HAIRate == 0 {
-		c.HAIRate = d.HAIRate
-	}
+	orDefault(&c.LineRate, d.LineRate)
+	orDefault(&c.MinRate, d.MinRate)
+	orDefault(&c.CNPInterval, d.CNPInterval)
+	orDefault(&c.AlphaG, d.AlphaG)
+	orDefault(&c.AlphaPeriod, d.AlphaPeriod)
+	orDefault(&c.RateIncreasePeriod, d.RateIncreasePeriod)
+	orDefault(&c.ByteCounter, d.ByteCounter)
+	orDefault(&c.FastRecoverySteps, d.FastRecoverySteps)
+	orDefault(&c.AIRate, d.AIRate)
+	orDefault(&c.HAIRate, d.HAIRate)
 	switch {
 	case c.LineRate < 1e6 || c.LineRate > 1e13 || c.MinRate <= 0 || c.MinRate > c.LineRate:
 		return c, fmt.Errorf("congestion control: rates: line %g, min %g b/s: %w", c.LineRate, c.MinRate, hostverbs.ErrInvalid)
@@ -128,6 +108,14 @@ func (c CongestionConfig) withDefaults() (CongestionConfig, error) {
 // pktOverhead is what the pacer adds to a packet's payload: Ethernet,
 // IPv4, UDP, BTH and ICRC.
 const pktOverhead = 14 + 20 + 8 + 12 + 4
+
+// orDefault sets *v to d if *v is the zero value.
+func orDefault[T comparable](v *T, d T) {
+	var zero T
+	if *v == zero {
+		*v = d
+	}
+}
 
 // paceBurst is how far ahead of its rate a paced QP may send: a burst of
 // this many bytes' worth of time goes at once, so that a low rate does not

@@ -141,6 +141,7 @@ type rcOpts struct {
 	rqDepth    uint32
 	rdAtomic   uint8
 	psnA, psnB uint32
+	tclass     uint8 // the address vectors' traffic class
 }
 
 func defaultRC() rcOpts {

@@ -91,22 +91,8 @@ func TestPacketWireVLAN(t *testing.T) {
 	b := newEndpoint(t, fy, "bb", "10.9.0.2", 1<<20)
 	o := defaultRC()
 	o.mtu = hostverbs.MTU1024
-	qa, qb := createRC(t, a, o), createRC(t, b, o)
-	for _, s := range []struct {
-		q, peer hostverbs.QP
-		remote  *endpoint
-		mac     [6]byte
-	}{{qa, qb, b, harnessMAC("bb")}, {qb, qa, a, harnessMAC("a")}} {
-		require.NoError(t, s.q.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateRTR, PathMTU: o.mtu, DestQPN: s.peer.QPN(),
-			MaxDestRdAtomic: o.rdAtomic, MinRNRTimer: o.minRNR,
-			AV: hostverbs.AddressVector{DGID: s.remote.gid, HopLimit: 64, Port: 1, DMAC: s.mac, TrafficClass: 0x68}},
-			hostverbs.AttrState|hostverbs.AttrAV|hostverbs.AttrPathMTU|hostverbs.AttrDestQPN|
-				hostverbs.AttrRQPSN|hostverbs.AttrMaxDestRdAtomic|hostverbs.AttrMinRNRTimer))
-		require.NoError(t, s.q.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateRTS, Timeout: o.timeout,
-			RetryCnt: o.retry, RNRRetry: o.rnr, MaxRdAtomic: o.rdAtomic},
-			hostverbs.AttrState|hostverbs.AttrTimeout|hostverbs.AttrRetryCnt|hostverbs.AttrRNRRetry|
-				hostverbs.AttrSQPSN|hostverbs.AttrMaxQPRdAtomic))
-	}
+	o.tclass = 0x68
+	qa, _ := connectL2(t, a, b, harnessMAC("a"), harnessMAC("bb"), o)
 	src := make([]byte, 128<<10)
 	fill(src, 5)
 	a.write(t, a.iova, src)

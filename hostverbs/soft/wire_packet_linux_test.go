@@ -36,7 +36,7 @@ func connectL2(t *testing.T, a, b *endpoint, macA, macB [6]byte, o rcOpts) (qa, 
 	}{{qa, qb, b, macB, o.psnB, o.psnA}, {qb, qa, a, macA, o.psnA, o.psnB}} {
 		require.NoError(t, s.q.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateRTR, PathMTU: o.mtu, DestQPN: s.peer.QPN(),
 			RQPSN: s.rq, MaxDestRdAtomic: o.rdAtomic, MinRNRTimer: o.minRNR,
-			AV: hostverbs.AddressVector{DGID: s.remote.gid, HopLimit: 64, Port: 1, DMAC: s.mac}},
+			AV: hostverbs.AddressVector{DGID: s.remote.gid, HopLimit: 64, Port: 1, DMAC: s.mac, TrafficClass: o.tclass}},
 			hostverbs.AttrState|hostverbs.AttrAV|hostverbs.AttrPathMTU|hostverbs.AttrDestQPN|
 				hostverbs.AttrRQPSN|hostverbs.AttrMaxDestRdAtomic|hostverbs.AttrMinRNRTimer))
 		require.NoError(t, s.q.Modify(&hostverbs.QPAttr{State: hostverbs.QPStateRTS, Timeout: o.timeout,
@@ -60,27 +60,7 @@ func TestPacketWireBridgedHosts(t *testing.T) {
 	o.mtu = hostverbs.MTU1024
 	qa, qb := connectL2(t, a, b, harnessMAC("a"), harnessMAC("bb"), o)
 
-	// RDMA WRITE of 256 KiB a -> b, byte-compared.
-	src := make([]byte, 256<<10)
-	fill(src, 7)
-	a.write(t, a.iova, src)
-	require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
-		SGL: sge(a, 0, len(src)), RemoteAddr: b.iova + 4096, RKey: b.mr.RKey()}))
-	wc := a.ccq.wait(t, 10*time.Second)
-	require.Equal(t, hostverbs.WCSuccess, wc.Status, "%+v\nx: %v\ny: %v", wc, nonzero(fx.Counters()), nonzero(fy.Counters()))
-	assert.True(t, bytes.Equal(src, b.read(t, b.iova+4096, len(src))), "written bytes differ")
-
-	// SEND b -> a.
-	require.NoError(t, qa.PostRecv(&hostverbs.RecvWR{WRID: 2, SGL: sge(a, 512<<10, 4096)}))
-	msg := []byte("hello over the bridge")
-	b.write(t, b.iova+900<<10, msg)
-	require.NoError(t, qb.PostSend(&hostverbs.SendWR{WRID: 3, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
-		SGL: sge(b, 900<<10, len(msg))}))
-	require.Equal(t, hostverbs.WCSuccess, b.ccq.wait(t, 10*time.Second).Status)
-	rwc := a.ccq.wait(t, 10*time.Second)
-	require.Equal(t, hostverbs.WCSuccess, rwc.Status)
-	require.Equal(t, hostverbs.WCRecv, rwc.Opcode)
-	assert.Equal(t, msg, a.read(t, a.iova+512<<10, len(msg)))
+	writeThenSend(t, a, b, qa, qb, 256<<10, fx, fy)
 
 	// The uplink carried the fabrics' frames, and each bridge learned the
 	// remote device's MAC on the uplink but not its own device's.
@@ -159,6 +139,30 @@ func TestPacketWireWrongMAC(t *testing.T) {
 	assert.Zero(t, fx.Counters()["completions"], "x: %v y: %v", nonzero(fx.Counters()), nonzero(fy.Counters()))
 }
 
+// writeThenSend runs an RDMA WRITE of size bytes a -> b and a SEND b -> a
+// over a connected pair, byte-compared.
+func writeThenSend(t *testing.T, a, b *endpoint, qa, qb hostverbs.QP, size int, fx, fy *Fabric) {
+	t.Helper()
+	src := make([]byte, size)
+	fill(src, uint64(size))
+	a.write(t, a.iova, src)
+	require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
+		SGL: sge(a, 0, len(src)), RemoteAddr: b.iova + 4096, RKey: b.mr.RKey()}))
+	wc := a.ccq.wait(t, 10*time.Second)
+	require.Equal(t, hostverbs.WCSuccess, wc.Status, "%+v\nx: %v\ny: %v", wc, nonzero(fx.Counters()), nonzero(fy.Counters()))
+	assert.True(t, bytes.Equal(src, b.read(t, b.iova+4096, len(src))), "written bytes differ")
+	require.NoError(t, qa.PostRecv(&hostverbs.RecvWR{WRID: 2, SGL: sge(a, 512<<10, 4096)}))
+	msg := []byte("hello over the bridge")
+	b.write(t, b.iova+900<<10, msg)
+	require.NoError(t, qb.PostSend(&hostverbs.SendWR{WRID: 3, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
+		SGL: sge(b, 900<<10, len(msg))}))
+	require.Equal(t, hostverbs.WCSuccess, b.ccq.wait(t, 10*time.Second).Status)
+	rwc := a.ccq.wait(t, 10*time.Second)
+	require.Equal(t, hostverbs.WCSuccess, rwc.Status)
+	require.Equal(t, hostverbs.WCRecv, rwc.Opcode)
+	assert.Equal(t, msg, a.read(t, a.iova+512<<10, len(msg)))
+}
+
 // lines returns the lines of s that contain sub.
 func lines(s, sub string) string {
 	var out []string
@@ -203,22 +207,7 @@ func TestPacketWireRoCEv1(t *testing.T) {
 	o := defaultRC()
 	o.mtu = hostverbs.MTU1024
 	qa, qb := connectL2(t, a, b, harnessMAC("a"), harnessMAC("bb"), o)
-	src := make([]byte, 256<<10)
-	fill(src, 11)
-	a.write(t, a.iova, src)
-	require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
-		SGL: sge(a, 0, len(src)), RemoteAddr: b.iova + 4096, RKey: b.mr.RKey()}))
-	wc := a.ccq.wait(t, 10*time.Second)
-	require.Equal(t, hostverbs.WCSuccess, wc.Status, "%+v\nx: %v\ny: %v", wc, nonzero(fx.Counters()), nonzero(fy.Counters()))
-	assert.True(t, bytes.Equal(src, b.read(t, b.iova+4096, len(src))), "written bytes differ")
-	require.NoError(t, qa.PostRecv(&hostverbs.RecvWR{WRID: 2, SGL: sge(a, 512<<10, 4096)}))
-	msg := []byte("v1 over the bridge")
-	b.write(t, b.iova+900<<10, msg)
-	require.NoError(t, qb.PostSend(&hostverbs.SendWR{WRID: 3, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
-		SGL: sge(b, 900<<10, len(msg))}))
-	require.Equal(t, hostverbs.WCSuccess, b.ccq.wait(t, 10*time.Second).Status)
-	require.Equal(t, hostverbs.WCSuccess, a.ccq.wait(t, 10*time.Second).Status)
-	assert.Equal(t, msg, a.read(t, a.iova+512<<10, len(msg)))
+	writeThenSend(t, a, b, qa, qb, 256<<10, fx, fy)
 
 	types := map[uint16]int{}
 	buf := make([]byte, 9000)

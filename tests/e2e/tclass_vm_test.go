@@ -5,14 +5,12 @@ package e2e
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"net"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
@@ -34,54 +32,19 @@ func (c *tosCount) snapshot() map[byte]int {
 	return out
 }
 
-// captureTOS opens a packet socket on the network's bridge (inside its
-// namespace) and counts, until the test ends, the TOS of every IPv4 UDP
-// 4791 frame whose source MAC is src: what the daemon puts on the wire.
+// captureTOS counts, until the test ends, the TOS of every IPv4 RoCE v2
+// frame on the network's bridge whose source MAC is src: what the daemon
+// puts on the wire.
 func captureTOS(t *testing.T, nw *vm.Network, src net.HardwareAddr) *tosCount {
 	t.Helper()
-	var fd int
-	require.NoError(t, nw.Do(func() error {
-		ifi, err := net.InterfaceByName(nw.Bridge())
-		if err != nil {
-			return err
-		}
-		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))
-		if err != nil {
-			return err
-		}
-		// ETH_P_ALL: frames the daemon injects are outgoing on the bridge, which
-		// only ETH_P_ALL taps see.
-		return unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifi.Index})
-	}))
 	c := &tosCount{tos: map[byte]int{}}
-	done := make(chan struct{})
-	t.Cleanup(func() { unix.Close(fd); <-done })
-	require.NoError(t, unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: 1}))
-	go func() {
-		defer close(done)
-		buf := make([]byte, 9000)
-		for {
-			n, _, err := unix.Recvfrom(fd, buf, 0)
-			if err != nil {
-				if err == unix.EAGAIN || err == unix.EINTR {
-					continue
-				}
-				return
-			}
-			f := buf[:n]
-			// Ethernet (14) + IPv4 (IHL) + UDP: source MAC, protocol 17, port 4791.
-			if n < 14+20+8 || !bytes.Equal(f[6:12], src) || binary.BigEndian.Uint16(f[12:]) != unix.ETH_P_IP || f[14+9] != unix.IPPROTO_UDP {
-				continue
-			}
-			ihl := int(f[14]&0xf) * 4
-			if n < 14+ihl+8 || binary.BigEndian.Uint16(f[14+ihl+2:]) != 4791 {
-				continue
-			}
+	captureRoCE(t, nw, func(from net.HardwareAddr, _ vlanTag, tos byte) {
+		if bytes.Equal(from, src) {
 			c.mu.Lock()
-			c.tos[f[14+1]]++
+			c.tos[tos]++
 			c.mu.Unlock()
 		}
-	}()
+	})
 	return c
 }
 

@@ -43,11 +43,12 @@ func (c *tagCount) of(mac net.HardwareAddr) map[vlanTag]int {
 	return out
 }
 
-// captureTags counts, until the test ends, the 802.1Q tags of the RoCE v2
-// frames crossing the network's bridge: frames the daemon injects carry
-// their tag in the data; received ones have it taken out by the kernel
-// and reported in the packet's auxiliary data.
-func captureTags(t *testing.T, nw *vm.Network) *tagCount {
+// captureRoCE calls fn, until the test ends, for every IPv4 RoCE v2 frame
+// (UDP 4791) crossing the network's bridge, with its source MAC, its
+// 802.1Q tag and its IPv4 TOS. Frames the daemon injects carry their tag
+// in the data; received ones have it taken out by the kernel and reported
+// in the packet's auxiliary data. fn runs on the capture's goroutine.
+func captureRoCE(t *testing.T, nw *vm.Network, fn func(src net.HardwareAddr, tag vlanTag, tos byte)) {
 	t.Helper()
 	var fd int
 	require.NoError(t, nw.Do(func() error {
@@ -55,6 +56,8 @@ func captureTags(t *testing.T, nw *vm.Network) *tagCount {
 		if err != nil {
 			return err
 		}
+		// ETH_P_ALL: frames the daemon injects are outgoing on the bridge,
+		// which only ETH_P_ALL taps see.
 		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))
 		if err != nil {
 			return err
@@ -64,7 +67,6 @@ func captureTags(t *testing.T, nw *vm.Network) *tagCount {
 		}
 		return unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifi.Index})
 	}))
-	c := &tagCount{tags: map[string]map[vlanTag]int{}}
 	done := make(chan struct{})
 	t.Cleanup(func() { unix.Close(fd); <-done })
 	require.NoError(t, unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: 1}))
@@ -106,15 +108,22 @@ func captureTags(t *testing.T, nw *vm.Network) *tagCount {
 			if n < l3+ihl+8 || binary.BigEndian.Uint16(f[l3+ihl+2:]) != 4791 {
 				continue
 			}
-			src := net.HardwareAddr(bytes.Clone(f[6:12])).String()
-			c.mu.Lock()
-			if c.tags[src] == nil {
-				c.tags[src] = map[vlanTag]int{}
-			}
-			c.tags[src][tag]++
-			c.mu.Unlock()
+			fn(net.HardwareAddr(bytes.Clone(f[6:12])), tag, f[l3+1])
 		}
 	}()
+}
+
+// captureTags counts the tags of the RoCE v2 frames on the bridge.
+func captureTags(t *testing.T, nw *vm.Network) *tagCount {
+	c := &tagCount{tags: map[string]map[vlanTag]int{}}
+	captureRoCE(t, nw, func(src net.HardwareAddr, tag vlanTag, _ byte) {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if c.tags[src.String()] == nil {
+			c.tags[src.String()] = map[vlanTag]int{}
+		}
+		c.tags[src.String()][tag]++
+	})
 	return c
 }
 

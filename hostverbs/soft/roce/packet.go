@@ -284,16 +284,21 @@ func DatagramSize(v4 bool, op Opcode, n int) int {
 // caller writes the payload. Seal it with SealICRC once the payload is in
 // place. b must hold DatagramSize bytes.
 func Build(b []byte, net *NetFields, tf *TransportFields, n int) (d []byte, payloadOff int) {
+	return layout(b, tf, n, func(udpPayload int) int { return EncodeNet(b, net, udpPayload) })
+}
+
+// layout writes the network headers (encode, given the length of what
+// follows them: transport headers, payload, pad and ICRC; it returns their
+// own length), then the transport headers with the pad count set, zeroes
+// the pad, and returns the packet and the payload's offset.
+func layout(b []byte, tf *TransportFields, n int, encode func(rest int) int) (d []byte, payloadOff int) {
 	pad := PadFor(n)
 	tf.BTH.PadCount = uint8(pad)
 	info := tf.BTH.Opcode.Info()
-	udpPayload := info.Length + n + pad + ICRCSize
-	h := EncodeNet(b, net, udpPayload)
+	rest := info.Length + n + pad + ICRCSize
+	h := encode(rest)
 	EncodeTransport(b[h:], tf)
 	payloadOff = h + info.Length
-	end := payloadOff + n
-	for i := range pad {
-		b[end+i] = 0
-	}
-	return b[:h+udpPayload], payloadOff
+	clear(b[payloadOff+n : payloadOff+n+pad])
+	return b[:h+rest], payloadOff
 }

@@ -45,18 +45,7 @@ func PacketSizeV1(op Opcode, n int) int {
 // the packet and the payload's offset. Seal it with SealICRCv1 once the
 // payload is in place. b must hold PacketSizeV1 bytes.
 func BuildV1(b []byte, net *NetFields, tf *TransportFields, n int) (d []byte, payloadOff int) {
-	pad := PadFor(n)
-	tf.BTH.PadCount = uint8(pad)
-	info := tf.BTH.Opcode.Info()
-	payLen := info.Length + n + pad + ICRCSize
-	h := EncodeGRH(b, net, payLen)
-	EncodeTransport(b[h:], tf)
-	payloadOff = h + info.Length
-	end := payloadOff + n
-	for i := range pad {
-		b[end+i] = 0
-	}
-	return b[:h+payLen], payloadOff
+	return layout(b, tf, n, func(payLen int) int { return EncodeGRH(b, net, payLen) })
 }
 
 // ParseV1 validates d, the contents of an Ethertype 0x8915 frame, as a
