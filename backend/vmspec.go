@@ -68,6 +68,9 @@ type VMSpec struct {
 	// GIDAllow is the VM's GID allow list as registered with the daemon
 	// (VMRequest.GIDAllow); nil means the daemon's default.
 	GIDAllow []string
+	// RoCEMode is the VM's RoCE version as registered ("v1" or "v2";
+	// empty: the daemon's default).
+	RoCEMode string
 }
 
 // SocketPath returns the socket path of VM name in dir.

@@ -32,7 +32,7 @@ func (s *sizeFlag) Set(v string) error {
 
 type vmFlags struct {
 	name, mac, netdev, socketDir, bus string
-	gidAllow                          string
+	gidAllow, roceMode                string
 	slot                              int
 	mem                               sizeFlag
 }
@@ -43,6 +43,7 @@ func (v *vmFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&v.netdev, "netdev", "net0", "id of the -netdev the vmxnet3 attaches to")
 	fs.StringVar(&v.socketDir, "socket-dir", defaultSocketDir, "daemon socket directory")
 	fs.StringVar(&v.gidAllow, "gid-allow", "", "GID prefixes the VM may bind (CIDR, comma-separated; \"none\": only its own link-local GID); default: the daemon's --gid-allow")
+	fs.StringVar(&v.roceMode, "roce-mode", "", "the VM's RoCE version, v1 or v2 (its device offers one); default: the daemon's --roce-mode")
 	fs.IntVar(&v.slot, "slot", 5, "PCI slot: vmxnet3 at <slot>.0, PVRDMA at <slot>.1")
 	v.mem = 1 << 30
 	fs.Var(&v.mem, "mem", "guest RAM size, backed by a shared memfd")
@@ -68,6 +69,13 @@ func (v *vmFlags) spec() (backend.VMSpec, error) {
 		}
 		spec.GIDAllow = backend.FormatGIDAllow(allow)
 	}
+	if v.roceMode != "" {
+		m, err := backend.ParseRoCEMode(v.roceMode)
+		if err != nil {
+			return spec, fmt.Errorf("--roce-mode: %w", err)
+		}
+		spec.RoCEMode = backend.RoCEModeName(m)
+	}
 	return spec, backend.CheckVMName(v.name)
 }
 
@@ -82,7 +90,8 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 		mac = spec.MAC
 	}
 	c := backend.NewControlClient(controlPath(socketDir))
-	_, err := c.AddVM(ctx, backend.VMRequest{Name: spec.Name, MAC: mac.String(), GIDAllow: spec.GIDAllow, MemBytes: spec.MemBytes})
+	_, err := c.AddVM(ctx, backend.VMRequest{Name: spec.Name, MAC: mac.String(), GIDAllow: spec.GIDAllow, MemBytes: spec.MemBytes,
+		RoCEMode: spec.RoCEMode})
 	if err == nil {
 		return nil
 	}
@@ -101,6 +110,9 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 		if vm.Name == spec.Name && spec.GIDAllow != nil && strings.Join(vm.GIDAllow, ",") != strings.Join(spec.GIDAllow, ",") {
 			return fmt.Errorf("VM %s is registered with --gid-allow %s, not %s: unregister it first",
 				spec.Name, strings.Join(vm.GIDAllow, ","), strings.Join(spec.GIDAllow, ","))
+		}
+		if vm.Name == spec.Name && spec.RoCEMode != "" && vm.RoCEMode != spec.RoCEMode {
+			return fmt.Errorf("VM %s is registered as RoCE %s, not %s: unregister it first", spec.Name, vm.RoCEMode, spec.RoCEMode)
 		}
 	}
 	return nil
