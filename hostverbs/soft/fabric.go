@@ -256,9 +256,14 @@ func (f *Fabric) unbindGID(g hostverbs.GID, d *device) {
 	f.gids.Store(&next)
 }
 
+// removeDevice forgets a closed device, keeping its statistics in the
+// fabric's: the fabric's counters never go back when a VM leaves.
 func (f *Fabric) removeDevice(d *device) {
 	f.mu.Lock()
 	delete(f.devices, d)
+	for i := range d.ctrs {
+		f.ctrs[i].Add(d.ctrs[i].Load())
+	}
 	f.mu.Unlock()
 }
 

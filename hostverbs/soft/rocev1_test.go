@@ -96,3 +96,30 @@ func TestRoCEv1Config(t *testing.T) {
 }
 
 func mustAddr(s string) netip.Addr { return netip.MustParseAddr(s) }
+
+// TestCountersOutliveDevices: a device's statistics stay in the fabric's
+// after it closes (a VM that disconnects does not take its drops with it:
+// the fabric's counters, and the metrics made of them, never go back).
+func TestCountersOutliveDevices(t *testing.T) {
+	f, err := New(Config{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.Close() })
+	a := newEndpointMode(t, f, "a", "10.1.0.1", 1<<20, false, hostverbs.GIDTypeRoCEv1)
+	c := newEndpoint(t, f, "ccc", "10.1.0.3", 1<<20)
+	qc, qa := udQP(t, c, hostverbs.QPTypeUD, 7), udQP(t, a, hostverbs.QPTypeUD, 7)
+	require.NoError(t, qa.PostRecv(&hostverbs.RecvWR{WRID: 1, SGL: sge(a, 0, 4096)}))
+	require.NoError(t, qc.PostSend(&hostverbs.SendWR{WRID: 2, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
+		SGL: sge(c, 0, 64), AV: hostverbs.AddressVector{DGID: a.gid}, RemoteQPN: qa.QPN(), RemoteQKey: 7}))
+	require.Equal(t, hostverbs.WCSuccess, c.ccq.wait(t, 5*time.Second).Status)
+	eventually(t, "version mismatch drop", func() bool { return f.Counters()["drop_roce_version_mismatch"] == 1 })
+	before := f.Counters()
+	require.NoError(t, qa.Destroy())
+	require.NoError(t, qc.Destroy())
+	require.NoError(t, a.dev.Close())
+	require.NoError(t, c.dev.Close())
+	after := f.Counters()
+	for k, v := range before {
+		assert.GreaterOrEqual(t, after[k], v, k)
+	}
+	assert.Equal(t, uint64(1), after["drop_roce_version_mismatch"])
+}
