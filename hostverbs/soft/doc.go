@@ -1,7 +1,10 @@
-// Package soft is a software RoCE v2 transport implementing
+// Package soft is a software RoCE transport implementing
 // hostverbs.Provider: InfiniBand RC and UD transport (requester, responder
-// and completer per QP, as in Linux rxe) carried in UDP port 4791, wire
-// compatible with Linux Soft-RoCE and RoCE HCAs (tested against rxe).
+// and completer per QP, as in Linux rxe) carried as RoCE v2 in UDP port
+// 4791, wire compatible with Linux Soft-RoCE and RoCE HCAs (tested against
+// rxe), or as RoCE v1 (Ethertype 0x8915) for devices opened in that mode.
+// DCQCN congestion control (dcqcn.go) marks packets ECN-capable, answers
+// CE marks with CNPs and paces QPs that receive them.
 //
 // # Fabric
 //
@@ -17,7 +20,7 @@
 // memory, and the responder copies it straight into the receiver's (one
 // copy between guest memories), through the same requester, responder and
 // completer as on the wire, with the same semantics (PSNs, ACKs, RNR,
-// errors). Everything else goes through the fabric's Wire:
+// errors). Everything else goes through the fabric's Wire (package wire):
 //
 //   - KernelWire: the host kernel's IP stack, in the network namespace the
 //     wire is created in. It sends with raw IP sockets (header included, so
@@ -29,7 +32,8 @@
 //     the host (the daemon adds bound GIDs to its fabric netdev). Needs
 //     CAP_NET_RAW and port 4791 free in the namespace.
 //   - PacketWire: Ethernet frames on a bridge (AF_PACKET), for VMs sharing
-//     an L2 segment with other RoCE peers.
+//     an L2 segment with other RoCE peers; RoCE v1 and v2, optionally in an
+//     802.1Q VLAN with a priority.
 //   - MemNet: an in-memory network with injectable loss, reordering and
 //     duplication, for deterministic tests.
 //
