@@ -137,11 +137,12 @@ func TestCongestionConfigChecks(t *testing.T) {
 	assert.ErrorIs(t, err, hostverbs.ErrInvalid)
 }
 
-// TestInProcessCongestionPoint: between two VMs of one fabric there is no
-// queue to mark; a receiver that runs out of receive WQEs is the
-// congestion point: its RNR NAK goes with a CNP, and the sender's QP is
-// paced from then on. Every message still arrives, in order.
-func TestInProcessCongestionPoint(t *testing.T) {
+// TestRNRIsNotCongestion: between two VMs of one fabric there is no queue
+// to mark. A receiver out of receive WQEs answers RNR, which already
+// throttles the sender; it is not a congestion point too (tried: a CNP
+// with each in-process RNR NAK cut 64 KiB SENDs in process from about
+// 23 GB/s to 9 MB/s, DCQCN's cuts compounding on RNR's waits).
+func TestRNRIsNotCongestion(t *testing.T) {
 	f, err := New(Config{Congestion: CongestionConfig{LineRate: 1e9}})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = f.Close() })
@@ -157,7 +158,7 @@ func TestInProcessCongestionPoint(t *testing.T) {
 		require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: uint64(i), Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
 			SGL: sge(a, uint64(i)*64, 1)}))
 	}
-	eventually(t, "a CNP", func() bool { return ctr(a, "tx_cnp") > 0 })
+	eventually(t, "an RNR NAK", func() bool { return ctr(a, "tx_rnr_nak") > 0 })
 	for i := range n {
 		require.NoError(t, qb.PostRecv(&hostverbs.RecvWR{WRID: uint64(i), SGL: sge(b, 1<<19+uint64(i)*64, 64)}))
 	}
@@ -167,12 +168,6 @@ func TestInProcessCongestionPoint(t *testing.T) {
 		require.Equal(t, uint64(i), wc.WRID)
 		assert.Equal(t, []byte{byte(i)}, b.read(t, b.iova+1<<19+uint64(i)*64, 1))
 	}
-	rates := f.QPRates()
-	require.Len(t, rates, 1)
-	assert.Equal(t, "a", rates[0].Device)
-	assert.Equal(t, qa.QPN(), rates[0].QPN)
-	assert.Positive(t, rates[0].CNPs)
-	assert.LessOrEqual(t, rates[0].Rate, 1e9, "paced at most at the line rate (it may have recovered by now)")
-	assert.True(t, rates[0].Limited)
-	assert.Equal(t, ctr(a, "tx_cnp"), ctr(a, "rx_cnp"))
+	assert.Zero(t, ctr(a, "tx_cnp"))
+	assert.Empty(t, f.QPRates(), "no QP paced")
 }

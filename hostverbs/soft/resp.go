@@ -191,15 +191,8 @@ func (q *qp) takeRecvWQE(tx *txBatch, p *packet) (ok, failed bool) {
 }
 
 // sendRNRNAK answers a request that needs a receive WQE when there is none.
-//
-// In process there is no network queue to mark: a receiver out of receive
-// WQEs is the congestion point, and the RNR NAK goes with a CNP, so that
-// DCQCN slows a sender that overruns its consumer.
 func (q *qp) sendRNRNAK(tx *txBatch, p *packet) {
 	q.dev.ctrs.inc(cntTxRNRNAK)
-	if p.local {
-		q.notifyCongestion(tx)
-	}
 	q.respAck(tx, roce.RNRNAK(q.attr.MinRNRTimer), p.psn)
 }
 
