@@ -313,6 +313,16 @@ func (s *vmSession) status() VMStatus {
 		"gid_refusals": ds.GIDRefusals,
 		"interrupts":   ds.Interrupts, "masked_interrupts": ds.MaskedInterrupts, "bad_bar_accesses": ds.BadBARAccesses,
 	}
+	// The provider's own statistics for this VM (the soft transport's
+	// packets, drops by reason, CNPs), prefixed so that they cannot be
+	// confused with the device model's.
+	if pc, ok := c.verbs.(interface{ Counters() map[string]uint64 }); ok {
+		for k, v := range pc.Counters() {
+			if v != 0 {
+				st.Counters["transport_"+k] = v
+			}
+		}
+	}
 	return st
 }
 

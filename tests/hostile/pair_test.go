@@ -43,6 +43,8 @@ func TestWellBehavedPair(t *testing.T) {
 	require.EqualValues(t, ramSize, st.LockedBytes)
 	require.Equal(t, e.base.lockedKiB+2*ramSize/1024, vmLck(t), "both guests' RAM is mlocked by the daemon")
 	require.Zero(t, st.Counters["bad_doorbells"]+st.Counters["bad_wqes"]+st.Counters["command_errors"])
+	// The transport's own statistics for the VM are in its status too.
+	require.Positive(t, st.Counters["transport_completions"], "%v", st.Counters)
 
 	// rmmod's teardown.
 	for _, p := range []*endpoint{a, b} {
