@@ -16,6 +16,7 @@ import (
 	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -44,7 +45,8 @@ type Device struct {
 	log *slog.Logger
 
 	channel *C.struct_ibv_comp_channel
-	events  *os.File // a duplicate of the channel's descriptor, in Go's poller
+	events  *os.File    // a duplicate of the channel's descriptor, in Go's poller
+	stop    atomic.Bool // set before events is closed: the loop's wait ends by design
 	done    chan struct{}
 	wc      *C.struct_ibv_wc // pollBatch entries, C memory
 
@@ -315,6 +317,7 @@ func (d *Device) Close() error {
 	for _, c := range cqs {
 		errs = append(errs, c.destroy(true))
 	}
+	d.stop.Store(true)
 	d.events.Close() // ends the completion loop's wait
 	<-d.done
 	if rc, err := C.pv_destroy_channel(d.p.lib.l, d.channel); rc != 0 {
@@ -355,7 +358,7 @@ func (d *Device) completions(raw syscall.RawConn) {
 			}
 		})
 		if err != nil {
-			if !errors.Is(err, os.ErrClosed) {
+			if !d.stop.Load() && !errors.Is(err, os.ErrClosed) {
 				d.log.Error("completion channel", "err", err)
 			}
 			return
@@ -388,8 +391,9 @@ func (d *Device) busyPoll(hot []*CQ) {
 
 // serve calls take, whenever the descriptor behind raw is readable, until
 // take finds nothing more (the poller is edge triggered), and returns when
-// raw's file is closed.
-func serve(raw syscall.RawConn, log *slog.Logger, what string, take func() bool) {
+// raw's file is closed (quietly if stop was set first: a Close that ends a
+// wait in progress fails it with "use of closed file", not os.ErrClosed).
+func serve(raw syscall.RawConn, stop *atomic.Bool, log *slog.Logger, what string, take func() bool) {
 	for {
 		err := raw.Read(func(uintptr) bool {
 			got := false
@@ -399,7 +403,7 @@ func serve(raw syscall.RawConn, log *slog.Logger, what string, take func() bool)
 			return got
 		})
 		if err != nil {
-			if !errors.Is(err, os.ErrClosed) {
+			if !stop.Load() && !errors.Is(err, os.ErrClosed) {
 				log.Error(what, "err", err)
 			}
 			return

@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -43,6 +44,7 @@ type Provider struct {
 	// Asynchronous events: the context's event descriptor (a duplicate in
 	// Go's poller) and the objects they may name, by host pointer.
 	async     *os.File
+	asyncStop atomic.Bool // set before async is closed
 	asyncDone chan struct{}
 	objMu     sync.Mutex
 	objs      map[uintptr]asyncTarget
@@ -289,6 +291,7 @@ func (p *Provider) Close() error {
 		errs = append(errs, d.Close())
 	}
 	if p.async != nil {
+		p.asyncStop.Store(true)
 		p.async.Close()
 		<-p.asyncDone
 	}
@@ -322,7 +325,7 @@ func (p *Provider) startAsync() error {
 
 func (p *Provider) asyncEvents(raw syscall.RawConn) {
 	defer close(p.asyncDone)
-	serve(raw, p.log, "asynchronous events", func() bool {
+	serve(raw, &p.asyncStop, p.log, "asynchronous events", func() bool {
 		var typ, port C.int
 		var obj C.uintptr_t
 		if C.pv_get_async_event(p.lib.l, p.ctx, &typ, &obj, &port) <= 0 {

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"testing"
 	"time"
 
@@ -114,6 +115,11 @@ done
 	require.Contains(t, outA, "daemon exited 0")
 	require.Contains(t, outA, "created rxe link")
 	require.Contains(t, outA, "removed rxe link")
+	// Its shutdown logged no error (closing the event descriptors ends
+	// their waits on purpose).
+	for _, l := range strings.Split(outA, "\n") {
+		require.False(t, strings.Contains(l, "level=ERROR") && strings.Contains(l, "component=relay"), "daemon error: %s", l)
+	}
 	require.NotRegexp(t, regexp.MustCompile(`link rxe_eth0/`), vm.Section(outA, "rdma links after"))
 	t.Logf("guest A (daemon, relay): %s", regexp.MustCompile(`RELAY_PINGPONG .*`).FindString(outA))
 	t.Logf("guest A: %s", regexp.MustCompile(`RELAY_UD_PINGPONG .*`).FindString(outA))
