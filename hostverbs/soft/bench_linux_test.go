@@ -203,6 +203,72 @@ func udpBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64
 	return float64(got.Load()) / end.Sub(start).Seconds(), float64(got.Load()) / float64(sent)
 }
 
+// gsoSegments is how many datagrams one send of the GSO blast carries
+// (issue 13's reference: 15 segments a call).
+const gsoSegments = 15
+
+// udpGSOBlast is udpBlast with the kernel's segmentation offload: each
+// send carries gsoSegments datagrams of dsize bytes (UDP_SEGMENT), and the
+// receiver takes them coalesced (UDP_GRO). It returns the delivered rate
+// and the fraction delivered.
+func udpGSOBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64) {
+	rx, tx := udpBlastSockets(b, ns, 200*time.Millisecond)
+	defer unix.Close(rx)
+	defer unix.Close(tx)
+	if err := unix.SetsockoptInt(tx, unix.SOL_UDP, unix.UDP_SEGMENT, dsize); err != nil {
+		b.Skipf("UDP_SEGMENT: %v", err)
+	}
+	if err := unix.SetsockoptInt(rx, unix.SOL_UDP, unix.UDP_GRO, 1); err != nil {
+		b.Skipf("UDP_GRO: %v", err)
+	}
+	var got atomic.Int64
+	var start, end time.Time
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		runtime.LockOSThread()
+		hdrs := mmsgBuffers(8, 64<<10)
+		first := true
+		for got.Load() < total {
+			n, err := recvmmsgBlocking(rx, hdrs)
+			if err != nil {
+				if err == unix.EAGAIN || err == unix.EINTR {
+					if !first {
+						return
+					}
+					continue
+				}
+				return
+			}
+			if first {
+				start, first = time.Now(), false
+			}
+			for i := range n {
+				got.Add(int64(hdrs[i].Len))
+			}
+			end = time.Now()
+		}
+	}()
+	hdrs := mmsgBuffers(txMax/gsoSegments+1, gsoSegments*dsize)
+	var sent int64
+	for sent < total {
+		n, err := mmsg.SendMmsg(tx, hdrs)
+		if err != nil {
+			if err == unix.EAGAIN || err == unix.ENOBUFS {
+				continue
+			}
+			b.Fatal(err)
+		}
+		sent += int64(n * gsoSegments * dsize)
+	}
+	wg.Wait()
+	if end.Sub(start) <= 0 {
+		return 0, 0
+	}
+	return float64(got.Load()) / end.Sub(start).Seconds(), float64(got.Load()) / float64(sent)
+}
+
 // udpBlastSockets opens the UDP blast's pair in ns: a receiver bound to
 // 127.0.0.2 whose blocking reads time out after rcvTimeout, and a sender
 // connected to it, both with 8 MiB buffers. The caller closes them.
@@ -341,7 +407,7 @@ func benchBulkLayout(b *testing.B, op hostverbs.WROpcode, size int, kernel, cont
 	m := meter{f: env.f}
 	var d, blastCPU time.Duration
 	var blastPkts int64
-	var ratios, blasts, delivered []float64
+	var ratios, blasts, delivered, gsoRatios, gsoBlasts []float64
 	b.ResetTimer()
 	for r := range rounds {
 		n := roundShare(b.N, rounds, r)
@@ -364,6 +430,10 @@ func benchBulkLayout(b *testing.B, op hostverbs.WROpcode, size int, kernel, cont
 			blasts = append(blasts, udp)
 			delivered = append(delivered, del)
 		}
+		if gso, _ := udpGSOBlast(b, env.ns, dsize, total); gso > 0 {
+			gsoRatios = append(gsoRatios, ours/gso)
+			gsoBlasts = append(gsoBlasts, gso)
+		}
 		b.StartTimer()
 	}
 	b.StopTimer()
@@ -377,6 +447,12 @@ func benchBulkLayout(b *testing.B, op hostverbs.WROpcode, size int, kernel, cont
 		b.ReportMetric(median(blasts)/1e6, "udp_blast_MB/s")
 		b.ReportMetric(100*median(delivered), "udp_blast_delivered_%")
 		b.ReportMetric(median(ratios), "x_udp_blast")
+		if len(gsoRatios) > 0 {
+			// Issue 13's reference: what the kernel carries with
+			// segmentation offload (UDP_SEGMENT, UDP_GRO).
+			b.ReportMetric(median(gsoBlasts)/1e6, "gso_blast_MB/s")
+			b.ReportMetric(median(gsoRatios), "x_gso_blast")
+		}
 		b.ReportMetric(slices.Min(ratios), "x_udp_blast_min")
 		b.ReportMetric(slices.Max(ratios), "x_udp_blast_max")
 		// CPU per full-MTU data packet (ACKs and all) against the blast's
