@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
 )
 
 // 802.1Q, as the tests read it.
@@ -30,6 +31,7 @@ type frameTag struct {
 	etherType uint16
 	tagged    bool
 	vid, pcp  uint16
+	roce      bool // the frame holds a RoCE v2 datagram
 }
 
 // tagCapture captures every frame crossing ifname (in ns), received or
@@ -61,10 +63,14 @@ func tagCapture(t *testing.T, ns *netns, ifname string) func() []frameTag {
 				continue
 			}
 			f := frameTag{etherType: binary.BigEndian.Uint16(buf[12:])}
+			l3 := 14
 			if f.etherType == etherType8021Q && n >= 18 {
 				tci := binary.BigEndian.Uint16(buf[14:])
 				f = frameTag{etherType: binary.BigEndian.Uint16(buf[16:]), tagged: true, vid: tci & vlanIDMask, pcp: tci >> pcpShift}
+				l3 = 18
 			}
+			var rp roce.Packet
+			f.roce = rp.Parse(buf[l3:n]) == nil
 			msgs, _ := unix.ParseSocketControlMessage(oob[:oobn])
 			for _, m := range msgs {
 				if m.Header.Level != unix.SOL_PACKET || m.Header.Type != unix.PACKET_AUXDATA || len(m.Data) < int(unsafe.Sizeof(unix.TpacketAuxdata{})) {
@@ -105,9 +111,9 @@ func TestPacketWireVLAN(t *testing.T) {
 	byPCP := map[[2]uint16]int{}
 	for _, f := range capX() {
 		switch {
-		case f.etherType == unix.ETH_P_IP && !f.tagged:
-			t.Errorf("an untagged IPv4 frame on the uplink")
-		case f.tagged:
+		case f.roce && !f.tagged:
+			t.Errorf("an untagged RoCE frame on the uplink")
+		case f.roce:
 			assert.EqualValues(t, 100, f.vid)
 			byPCP[[2]uint16{f.etherType, f.pcp}]++
 		}
