@@ -154,6 +154,35 @@ func udpBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64
 	rx, tx := udpBlastSockets(b, ns, 200*time.Millisecond)
 	defer unix.Close(rx)
 	defer unix.Close(tx)
+	return blast(b, rx, tx, mmsgBuffers(txMax, dsize), mmsgBuffers(txMax, dsize), dsize, total)
+}
+
+// gsoSegments is how many datagrams one send of the GSO blast carries
+// (issue 13's reference: 15 segments a call).
+const gsoSegments = 15
+
+// udpGSOBlast is udpBlast with the kernel's segmentation offload: each
+// send carries gsoSegments datagrams of dsize bytes (UDP_SEGMENT), and the
+// receiver takes them coalesced (UDP_GRO).
+func udpGSOBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64) {
+	rx, tx := udpBlastSockets(b, ns, 200*time.Millisecond)
+	defer unix.Close(rx)
+	defer unix.Close(tx)
+	if err := unix.SetsockoptInt(tx, unix.SOL_UDP, unix.UDP_SEGMENT, dsize); err != nil {
+		b.Skipf("UDP_SEGMENT: %v", err)
+	}
+	if err := unix.SetsockoptInt(rx, unix.SOL_UDP, unix.UDP_GRO, 1); err != nil {
+		b.Skipf("UDP_GRO: %v", err)
+	}
+	return blast(b, rx, tx, mmsgBuffers(8, 64<<10), mmsgBuffers(txMax/gsoSegments+1, gsoSegments*dsize), gsoSegments*dsize, total)
+}
+
+// blast sends total bytes from tx, each send one batch of txHdrs (of
+// perSend bytes each), while a locked thread receives on rx into rxHdrs.
+// It returns the goodput in bytes per second and the fraction of the bytes
+// sent that arrived (a blast has no flow control: a receiver that falls
+// behind drops).
+func blast(b *testing.B, rx, tx int, rxHdrs, txHdrs []unix.Mmsghdr, perSend int, total int64) (float64, float64) {
 	var got atomic.Int64
 	var start, end time.Time
 	var wg sync.WaitGroup
@@ -161,11 +190,10 @@ func udpBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64
 	go func() {
 		defer wg.Done()
 		runtime.LockOSThread()
-		hdrs := mmsgBuffers(txMax, dsize)
 		first := true
 		for got.Load() < total {
 			// Blocking (SO_RCVTIMEO bounds it), unlike the wire's.
-			n, err := recvmmsgBlocking(rx, hdrs)
+			n, err := recvmmsgBlocking(rx, rxHdrs)
 			if err != nil {
 				if err == unix.EAGAIN || err == unix.EINTR {
 					if !first {
@@ -179,88 +207,21 @@ func udpBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64
 				start, first = time.Now(), false
 			}
 			for i := range n {
-				got.Add(int64(hdrs[i].Len))
+				got.Add(int64(rxHdrs[i].Len))
 			}
 			end = time.Now()
 		}
 	}()
-	hdrs := mmsgBuffers(txMax, dsize)
 	var sent int64
 	for sent < total {
-		n, err := mmsg.SendMmsg(tx, hdrs)
+		n, err := mmsg.SendMmsg(tx, txHdrs)
 		if err != nil {
 			if err == unix.EAGAIN || err == unix.ENOBUFS {
 				continue
 			}
 			b.Fatal(err)
 		}
-		sent += int64(n * dsize)
-	}
-	wg.Wait()
-	if end.Sub(start) <= 0 {
-		return 0, 0
-	}
-	return float64(got.Load()) / end.Sub(start).Seconds(), float64(got.Load()) / float64(sent)
-}
-
-// gsoSegments is how many datagrams one send of the GSO blast carries
-// (issue 13's reference: 15 segments a call).
-const gsoSegments = 15
-
-// udpGSOBlast is udpBlast with the kernel's segmentation offload: each
-// send carries gsoSegments datagrams of dsize bytes (UDP_SEGMENT), and the
-// receiver takes them coalesced (UDP_GRO). It returns the delivered rate
-// and the fraction delivered.
-func udpGSOBlast(b *testing.B, ns *netns, dsize int, total int64) (float64, float64) {
-	rx, tx := udpBlastSockets(b, ns, 200*time.Millisecond)
-	defer unix.Close(rx)
-	defer unix.Close(tx)
-	if err := unix.SetsockoptInt(tx, unix.SOL_UDP, unix.UDP_SEGMENT, dsize); err != nil {
-		b.Skipf("UDP_SEGMENT: %v", err)
-	}
-	if err := unix.SetsockoptInt(rx, unix.SOL_UDP, unix.UDP_GRO, 1); err != nil {
-		b.Skipf("UDP_GRO: %v", err)
-	}
-	var got atomic.Int64
-	var start, end time.Time
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		runtime.LockOSThread()
-		hdrs := mmsgBuffers(8, 64<<10)
-		first := true
-		for got.Load() < total {
-			n, err := recvmmsgBlocking(rx, hdrs)
-			if err != nil {
-				if err == unix.EAGAIN || err == unix.EINTR {
-					if !first {
-						return
-					}
-					continue
-				}
-				return
-			}
-			if first {
-				start, first = time.Now(), false
-			}
-			for i := range n {
-				got.Add(int64(hdrs[i].Len))
-			}
-			end = time.Now()
-		}
-	}()
-	hdrs := mmsgBuffers(txMax/gsoSegments+1, gsoSegments*dsize)
-	var sent int64
-	for sent < total {
-		n, err := mmsg.SendMmsg(tx, hdrs)
-		if err != nil {
-			if err == unix.EAGAIN || err == unix.ENOBUFS {
-				continue
-			}
-			b.Fatal(err)
-		}
-		sent += int64(n * gsoSegments * dsize)
+		sent += int64(n * perSend)
 	}
 	wg.Wait()
 	if end.Sub(start) <= 0 {
