@@ -322,6 +322,12 @@ type FabricConfig struct {
 	// this daemon's UDP port 4791 (soft), or the host device's GID table
 	// holds them (relay: the HCA's or the rxe link's netdev).
 	Netdev string
+	// RawWire (IP mode, soft) sends and receives through raw IP sockets,
+	// one packet per slot of each system call (wire.KernelWire), instead
+	// of UDP sockets with segmentation offload (wire.UDPWire, the
+	// default): for kernels without UDP_SEGMENT and UDP_GRO (before 5.0),
+	// or to compare.
+	RawWire bool
 	// Bridge (L2 mode) is the network device the VMs' NICs are bridged
 	// on; RoCE v2 frames are captured from and injected into it with the
 	// VMs' own MACs, as a distributed switch would. Exclusive with Netdev.
@@ -407,7 +413,7 @@ func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 			return nil, err
 		}
 		f.addrs = am
-		w, mtu, err := newKernelWire(cfg.Netdev)
+		w, mtu, err := newKernelWire(cfg.Netdev, cfg.RawWire)
 		if err != nil {
 			am.Close()
 			return nil, err

@@ -8,15 +8,21 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 )
 
-// newKernelWire opens the soft fabric's kernel UDP 4791 path (raw sockets in
-// the daemon's network namespace) and reports netdev's MTU, from which the
-// fabric derives the ports' active MTU as rxe does.
-func newKernelWire(netdev string) (wire.Wire, int, error) {
+// newKernelWire opens the soft fabric's kernel UDP 4791 path in the
+// daemon's network namespace (UDP sockets with segmentation offload, or
+// raw sockets if raw) and reports netdev's MTU, from which the fabric
+// derives the ports' active MTU as rxe does.
+func newKernelWire(netdev string, raw bool) (wire.Wire, int, error) {
 	link, err := netlink.LinkByName(netdev)
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)
 	}
-	w, err := wire.NewKernelWire(wire.KernelWireConfig{Interface: netdev})
+	var w wire.Wire
+	if raw {
+		w, err = wire.NewKernelWire(wire.KernelWireConfig{Interface: netdev})
+	} else {
+		w, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: netdev})
+	}
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)
 	}

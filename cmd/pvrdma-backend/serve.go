@@ -56,6 +56,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs := newFlags("serve", "[flags]", stderr)
 	socketDir := fs.String("socket-dir", defaultSocketDir, "directory for the per-VM vfio-user sockets and control.sock")
 	netdev := fs.String("fabric-netdev", "", "IP mode: add bound guest GIDs as addresses on this netdev and use UDP 4791 through it")
+	ipWire := fs.String("ip-wire", "udp", "IP mode, soft transport: how RoCE packets cross the kernel: udp (UDP sockets with segmentation offload, UDP_SEGMENT and UDP_GRO) or raw (raw IP sockets, one packet per slot of each system call)")
 	bridge := fs.String("fabric-bridge", "", "L2 mode: carry RoCE as frames with the VMs' own MACs on this bridge (the VMs' NICs are on it)")
 	vlan := fs.Uint("fabric-vlan", 0, "L2 mode: the 802.1Q VLAN ID (1-4094) the fabric's frames carry and the only one it takes in; 0: untagged")
 	pcp := fs.String("pcp", "auto", "L2 mode with --fabric-vlan: the 802.1Q priority of RoCE frames, 0-7, or auto (each frame's traffic class >> 5, i.e. DSCP >> 3)")
@@ -92,6 +93,15 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	jsonLogs := fs.Bool("log-json", false, "log JSON instead of text")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	switch *ipWire {
+	case "udp":
+	case "raw":
+		if *netdev == "" || *transport != "soft" {
+			return errors.New("--ip-wire raw needs IP mode (--fabric-netdev) on the soft transport")
+		}
+	default:
+		return fmt.Errorf("--ip-wire %s: want udp or raw", *ipWire)
 	}
 	switch *transport {
 	case "soft":
@@ -168,7 +178,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	d, err := backend.New(backend.Config{
 		GIDAllow:  allow,
 		SocketDir: *socketDir,
-		Fabric: backend.FabricConfig{Netdev: *netdev, Bridge: *bridge, DefaultTOS: uint8(*tos), RoCEMode: mode,
+		Fabric: backend.FabricConfig{Netdev: *netdev, RawWire: *ipWire == "raw", Bridge: *bridge, DefaultTOS: uint8(*tos), RoCEMode: mode,
 			VLAN: uint16(*vlan), PCP: uint8(pcpVal), FixedPCP: fixedPCP, Congestion: cc,
 			IBDevice: *ibdev, IBPort: uint8(*ibPort), IBBusyPoll: *ibBusy, CreateRXE: *createRXE},
 		Limits:          lim,

@@ -18,7 +18,7 @@ import (
 // 10.97.0.0/24, e.g. the VMs' own or a management network). A peer B on
 // that other network routes A's GID through it: with Linux's weak host
 // model A's kernel accepts the packet on a1. A wire bound to a0
-// (KernelWireConfig.Interface, what IP mode uses) ignores it, so only
+// (UDPWireConfig.Interface, what IP mode uses) ignores it, so only
 // the fabric network reaches the guests; unbound, the same packet is
 // delivered. Over a0 itself the bound wire works.
 func TestKernelWireBoundToNetdev(t *testing.T) {
@@ -38,9 +38,9 @@ func TestKernelWireBoundToNetdev(t *testing.T) {
 	// B reaches A's GID through the other network.
 	b.ip(t, "route", "add", "10.98.0.1/32", "via", "10.97.0.1", "dev", "b1")
 
-	var bw *wire.KernelWire
+	var bw *wire.UDPWire
 	var err error
-	b.do(t, func() { bw, err = wire.NewKernelWire(wire.KernelWireConfig{DisableIPv6: true}) })
+	b.do(t, func() { bw, err = wire.NewUDPWire(wire.UDPWireConfig{DisableIPv6: true}) })
 	require.NoError(t, err)
 	fb, err := New(Config{Wire: bw})
 	require.NoError(t, err)
@@ -49,8 +49,8 @@ func TestKernelWireBoundToNetdev(t *testing.T) {
 	// sendToA opens A's fabric (wire bound to iface, or not), sends one
 	// message from B and reports whether A received it.
 	sendToA := func(t *testing.T, iface string) (bool, map[string]uint64) {
-		var aw *wire.KernelWire
-		a.do(t, func() { aw, err = wire.NewKernelWire(wire.KernelWireConfig{DisableIPv6: true, Interface: iface}) })
+		var aw *wire.UDPWire
+		a.do(t, func() { aw, err = wire.NewUDPWire(wire.UDPWireConfig{DisableIPv6: true, Interface: iface}) })
 		require.NoError(t, err)
 		fa, err := New(Config{Wire: aw})
 		require.NoError(t, err)

@@ -208,6 +208,9 @@ func (f *Fabric) Close() error {
 func (f *Fabric) Counters() map[string]uint64 {
 	m := make(map[string]uint64, numCounters)
 	f.ctrs.addTo(m)
+	if cw, ok := f.wire.(wire.CountingWire); ok {
+		cw.Counters(m)
+	}
 	f.mu.Lock()
 	for d := range f.devices {
 		d.ctrs.addTo(m)

@@ -12,6 +12,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -47,10 +48,14 @@ func newInteropEnv(t *testing.T) *interopEnv {
 	require.NoError(t, err)
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{HostAddr: hostIP + "/24"})
 	require.NoError(t, err)
-	var w *wire.KernelWire
+	var w wire.Wire
 	require.NoError(t, nw.Do(func() error {
 		var err error
-		w, err = wire.NewKernelWire(wire.KernelWireConfig{})
+		if interopWire() == "raw" {
+			w, err = wire.NewKernelWire(wire.KernelWireConfig{})
+		} else {
+			w, err = wire.NewUDPWire(wire.UDPWireConfig{})
+		}
 		return err
 	}))
 	f, err := New(Config{Wire: w, LinkMTU: 1500})
@@ -62,6 +67,10 @@ func newInteropEnv(t *testing.T) *interopEnv {
 	ep := newEndpoint(t, f, "host", hostIP, 8<<20)
 	return &interopEnv{img: img, nw: nw, f: f, ep: ep}
 }
+
+// interopWire is the kernel wire the interop tests run on: the default
+// UDP wire, or the raw one with PVRDMA_INTEROP_WIRE=raw.
+func interopWire() string { return os.Getenv("PVRDMA_INTEROP_WIRE") }
 
 func nonZero(m map[string]uint64) map[string]uint64 {
 	out := map[string]uint64{}

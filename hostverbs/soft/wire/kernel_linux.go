@@ -264,6 +264,30 @@ func newTxScratch() *txScratch {
 	}
 }
 
+// fill points the first len(pkts) headers at the datagrams, addressed to
+// their destinations; they are all IPv6 (v6) or all IPv4.
+func (s *txScratch) fill(pkts []Datagram, v6 bool) {
+	for k, d := range pkts {
+		b := d.Packet
+		h := &s.hdrs[k].Hdr
+		*h = unix.Msghdr{}
+		mmsg.SetIov(&s.iovs[k], b)
+		h.Iov = &s.iovs[k]
+		h.SetIovlen(1)
+		if v6 {
+			sa := &s.names6[k]
+			*sa = unix.RawSockaddrInet6{Family: unix.AF_INET6}
+			copy(sa.Addr[:], b[24:40])
+			mmsg.SetName6(h, sa)
+		} else {
+			sa := &s.names4[k]
+			*sa = unix.RawSockaddrInet4{Family: unix.AF_INET}
+			copy(sa.Addr[:], b[16:20])
+			mmsg.SetName4(h, sa)
+		}
+	}
+}
+
 // Transmit sends the datagrams with sendmmsg, one call per run of the
 // same IP version.
 func (w *KernelWire) Transmit(pkts []Datagram) (int, error) {
@@ -286,24 +310,9 @@ func (w *KernelWire) Transmit(pkts []Datagram) (int, error) {
 			if len(b) < roce.IPv4HeaderSize || (b[0]>>4 == 6) != v6 || (v6 && len(b) < roce.IPv6HeaderSize) {
 				break
 			}
-			h := &s.hdrs[k].Hdr
-			*h = unix.Msghdr{}
-			mmsg.SetIov(&s.iovs[k], b)
-			h.Iov = &s.iovs[k]
-			h.SetIovlen(1)
-			if v6 {
-				sa := &s.names6[k]
-				*sa = unix.RawSockaddrInet6{Family: unix.AF_INET6}
-				copy(sa.Addr[:], b[24:40])
-				mmsg.SetName6(h, sa)
-			} else {
-				sa := &s.names4[k]
-				*sa = unix.RawSockaddrInet4{Family: unix.AF_INET}
-				copy(sa.Addr[:], b[16:20])
-				mmsg.SetName4(h, sa)
-			}
 			k++
 		}
+		s.fill(pkts[sent:sent+k], v6)
 		if k == 0 {
 			return sent, fmt.Errorf("kernel wire: malformed datagram: %w", hostverbs.ErrInvalid)
 		}

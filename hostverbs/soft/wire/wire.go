@@ -1,7 +1,8 @@
 // Package wire holds the ways the soft transport's packets travel: the
 // Wire interface the fabric sends and receives RoCE datagrams through, and
-// its implementations: KernelWire (IP mode: raw sockets on the host's UDP
-// 4791 path), PacketWire (L2 mode: Ethernet frames on a bridge, RoCE v1
+// its implementations: UDPWire (IP mode: UDP sockets with segmentation
+// offload, the default), KernelWire (IP mode: raw sockets, one packet per
+// slot of each system call), PacketWire (L2 mode: Ethernet frames on a bridge, RoCE v1
 // and v2, 802.1Q tags) and MemNet (an in-memory network with seeded
 // impairments, for tests).
 package wire
@@ -12,8 +13,8 @@ import (
 )
 
 // Wire carries RoCE v2 datagrams between a Fabric and the network. The
-// kernel implementation (NewKernelWire) sends and receives UDP 4791
-// through the host's IP stack; MemNet connects fabrics in memory with
+// kernel implementations (NewUDPWire, NewKernelWire) send and receive UDP
+// 4791 through the host's IP stack; MemNet connects fabrics in memory with
 // injectable loss, reordering and duplication for deterministic tests.
 type Wire interface {
 	// Transmit sends the datagrams, in order, and returns how many were
@@ -40,6 +41,14 @@ type Wire interface {
 type PollingWire interface {
 	// TryReceive is Receive that returns 0 at once if nothing is queued.
 	TryReceive(queue int, bufs [][]byte, lens []int) (int, error)
+}
+
+// CountingWire is implemented by wires that keep statistics of their own
+// (system calls, coalescing, drops before a datagram exists); the fabric
+// reports them with its counters.
+type CountingWire interface {
+	// Counters adds the wire's statistics to m.
+	Counters(m map[string]uint64)
 }
 
 // LinkWire is implemented by wires that carry Ethernet frames: the

@@ -1,0 +1,857 @@
+//go:build linux
+
+package wire
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"unsafe"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/internal/mmsg"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
+	"golang.org/x/sys/unix"
+)
+
+// UDPWire carries RoCE v2 through the host kernel's UDP stack with
+// segmentation offload: one system call moves up to BatchSize packets of a
+// flow each way, and the kernel moves each run of them as one buffer
+// (a "super-packet") as far as the path allows, cutting it into wire
+// packets only where a device or receiver needs that.
+//
+// Sending: each run of datagrams of one flow (source and destination GID,
+// UDP source port, traffic class, hop limit), all of one size except
+// perhaps the last, is one sendmmsg message on a UDP socket bound to the
+// run's source port, with UDP_SEGMENT set to that size: every segment is
+// a whole RoCE packet with its own BTH and ICRC. The source GID, traffic
+// class and hop limit travel as control messages (IP_PKTINFO, IP_TOS,
+// IP_TTL and their IPv6 twins). Such a socket is unconnected with DF set,
+// for which Linux sends IPv4 ID 0 and numbers the segments 0, 1, 2...
+// when it cuts them (inet_gso_segment), so Transmit moves segment k to ID
+// k, ICRC included (roce.IPIDTable: the ICRC covers the ID). A source
+// port whose socket cannot be bound (another program holds the port) is
+// sent through a raw socket as KernelWire does, and counted.
+//
+// Receiving: a UDP socket on port 4791 per family with UDP_GRO, which gets
+// a flow's packets coalesced (with their segment size) and without their
+// IP headers. Receive rebuilds each packet's header from what the kernel
+// reports (addresses, TOS with ECN, TTL) and, for IPv4, finds the ID and
+// DF that the ICRC was computed over: first the one a UDPWire sender uses
+// (0 for the first segment, then the previous one plus one), checked at
+// full CRC-32 strength, else by solving for them (roce.IPIDTable: the
+// ICRC still checks the whole packet but 17 of its bits are spent on the
+// unknown header fields). The fabric then checks every packet's ICRC as
+// on any wire; a packet that fails is dropped and counted there.
+type UDPWire struct {
+	cfg        UDPWireConfig
+	ids        roce.IPIDTable
+	rx         []*udpRx
+	raw4, raw6 *txSock  // for source ports no UDP socket could be bound to
+	socks      sync.Map // udpKey -> *txSock, nil when the port could not be bound
+	nsocks     atomic.Int32
+	sockMu     sync.Mutex // serialises socket creation
+	closeOnce  sync.Once
+	closedFlag chan struct{}
+	scratch    sync.Pool
+	ctrs       [numUDPCounters]atomic.Uint64
+	// netns is the network namespace the wire was made in, where send
+	// sockets opened later must live too (the goroutine that opens one
+	// may run on a thread of another namespace).
+	netns *os.File
+}
+
+// UDPWireConfig parameterises NewUDPWire.
+type UDPWireConfig struct {
+	// DisableIPv6 skips the IPv6 sockets (for hosts without IPv6).
+	DisableIPv6 bool
+	// SocketBuffer is the receive buffer of each port 4791 socket and the
+	// send buffer of each send socket (default 8 MiB; forced past the
+	// sysctl limits when permitted).
+	SocketBuffer int
+	// Interface, if set, binds every socket to that network device
+	// (SO_BINDTODEVICE), as KernelWireConfig.Interface does.
+	Interface string
+	// MaxSendSockets bounds the UDP sockets opened for source ports
+	// (default 4096); datagrams from further ports go through the raw
+	// fallback.
+	MaxSendSockets int
+}
+
+// udpKey names a send socket: the family (bit 16) and the source port.
+type udpKey uint32
+
+// The UDPWire's counters, reported through Counters.
+const (
+	udpTxMessages     = iota // sendmmsg messages (super-packets)
+	udpTxSegmented           // of them, those carrying more than one packet
+	udpTxRaw                 // datagrams sent through the raw fallback
+	udpRxMessages            // messages received
+	udpRxCoalesced           // of them, those holding more than one packet
+	udpRxIDSolved            // IPv4 packets whose ID was found by solving
+	udpRxDropOversize        // packets larger than MaxDatagram, dropped
+	udpRxDropNoInfo          // messages without their addresses, dropped
+	numUDPCounters
+)
+
+var udpCounterNames = [numUDPCounters]string{
+	"wire_tx_messages", "wire_tx_segmented", "wire_tx_raw_fallback",
+	"wire_rx_messages", "wire_rx_coalesced", "wire_rx_ipid_solved",
+	"wire_rx_drop_oversize", "wire_rx_drop_no_pktinfo",
+}
+
+// maxGSOSegments is the most packets one message carries (Linux's
+// UDP_MAX_SEGMENTS was 64 before 6.x raised it).
+const maxGSOSegments = 64
+
+// maxGSOPayload bounds a message's UDP payload: an IPv4 datagram's 64 KiB.
+const maxGSOPayload = 65535 - roce.IPv4HeaderSize - roce.UDPHeaderSize
+
+// udpRxMsgs is how many messages one recvmmsg takes, each up to 64 KiB.
+const udpRxMsgs = 8
+
+// NewUDPWire opens the port 4791 sockets and the raw fallback senders; the
+// send sockets open as source ports appear. It needs port 4791 free (no
+// kernel rxe device in this network namespace) and CAP_NET_RAW for the
+// fallback.
+func NewUDPWire(cfg UDPWireConfig) (w *UDPWire, err error) {
+	if cfg.SocketBuffer == 0 {
+		cfg.SocketBuffer = 8 << 20
+	}
+	if cfg.MaxSendSockets == 0 {
+		cfg.MaxSendSockets = 4096
+	}
+	w = &UDPWire{cfg: cfg, closedFlag: make(chan struct{})}
+	defer func() {
+		if err != nil {
+			_ = w.Close()
+		}
+	}()
+	if w.netns, err = os.Open("/proc/thread-self/ns/net"); err != nil {
+		return nil, fmt.Errorf("udp wire: network namespace: %w", err)
+	}
+	families := []int{unix.AF_INET}
+	if !cfg.DisableIPv6 {
+		families = append(families, unix.AF_INET6)
+	}
+	for _, fam := range families {
+		raw, err := openTx(fam, cfg.SocketBuffer, w.closedFlag)
+		if err != nil {
+			return nil, fmt.Errorf("udp wire: raw send socket: %w", err)
+		}
+		if fam == unix.AF_INET {
+			w.raw4 = raw
+		} else {
+			w.raw6 = raw
+		}
+		if err := bindToDevice(raw.fd, cfg.Interface); err != nil {
+			return nil, err
+		}
+		rx, err := openUDPRx(fam, cfg)
+		if err != nil {
+			return nil, err
+		}
+		w.rx = append(w.rx, rx)
+	}
+	w.scratch.New = func() any { return newUDPTxScratch() }
+	return w, nil
+}
+
+// Queues returns the number of receive sockets.
+func (w *UDPWire) Queues() int { return len(w.rx) }
+
+// Counters adds the wire's statistics to m.
+func (w *UDPWire) Counters(m map[string]uint64) {
+	for i := range w.ctrs {
+		m[udpCounterNames[i]] += w.ctrs[i].Load()
+	}
+}
+
+func (w *UDPWire) inc(c int, n uint64) { w.ctrs[c].Add(n) }
+
+// Close closes every socket; Receive calls return.
+func (w *UDPWire) Close() error {
+	w.closeOnce.Do(func() {
+		close(w.closedFlag)
+		for _, s := range []*txSock{w.raw4, w.raw6} {
+			if s != nil {
+				s.close()
+			}
+		}
+		w.sockMu.Lock()
+		w.socks.Range(func(k, v any) bool {
+			if s := v.(*txSock); s != nil {
+				s.close()
+			}
+			return true
+		})
+		w.sockMu.Unlock()
+		for _, s := range w.rx {
+			s.file.Close()
+		}
+		if w.netns != nil {
+			w.netns.Close()
+		}
+	})
+	return nil
+}
+
+// sendSock returns the socket for source port port, opening it on first
+// use; nil means use the raw fallback.
+func (w *UDPWire) sendSock(v6 bool, port uint16) *txSock {
+	key := udpKey(port)
+	if v6 {
+		key |= 1 << 16
+	}
+	if v, ok := w.socks.Load(key); ok {
+		return v.(*txSock)
+	}
+	w.sockMu.Lock()
+	defer w.sockMu.Unlock()
+	if v, ok := w.socks.Load(key); ok {
+		return v.(*txSock)
+	}
+	select {
+	case <-w.closedFlag:
+		return nil
+	default:
+	}
+	var s *txSock
+	if int(w.nsocks.Load()) < w.cfg.MaxSendSockets {
+		if fd, err := w.inNetns(func() (int, error) { return openUDPTx(v6, port, w.cfg) }); err == nil {
+			s = &txSock{fd: fd, closed: w.closedFlag}
+			w.nsocks.Add(1)
+		}
+	}
+	w.socks.Store(key, s)
+	return s
+}
+
+// inNetns runs open on a thread in the wire's network namespace.
+func (w *UDPWire) inNetns(open func() (int, error)) (int, error) {
+	runtime.LockOSThread()
+	orig, err := os.Open("/proc/thread-self/ns/net")
+	if err != nil {
+		runtime.UnlockOSThread()
+		return -1, err
+	}
+	defer orig.Close()
+	if err := unix.Setns(int(w.netns.Fd()), unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return -1, fmt.Errorf("udp wire: enter network namespace: %w", err)
+	}
+	fd, err := open()
+	if unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET) == nil {
+		runtime.UnlockOSThread() // else the thread stays locked and exits with the goroutine
+	}
+	return fd, err
+}
+
+// openUDPTx opens an unconnected UDP socket bound to port with DF set
+// (IPv4 ID 0, see UDPWire) that takes nothing in.
+func openUDPTx(v6 bool, port uint16, cfg UDPWireConfig) (fd int, err error) {
+	fam := unix.AF_INET
+	if v6 {
+		fam = unix.AF_INET6
+	}
+	fd, err = unix.Socket(fam, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_UDP)
+	if err != nil {
+		return -1, err
+	}
+	defer func() {
+		if err != nil {
+			unix.Close(fd)
+		}
+	}()
+	if err := mmsg.AttachFilter(fd, []unix.SockFilter{{Code: unix.BPF_RET | unix.BPF_K, K: 0}}); err != nil {
+		return -1, err
+	}
+	if err := bindToDevice(fd, cfg.Interface); err != nil {
+		return -1, err
+	}
+	var sa unix.Sockaddr = &unix.SockaddrInet4{Port: int(port)}
+	if v6 {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1); err != nil {
+			return -1, err
+		}
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_MTU_DISCOVER, unix.IPV6_PMTUDISC_DO); err != nil {
+			return -1, err
+		}
+		sa = &unix.SockaddrInet6{Port: int(port)}
+	} else if err := unix.SetsockoptInt(fd, unix.IPPROTO_IP, unix.IP_MTU_DISCOVER, unix.IP_PMTUDISC_DO); err != nil {
+		return -1, err
+	}
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUF, cfg.SocketBuffer); err != nil {
+		return -1, err
+	}
+	_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_SNDBUFFORCE, cfg.SocketBuffer)
+	if err := unix.Bind(fd, sa); err != nil {
+		return -1, err
+	}
+	return fd, nil
+}
+
+// udpTxScratch holds the messages of one Transmit call.
+type udpTxScratch struct {
+	hdrs   []unix.Mmsghdr
+	segs   []int // datagrams per message
+	iovs   []unix.Iovec
+	names4 []unix.RawSockaddrInet4
+	names6 []unix.RawSockaddrInet6
+	oob    []byte
+	raw    *txScratch
+}
+
+// udpTxOOB is the control data of one message: the source address, TOS,
+// TTL and segment size.
+var udpTxOOB = unix.CmsgSpace(unix.SizeofInet6Pktinfo) + 2*unix.CmsgSpace(4) + unix.CmsgSpace(2)
+
+func newUDPTxScratch() *udpTxScratch {
+	return &udpTxScratch{
+		hdrs: make([]unix.Mmsghdr, BatchSize), segs: make([]int, BatchSize),
+		iovs:   make([]unix.Iovec, BatchSize),
+		names4: make([]unix.RawSockaddrInet4, BatchSize), names6: make([]unix.RawSockaddrInet6, BatchSize),
+		oob: make([]byte, BatchSize*udpTxOOB), raw: newTxScratch(),
+	}
+}
+
+// flow is what a run of datagrams shares to travel as one message.
+type flow struct {
+	v6       bool
+	hl       int // IP header length
+	src, dst [16]byte
+	port     uint16
+	tclass   uint8
+	hop      uint8
+}
+
+// parseFlow reads datagram b's flow; ok is false for a malformed one.
+func parseFlow(b []byte, f *flow) bool {
+	if len(b) < roce.IPv4HeaderSize+roce.UDPHeaderSize {
+		return false
+	}
+	switch b[0] >> 4 {
+	case 4:
+		if b[0]&0x0f != 5 {
+			return false
+		}
+		*f = flow{hl: roce.IPv4HeaderSize, tclass: b[1], hop: b[8]}
+		copy(f.src[12:], b[12:16])
+		copy(f.dst[12:], b[16:20])
+	case 6:
+		if len(b) < roce.IPv6HeaderSize+roce.UDPHeaderSize {
+			return false
+		}
+		*f = flow{v6: true, hl: roce.IPv6HeaderSize,
+			tclass: uint8(binary.BigEndian.Uint16(b[0:]) >> 4), hop: b[7]}
+		copy(f.src[:], b[8:24])
+		copy(f.dst[:], b[24:40])
+	default:
+		return false
+	}
+	f.port = binary.BigEndian.Uint16(b[f.hl:])
+	return true
+}
+
+// Transmit sends the datagrams: each run of one flow and size is one
+// message with UDP_SEGMENT, consecutive messages on the same socket one
+// sendmmsg call. IPv4 datagrams have their ID (and ICRC) rewritten to
+// the one Linux will give them.
+func (w *UDPWire) Transmit(pkts []Datagram) (int, error) {
+	s := w.scratch.Get().(*udpTxScratch)
+	defer w.scratch.Put(s)
+	sent := 0
+	for sent < len(pkts) {
+		var f flow
+		if !parseFlow(pkts[sent].Packet, &f) {
+			return sent, fmt.Errorf("udp wire: malformed datagram: %w", hostverbs.ErrInvalid)
+		}
+		if f.v6 && w.raw6 == nil {
+			return sent, fmt.Errorf("udp wire: ipv6 disabled: %w", hostverbs.ErrNotSupported)
+		}
+		sock := w.sendSock(f.v6, f.port)
+		if sock == nil {
+			n, err := w.transmitRaw(s.raw, pkts[sent:], &f)
+			sent += n
+			if err != nil {
+				return sent, err
+			}
+			continue
+		}
+		// Messages for this socket: runs of one flow and size.
+		m, used, iov := 0, 0, 0
+		for sent+used < len(pkts) && m < len(s.hdrs) {
+			k := w.run(pkts[sent+used:], &f, len(s.iovs)-iov)
+			if k == 0 {
+				break
+			}
+			w.encodeMsg(s, m, iov, pkts[sent+used:sent+used+k], &f)
+			s.segs[m] = k
+			m++
+			iov += k
+			used += k
+			if sent+used >= len(pkts) || iov >= len(s.iovs) {
+				break
+			}
+			var next flow
+			if !parseFlow(pkts[sent+used].Packet, &next) || next.v6 != f.v6 || next.port != f.port {
+				break
+			}
+			f = next
+		}
+		n, err := sock.sendmmsg(s.hdrs[:m])
+		for i := range n {
+			sent += s.segs[i]
+			if s.segs[i] > 1 {
+				w.inc(udpTxSegmented, 1)
+			}
+		}
+		w.inc(udpTxMessages, uint64(n))
+		if err != nil {
+			if errors.Is(err, unix.EMSGSIZE) {
+				return sent, fmt.Errorf("udp wire: %w", ErrOversize)
+			}
+			return sent, fmt.Errorf("udp wire: sendmmsg: %w", err)
+		}
+	}
+	return sent, nil
+}
+
+// run returns how many datagrams from pkts[0] (of flow f) travel in one
+// message: the same flow, the size of the first, the last perhaps shorter,
+// at most maxIov of them and 64 KiB.
+func (w *UDPWire) run(pkts []Datagram, f *flow, maxIov int) int {
+	size := len(pkts[0].Packet)
+	total := 0
+	k := 0
+	for k < len(pkts) && k < maxGSOSegments && k < maxIov {
+		b := pkts[k].Packet
+		if len(b) > size || total+len(b)-f.hl-roce.UDPHeaderSize > maxGSOPayload {
+			break
+		}
+		if k > 0 {
+			var g flow
+			if !parseFlow(b, &g) || g != *f {
+				break
+			}
+		}
+		total += len(b) - f.hl - roce.UDPHeaderSize
+		k++
+		if len(b) < size {
+			break // a shorter datagram ends the run
+		}
+	}
+	return k
+}
+
+// encodeMsg fills message m with the datagrams of one run, starting at
+// iovec iov.
+func (w *UDPWire) encodeMsg(s *udpTxScratch, m, iov int, pkts []Datagram, f *flow) {
+	h := &s.hdrs[m].Hdr
+	*h = unix.Msghdr{}
+	for k, d := range pkts {
+		if !f.v6 {
+			w.ids.SetIPv4ID(d.Packet, uint16(k))
+		}
+		mmsg.SetIov(&s.iovs[iov+k], d.Packet[f.hl+roce.UDPHeaderSize:])
+	}
+	h.Iov = &s.iovs[iov]
+	h.SetIovlen(len(pkts))
+	oob := s.oob[m*udpTxOOB : (m+1)*udpTxOOB]
+	n := 0
+	if f.v6 {
+		sa := &s.names6[m]
+		*sa = unix.RawSockaddrInet6{Family: unix.AF_INET6, Addr: f.dst}
+		binary.BigEndian.PutUint16((*[2]byte)(unsafe.Pointer(&sa.Port))[:], roce.UDPPort)
+		mmsg.SetName6(h, sa)
+		var pi unix.Inet6Pktinfo
+		pi.Addr = f.src
+		n += putCmsg(oob[n:], unix.IPPROTO_IPV6, unix.IPV6_PKTINFO, unsafe.Slice((*byte)(unsafe.Pointer(&pi)), unix.SizeofInet6Pktinfo))
+		n += putCmsgInt(oob[n:], unix.IPPROTO_IPV6, unix.IPV6_TCLASS, int32(f.tclass))
+		if f.hop != 0 {
+			n += putCmsgInt(oob[n:], unix.IPPROTO_IPV6, unix.IPV6_HOPLIMIT, int32(f.hop))
+		}
+	} else {
+		sa := &s.names4[m]
+		*sa = unix.RawSockaddrInet4{Family: unix.AF_INET}
+		copy(sa.Addr[:], f.dst[12:])
+		binary.BigEndian.PutUint16((*[2]byte)(unsafe.Pointer(&sa.Port))[:], roce.UDPPort)
+		mmsg.SetName4(h, sa)
+		var pi unix.Inet4Pktinfo
+		copy(pi.Spec_dst[:], f.src[12:])
+		n += putCmsg(oob[n:], unix.IPPROTO_IP, unix.IP_PKTINFO, unsafe.Slice((*byte)(unsafe.Pointer(&pi)), unix.SizeofInet4Pktinfo))
+		n += putCmsgInt(oob[n:], unix.IPPROTO_IP, unix.IP_TOS, int32(f.tclass))
+		if f.hop != 0 {
+			n += putCmsgInt(oob[n:], unix.IPPROTO_IP, unix.IP_TTL, int32(f.hop))
+		}
+	}
+	if len(pkts) > 1 {
+		var seg [2]byte
+		binary.NativeEndian.PutUint16(seg[:], uint16(len(pkts[0].Packet)-f.hl-roce.UDPHeaderSize))
+		n += putCmsg(oob[n:], unix.SOL_UDP, unix.UDP_SEGMENT, seg[:])
+	}
+	h.Control = &oob[0]
+	h.SetControllen(n)
+}
+
+// putCmsg writes one control message into b and returns its space.
+func putCmsg(b []byte, level, typ int32, data []byte) int {
+	h := (*unix.Cmsghdr)(unsafe.Pointer(&b[0]))
+	h.Level, h.Type = level, typ
+	h.SetLen(unix.CmsgLen(len(data)))
+	copy(b[unix.CmsgLen(0):], data)
+	return unix.CmsgSpace(len(data))
+}
+
+func putCmsgInt(b []byte, level, typ, v int32) int {
+	var d [4]byte
+	binary.NativeEndian.PutUint32(d[:], uint32(v))
+	return putCmsg(b, level, typ, d[:])
+}
+
+// transmitRaw sends the leading datagrams of flow f's family and source
+// port through the raw socket, with the IDs the fabric chose.
+func (w *UDPWire) transmitRaw(s *txScratch, pkts []Datagram, f *flow) (int, error) {
+	sock := w.raw4
+	if f.v6 {
+		sock = w.raw6
+	}
+	k := 0
+	for k < len(pkts) && k < len(s.hdrs) {
+		var g flow
+		if !parseFlow(pkts[k].Packet, &g) || g.v6 != f.v6 || g.port != f.port {
+			break
+		}
+		k++
+	}
+	s.fill(pkts[:k], f.v6)
+	n, err := sock.sendmmsg(s.hdrs[:k])
+	w.inc(udpTxRaw, uint64(n))
+	if err != nil {
+		if errors.Is(err, unix.EMSGSIZE) {
+			return n, fmt.Errorf("udp wire: %w", ErrOversize)
+		}
+		return n, fmt.Errorf("udp wire: raw sendmmsg: %w", err)
+	}
+	return n, nil
+}
+
+// udpRx is a port 4791 receive socket, polled by the Go runtime, with the
+// messages of its last recvmmsg that Receive has not handed out yet.
+type udpRx struct {
+	fd   int
+	file *os.File
+	rc   syscall.RawConn
+	v6   bool
+	// recvmmsg state (see rawSock).
+	rxN   int
+	rxErr error
+	rxFn  func(fd uintptr) bool
+	hdrs  []unix.Mmsghdr
+	iovs  []unix.Iovec
+	names []unix.RawSockaddrInet6
+	oob   []byte
+	bufs  [][]byte
+	// Messages not yet split: cur of msgs, from byte off.
+	msgs, cur, off int
+	meta           rxMeta
+}
+
+// rxMeta is what the kernel reports about one received message.
+type rxMeta struct {
+	ok       bool
+	seg      int // segment size, 0 if not coalesced
+	dst      [16]byte
+	tclass   uint8
+	hop      uint8
+	nextID   uint16 // the ID expected for the next IPv4 segment
+	received int    // the message's length
+}
+
+// udpRxOOB is the control data of one received message.
+var udpRxOOB = unix.CmsgSpace(unix.SizeofInet6Pktinfo) + 3*unix.CmsgSpace(4)
+
+func openUDPRx(fam int, cfg UDPWireConfig) (s *udpRx, err error) {
+	fd, err := unix.Socket(fam, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_UDP)
+	if err != nil {
+		return nil, fmt.Errorf("udp wire: udp %d socket: %w", roce.UDPPort, err)
+	}
+	f := os.NewFile(uintptr(fd), fmt.Sprintf("roce-udp-%d", fam))
+	defer func() {
+		if err != nil {
+			f.Close()
+		}
+	}()
+	v6 := fam == unix.AF_INET6
+	type opt struct{ level, name, val int }
+	opts := []opt{{unix.SOL_UDP, unix.UDP_GRO, 1}}
+	var sa unix.Sockaddr = &unix.SockaddrInet4{Port: roce.UDPPort}
+	if v6 {
+		sa = &unix.SockaddrInet6{Port: roce.UDPPort}
+		opts = append(opts, opt{unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1},
+			opt{unix.IPPROTO_IPV6, unix.IPV6_RECVPKTINFO, 1}, opt{unix.IPPROTO_IPV6, unix.IPV6_RECVTCLASS, 1},
+			opt{unix.IPPROTO_IPV6, unix.IPV6_RECVHOPLIMIT, 1},
+			// rxe and HCAs send RoCE with UDP checksum 0, which IPv6
+			// otherwise forbids; the ICRC covers the packet.
+			opt{unix.SOL_UDP, unix.UDP_NO_CHECK6_RX, 1})
+	} else {
+		opts = append(opts, opt{unix.IPPROTO_IP, unix.IP_PKTINFO, 1}, opt{unix.IPPROTO_IP, unix.IP_RECVTOS, 1},
+			opt{unix.IPPROTO_IP, unix.IP_RECVTTL, 1})
+	}
+	for _, o := range opts {
+		if err := unix.SetsockoptInt(fd, o.level, o.name, o.val); err != nil {
+			return nil, fmt.Errorf("udp wire: socket option %d/%d: %w", o.level, o.name, err)
+		}
+	}
+	mmsg.SetBuffers(fd, cfg.SocketBuffer)
+	if err := bindToDevice(fd, cfg.Interface); err != nil {
+		return nil, err
+	}
+	if err := unix.Bind(fd, sa); err != nil {
+		return nil, fmt.Errorf("udp wire: bind udp %d (is a kernel rxe device or another fabric using it?): %w", roce.UDPPort, err)
+	}
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	s = &udpRx{fd: fd, file: f, rc: rc, v6: v6,
+		hdrs: make([]unix.Mmsghdr, udpRxMsgs), iovs: make([]unix.Iovec, udpRxMsgs),
+		names: make([]unix.RawSockaddrInet6, udpRxMsgs), oob: make([]byte, udpRxMsgs*udpRxOOB),
+		bufs: make([][]byte, udpRxMsgs)}
+	backing := make([]byte, udpRxMsgs*65536)
+	for i := range s.bufs {
+		s.bufs[i] = backing[i*65536 : (i+1)*65536 : (i+1)*65536]
+	}
+	s.rxFn = s.recvReady
+	return s, nil
+}
+
+func (s *udpRx) prepare() {
+	for i := range s.hdrs {
+		h := &s.hdrs[i].Hdr
+		*h = unix.Msghdr{}
+		mmsg.SetIov(&s.iovs[i], s.bufs[i])
+		h.Iov = &s.iovs[i]
+		h.SetIovlen(1)
+		mmsg.SetName6(h, &s.names[i])
+		oob := s.oob[i*udpRxOOB : (i+1)*udpRxOOB]
+		h.Control = &oob[0]
+		h.SetControllen(len(oob))
+	}
+}
+
+func (s *udpRx) recvReady(fd uintptr) bool {
+	for {
+		s.rxN, s.rxErr = mmsg.RecvMmsg(int(fd), s.hdrs)
+		if s.rxErr == unix.EINTR {
+			continue
+		}
+		return s.rxErr != unix.EAGAIN
+	}
+}
+
+// Receive returns the next packets from queue's socket, waiting for some
+// if none is left from the last system call.
+func (w *UDPWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error) {
+	if queue < 0 || queue >= len(w.rx) {
+		return 0, fmt.Errorf("udp wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
+	}
+	s := w.rx[queue]
+	for {
+		if s.cur < s.msgs {
+			if n := w.split(s, bufs, lens); n > 0 {
+				return n, nil
+			}
+			continue
+		}
+		s.prepare()
+		err := s.rc.Read(s.rxFn)
+		if err != nil {
+			select {
+			case <-w.closedFlag:
+				return 0, fmt.Errorf("udp wire: %w", hostverbs.ErrClosed)
+			default:
+			}
+			return 0, fmt.Errorf("udp wire: receive: %w", err)
+		}
+		if s.rxErr != nil {
+			return 0, fmt.Errorf("udp wire: recvmmsg: %w", s.rxErr)
+		}
+		w.started(s, s.rxN)
+	}
+}
+
+// TryReceive is Receive without waiting.
+func (w *UDPWire) TryReceive(queue int, bufs [][]byte, lens []int) (int, error) {
+	if queue < 0 || queue >= len(w.rx) {
+		return 0, fmt.Errorf("udp wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
+	}
+	s := w.rx[queue]
+	for {
+		if s.cur < s.msgs {
+			if n := w.split(s, bufs, lens); n > 0 {
+				return n, nil
+			}
+			continue
+		}
+		s.prepare()
+		n, err := mmsg.RecvMmsg(s.fd, s.hdrs)
+		if err == unix.EAGAIN || err == unix.EINTR {
+			return 0, nil
+		}
+		if err != nil {
+			return 0, fmt.Errorf("udp wire: recvmmsg: %w", err)
+		}
+		w.started(s, n)
+	}
+}
+
+// started records that the last recvmmsg returned n messages.
+func (w *UDPWire) started(s *udpRx, n int) {
+	s.msgs, s.cur, s.off = n, 0, 0
+	w.inc(udpRxMessages, uint64(n))
+	if n > 0 {
+		s.readMeta(0)
+	}
+}
+
+// readMeta parses message i's control data and length.
+func (s *udpRx) readMeta(i int) {
+	h := &s.hdrs[i].Hdr
+	m := rxMeta{received: int(s.hdrs[i].Len)}
+	oob := s.oob[i*udpRxOOB : i*udpRxOOB+int(h.Controllen)]
+	var haveDst bool
+	mmsg.Cmsgs(oob, func(level, typ int32, data []byte) {
+		switch {
+		case level == unix.SOL_UDP && typ == unix.UDP_GRO && len(data) >= 4:
+			m.seg = int(binary.NativeEndian.Uint32(data))
+		case level == unix.IPPROTO_IP && typ == unix.IP_PKTINFO && len(data) >= unix.SizeofInet4Pktinfo:
+			m.dst[10], m.dst[11] = 0xff, 0xff
+			copy(m.dst[12:], data[8:12])
+			haveDst = true
+		case level == unix.IPPROTO_IP && typ == unix.IP_TOS && len(data) >= 1:
+			m.tclass = data[0]
+		case level == unix.IPPROTO_IP && typ == unix.IP_TTL && len(data) >= 4:
+			m.hop = uint8(binary.NativeEndian.Uint32(data))
+		case level == unix.IPPROTO_IPV6 && typ == unix.IPV6_PKTINFO && len(data) >= unix.SizeofInet6Pktinfo:
+			copy(m.dst[:], data[:16])
+			haveDst = true
+		case level == unix.IPPROTO_IPV6 && typ == unix.IPV6_TCLASS && len(data) >= 4:
+			m.tclass = uint8(binary.NativeEndian.Uint32(data))
+		case level == unix.IPPROTO_IPV6 && typ == unix.IPV6_HOPLIMIT && len(data) >= 4:
+			m.hop = uint8(binary.NativeEndian.Uint32(data))
+		}
+	})
+	fam := uint16(unix.AF_INET)
+	if s.v6 {
+		fam = unix.AF_INET6
+	}
+	m.ok = haveDst && s.names[i].Family == fam && h.Flags&unix.MSG_TRUNC == 0
+	s.meta = m
+}
+
+// split cuts the pending messages into packets with rebuilt IP headers,
+// filling bufs; it returns how many it filled (0 when it only dropped).
+func (w *UDPWire) split(s *udpRx, bufs [][]byte, lens []int) int {
+	n := 0
+	for n < len(bufs) && s.cur < s.msgs {
+		m := &s.meta
+		if !m.ok {
+			w.inc(udpRxDropNoInfo, 1)
+			s.next()
+			continue
+		}
+		seg := m.received - s.off
+		if m.seg > 0 && m.seg < seg {
+			seg = m.seg
+		}
+		if seg <= 0 {
+			s.next()
+			continue
+		}
+		payload := s.bufs[s.cur][s.off : s.off+seg]
+		s.off += seg
+		if s.off == seg && s.off < m.received {
+			w.inc(udpRxCoalesced, 1) // the first of several segments
+		}
+		if l := w.rebuild(s, bufs[n], payload); l > 0 {
+			lens[n] = l
+			n++
+		}
+		if s.off >= m.received {
+			s.next()
+		}
+	}
+	return n
+}
+
+// next moves to the following message.
+func (s *udpRx) next() {
+	s.cur++
+	s.off = 0
+	if s.cur < s.msgs {
+		s.readMeta(s.cur)
+	}
+}
+
+// rebuild writes the IP and UDP headers in front of one packet's UDP
+// payload in b and returns the datagram length, 0 if it is dropped.
+func (w *UDPWire) rebuild(s *udpRx, b, payload []byte) int {
+	m := &s.meta
+	src := &s.names[s.cur]
+	hl := roce.IPv4HeaderSize
+	if s.v6 {
+		hl = roce.IPv6HeaderSize
+	}
+	dlen := hl + roce.UDPHeaderSize + len(payload)
+	if dlen > len(b) || dlen > MaxDatagram {
+		w.inc(udpRxDropOversize, 1)
+		return 0
+	}
+	d := b[:dlen]
+	if s.v6 {
+		binary.BigEndian.PutUint32(d[0:], 6<<28|uint32(m.tclass)<<20)
+		binary.BigEndian.PutUint16(d[4:], uint16(roce.UDPHeaderSize+len(payload)))
+		d[6] = unix.IPPROTO_UDP
+		d[7] = m.hop
+		copy(d[8:24], src.Addr[:])
+		copy(d[24:40], m.dst[:])
+	} else {
+		d[0] = 0x45
+		d[1] = m.tclass
+		binary.BigEndian.PutUint16(d[2:], uint16(dlen))
+		binary.BigEndian.PutUint16(d[4:], m.nextID)
+		binary.BigEndian.PutUint16(d[6:], 0x4000) // DF
+		d[8] = m.hop
+		d[9] = unix.IPPROTO_UDP
+		d[10], d[11] = 0, 0
+		sin := (*unix.RawSockaddrInet4)(unsafe.Pointer(src))
+		copy(d[12:16], sin.Addr[:])
+		copy(d[16:20], m.dst[12:])
+	}
+	u := d[hl:]
+	copy(u[0:2], (*[2]byte)(unsafe.Pointer(&src.Port))[:]) // network order already
+	binary.BigEndian.PutUint16(u[2:], roce.UDPPort)
+	binary.BigEndian.PutUint16(u[4:], uint16(roce.UDPHeaderSize+len(payload)))
+	u[6], u[7] = 0, 0
+	copy(u[roce.UDPHeaderSize:], payload)
+	if !s.v6 && len(payload) >= roce.BTHSize+roce.ICRCSize {
+		guess := m.nextID
+		if w.ids.RecoverIPv4ID(d) {
+			id := binary.BigEndian.Uint16(d[4:])
+			if id != guess {
+				w.inc(udpRxIDSolved, 1)
+			}
+			m.nextID = id + 1
+		} else {
+			m.nextID++
+		}
+	}
+	return dlen
+}
