@@ -366,8 +366,9 @@ func benchBulkLayout(b *testing.B, op hostverbs.WROpcode, size int, kernel, cont
 		rounds = min(bulkRounds, b.N)
 	}
 	m := meter{f: env.f}
-	var d, blastCPU time.Duration
+	var d, blastCPU, gsoCPU time.Duration
 	var blastPkts int64
+	ctr0 := env.f.Counters()
 	var ratios, blasts, delivered, gsoRatios, gsoBlasts []float64
 	b.ResetTimer()
 	for r := range rounds {
@@ -391,13 +392,22 @@ func benchBulkLayout(b *testing.B, op hostverbs.WROpcode, size int, kernel, cont
 			blasts = append(blasts, udp)
 			delivered = append(delivered, del)
 		}
-		if gso, _ := udpGSOBlast(b, env.ns, dsize, total); gso > 0 {
+		c0 = processCPU()
+		gso, _ := udpGSOBlast(b, env.ns, dsize, total)
+		gsoCPU += processCPU() - c0
+		if gso > 0 {
 			gsoRatios = append(gsoRatios, ours/gso)
 			gsoBlasts = append(gsoBlasts, gso)
 		}
 		b.StartTimer()
 	}
 	b.StopTimer()
+	if c1, c0 := env.f.Counters(), ctr0; c1["wire_tx_messages"] > c0["wire_tx_messages"] {
+		// Packets per send message (segmentation offload) and per
+		// received message (coalescing), ACKs included.
+		b.ReportMetric(float64(c1["tx_packets"]-c0["tx_packets"])/float64(c1["wire_tx_messages"]-c0["wire_tx_messages"]), "pkts/tx_msg")
+		b.ReportMetric(float64(c1["rx_packets"]-c0["rx_packets"])/float64(c1["wire_rx_messages"]-c0["wire_rx_messages"]), "pkts/rx_msg")
+	}
 	m.report(b)
 	b.SetBytes(int64(size))
 	ours := reportThroughput(b, "rdma", int64(b.N)*int64(size), d)
@@ -414,12 +424,17 @@ func benchBulkLayout(b *testing.B, op hostverbs.WROpcode, size int, kernel, cont
 			b.ReportMetric(median(gsoBlasts)/1e6, "gso_blast_MB/s")
 			b.ReportMetric(median(gsoRatios), "x_gso_blast")
 		}
+		dataPkts := float64(b.N) * float64((size+mtu-1)/mtu)
+		if gsoCPU > 0 {
+			gsoUs := gsoCPU.Seconds() * 1e6 / float64(blastPkts)
+			b.ReportMetric(gsoUs, "gso_blast_cpu_us/pkt")
+			b.ReportMetric(m.cpu.Seconds()*1e6/dataPkts/gsoUs, "x_gso_blast_cpu")
+		}
 		b.ReportMetric(slices.Min(ratios), "x_udp_blast_min")
 		b.ReportMetric(slices.Max(ratios), "x_udp_blast_max")
 		// CPU per full-MTU data packet (ACKs and all) against the blast's
 		// per datagram: what the transport's work costs, whatever the
 		// scheduling.
-		dataPkts := float64(b.N) * float64((size+mtu-1)/mtu)
 		blastUs := blastCPU.Seconds() * 1e6 / float64(blastPkts)
 		b.ReportMetric(blastUs, "udp_blast_cpu_us/pkt")
 		b.ReportMetric(m.cpu.Seconds()*1e6/dataPkts/blastUs, "x_udp_blast_cpu")

@@ -47,8 +47,8 @@ import (
 // (0 for the first segment, then the previous one plus one), checked at
 // full CRC-32 strength, else by solving for them (roce.IPIDTable: the
 // ICRC still checks the whole packet but 17 of its bits are spent on the
-// unknown header fields). The fabric then checks every packet's ICRC as
-// on any wire; a packet that fails is dropped and counted there.
+// unknown header fields). A packet whose ICRC does not check is dropped
+// and counted (drop_bad_icrc) here; the fabric does not check it again.
 type UDPWire struct {
 	cfg        UDPWireConfig
 	ids        roce.IPIDTable
@@ -97,6 +97,7 @@ const (
 	udpRxIDSolved            // IPv4 packets whose ID was found by solving
 	udpRxDropOversize        // packets larger than MaxDatagram, dropped
 	udpRxDropNoInfo          // messages without their addresses, dropped
+	udpRxDropICRC            // packets whose ICRC did not check, dropped
 	numUDPCounters
 )
 
@@ -104,6 +105,7 @@ var udpCounterNames = [numUDPCounters]string{
 	"wire_tx_messages", "wire_tx_segmented", "wire_tx_raw_fallback",
 	"wire_rx_messages", "wire_rx_coalesced", "wire_rx_ipid_solved",
 	"wire_rx_drop_oversize", "wire_rx_drop_no_pktinfo",
+	"drop_bad_icrc", // the fabric's name: it adds its own
 }
 
 // maxGSOSegments is the most packets one message carries (Linux's
@@ -165,6 +167,9 @@ func NewUDPWire(cfg UDPWireConfig) (w *UDPWire, err error) {
 
 // Queues returns the number of receive sockets.
 func (w *UDPWire) Queues() int { return len(w.rx) }
+
+// ChecksICRC reports that Receive returns only packets whose ICRC checked.
+func (w *UDPWire) ChecksICRC() bool { return true }
 
 // Counters adds the wire's statistics to m.
 func (w *UDPWire) Counters(m map[string]uint64) {
@@ -841,17 +846,26 @@ func (w *UDPWire) rebuild(s *udpRx, b, payload []byte) int {
 	binary.BigEndian.PutUint16(u[4:], uint16(roce.UDPHeaderSize+len(payload)))
 	u[6], u[7] = 0, 0
 	copy(u[roce.UDPHeaderSize:], payload)
-	if !s.v6 && len(payload) >= roce.BTHSize+roce.ICRCSize {
-		guess := m.nextID
-		if w.ids.RecoverIPv4ID(d) {
-			id := binary.BigEndian.Uint16(d[4:])
-			if id != guess {
-				w.inc(udpRxIDSolved, 1)
-			}
-			m.nextID = id + 1
-		} else {
-			m.nextID++
-		}
+	if len(payload) < roce.BTHSize+roce.ICRCSize {
+		return dlen // too short to be RoCE: the fabric's parser drops it
 	}
+	if s.v6 {
+		if binary.LittleEndian.Uint32(d[dlen-roce.ICRCSize:]) != roce.ICRC(d, roce.IPv6HeaderSize) {
+			w.inc(udpRxDropICRC, 1)
+			return 0
+		}
+		return dlen
+	}
+	guess := m.nextID
+	if !w.ids.RecoverIPv4ID(d) {
+		m.nextID++
+		w.inc(udpRxDropICRC, 1)
+		return 0
+	}
+	id := binary.BigEndian.Uint16(d[4:])
+	if id != guess {
+		w.inc(udpRxIDSolved, 1)
+	}
+	m.nextID = id + 1
 	return dlen
 }

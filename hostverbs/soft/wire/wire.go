@@ -51,6 +51,16 @@ type CountingWire interface {
 	Counters(m map[string]uint64)
 }
 
+// ICRCCheckingWire is implemented by wires that check the ICRC of every
+// datagram themselves (they must, to rebuild headers the kernel did not
+// deliver): Receive returns only datagrams whose ICRC checked, and counts
+// the others as "drop_bad_icrc" in its Counters, so the fabric does not
+// compute it a second time.
+type ICRCCheckingWire interface {
+	// ChecksICRC reports that the wire checks every datagram's ICRC.
+	ChecksICRC() bool
+}
+
 // LinkWire is implemented by wires that carry Ethernet frames: the
 // fabric hands a captured datagram only to the device whose MAC the frame
 // was addressed to, and such a wire carries RoCE v1 as well as v2.
