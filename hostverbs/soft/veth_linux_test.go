@@ -43,6 +43,15 @@ type l2Impairer struct {
 	reorder atomic.Int64
 	// first is the first RoCE frame seen (for header checks).
 	first atomic.Pointer[[]byte]
+	// corrupt is the probability that a RoCE packet gets a payload or
+	// ICRC byte flipped and its UDP checksum cleared, so that only the
+	// ICRC can catch it; corrupted counts them.
+	corrupt   float64
+	corrupted atomic.Int64
+	// keepGSO forwards super-packets whole (corrupting single segments
+	// inside them) instead of cutting them: the receiver then gets them
+	// coalesced, as from a NIC with GRO.
+	keepGSO bool
 }
 
 type topo struct {
@@ -51,6 +60,12 @@ type topo struct {
 }
 
 func newTopo(t *testing.T, imp wire.Impairment, seed uint64) *topo {
+	return newTopoCorrupt(t, imp, 0, false, seed)
+}
+
+// newTopoCorrupt is newTopo whose impairer also corrupts RoCE packets with
+// probability corrupt.
+func newTopoCorrupt(t *testing.T, imp wire.Impairment, corrupt float64, keepGSO bool, seed uint64) *topo {
 	needRoot(t)
 	tp := &topo{a: newNetns(t, "a"), b: newNetns(t, "b"), m: newNetns(t, "m")}
 	run(t, "ip", "link", "add", "a0", "netns", tp.a.name, "type", "veth", "peer", "name", "ma", "netns", tp.m.name)
@@ -67,7 +82,7 @@ func newTopo(t *testing.T, imp wire.Impairment, seed uint64) *topo {
 	for _, dev := range []string{"ma", "mb"} {
 		tp.m.ip(t, "link", "set", "dev", dev, "mtu", "9000", "up")
 	}
-	tp.imp = &l2Impairer{imp: imp, rng: rand.New(rand.NewPCG(seed, 99))}
+	tp.imp = &l2Impairer{imp: imp, corrupt: corrupt, keepGSO: keepGSO, rng: rand.New(rand.NewPCG(seed, 99))}
 	if tp.imp.imp.ReorderDepth == 0 {
 		tp.imp.imp.ReorderDepth = 3
 	}
@@ -227,6 +242,10 @@ func (l *l2Impairer) forward(from, to int) {
 		if ll, ok := sa.(*unix.SockaddrLinklayer); ok && ll.Pkttype == unix.PACKET_OUTGOING {
 			continue
 		}
+		if l.keepGSO && isGSO(buf[:n]) {
+			send(l.corruptSegments(buf[:n]))
+			continue
+		}
 		for _, f := range segmentFrames(buf[:n]) {
 			held = l.impair(f, held, now, send)
 		}
@@ -249,7 +268,13 @@ func (l *l2Impairer) impair(vf []byte, held []heldFrame, now time.Time, send fun
 	lose := l.imp.Loss > 0 && l.rng.Float64() < l.imp.Loss
 	dup := l.imp.Duplicate > 0 && l.rng.Float64() < l.imp.Duplicate
 	hold := l.imp.Reorder > 0 && l.rng.Float64() < l.imp.Reorder
+	corrupt := l.corrupt > 0 && l.rng.Float64() < l.corrupt
+	pick := l.rng.Uint32()
 	l.mu.Unlock()
+	if corrupt {
+		f = corruptFrame(f, pick)
+		l.corrupted.Add(1)
+	}
 	for i := range held {
 		held[i].after--
 	}
@@ -267,6 +292,63 @@ func (l *l2Impairer) impair(vf []byte, held []heldFrame, now time.Time, send fun
 		}
 	}
 	return held
+}
+
+// isGSO reports whether vf (virtio_net_hdr first) holds a UDP GSO
+// super-packet.
+func isGSO(vf []byte) bool {
+	const gsoUDPL4 = 5
+	return len(vf) > vnetHdrLen && vf[1]&0x7f == gsoUDPL4
+}
+
+// corruptSegments flips, with probability l.corrupt per segment, one byte
+// after the BTH of segments of super-packet vf in place; the checksum
+// stays to be completed (CHECKSUM_PARTIAL), so the kernel passes them on.
+func (l *l2Impairer) corruptSegments(vf []byte) []byte {
+	gso := int(binary.LittleEndian.Uint16(vf[4:]))
+	f := vf[vnetHdrLen:]
+	hl := 20
+	if binary.BigEndian.Uint16(f[12:]) == 0x86dd {
+		hl = 40
+	}
+	payload := f[14+hl+8:]
+	if gso == 0 {
+		return vf
+	}
+	for off := 0; off < len(payload); off += gso {
+		seg := payload[off:min(off+gso, len(payload))]
+		l.mu.Lock()
+		hit := l.rng.Float64() < l.corrupt
+		pick := l.rng.Uint32()
+		l.mu.Unlock()
+		if hit && len(seg) > roce.BTHSize {
+			seg[roce.BTHSize+int(pick%uint32(len(seg)-roce.BTHSize))] ^= byte(1 + pick>>24%255)
+			l.corrupted.Add(1)
+		}
+	}
+	return vf
+}
+
+// corruptFrame returns a copy of RoCE frame vf (virtio_net_hdr first) with
+// one byte after the BTH flipped (payload, pad or ICRC) and the UDP
+// checksum cleared (none, for IPv4; RoCE's zero, which the wire accepts,
+// for IPv6) and no checksum offload: the kernel passes it on, and only
+// the ICRC can tell.
+func corruptFrame(vf []byte, pick uint32) []byte {
+	c := append([]byte(nil), vf...)
+	clear(c[:vnetHdrLen])
+	ip := c[vnetHdrLen+14:]
+	hl := 20
+	if ip[0]>>4 == 6 {
+		hl = 40
+	}
+	udp := ip[hl:]
+	udp[6], udp[7] = 0, 0
+	from := 8 + roce.BTHSize
+	if len(udp) > from {
+		udp[from+int(pick%uint32(len(udp)-from))] ^= byte(1 + pick>>24%255)
+	}
+	return c
 }
 
 func netemAvailable(t *testing.T, ns *netns) bool {
@@ -290,18 +372,25 @@ func bytesTrim(b []byte) string {
 func TestVethNetnsImpaired(t *testing.T) {
 	needRoot(t)
 	for _, tc := range []struct {
-		name string
-		imp  wire.Impairment
+		name    string
+		imp     wire.Impairment
+		corrupt float64
+		keepGSO bool
 	}{
-		{"clean", wire.Impairment{}},
-		{"loss1", wire.Impairment{Loss: 0.01}},
-		{"loss5", wire.Impairment{Loss: 0.05}},
-		{"reorder", wire.Impairment{Reorder: 0.03, ReorderDepth: 4}},
-		{"duplicate", wire.Impairment{Duplicate: 0.03}},
+		{name: "clean", imp: wire.Impairment{}},
+		{name: "loss1", imp: wire.Impairment{Loss: 0.01}},
+		{name: "loss5", imp: wire.Impairment{Loss: 0.05}},
+		{name: "reorder", imp: wire.Impairment{Reorder: 0.03, ReorderDepth: 4}},
+		{name: "duplicate", imp: wire.Impairment{Duplicate: 0.03}},
+		// Corruption in flight: of single packets (checksum cleared), and
+		// of segments inside super-packets that reach the receiver whole
+		// and coalesced, where each corrupted segment is dropped alone.
+		{name: "corrupt", corrupt: 0.01},
+		{name: "corrupt-coalesced", corrupt: 0.01, keepGSO: true},
 	} {
 		for _, v6 := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/ipv6=%v", tc.name, v6), func(t *testing.T) {
-				tp := newTopo(t, tc.imp, 11)
+				tp := newTopoCorrupt(t, tc.imp, tc.corrupt, tc.keepGSO, 11)
 				if tc.name == "clean" && !v6 {
 					netemAvailable(t, tp.m)
 				}
@@ -328,12 +417,25 @@ func TestVethNetnsImpaired(t *testing.T) {
 				t.Logf("wire a: %v; wire b: %v", wireCounters(ca), wireCounters(cb))
 				// The super-packets were cut on the way (segmentFrames) and
 				// came in one by one: for IPv4 the receiver found the IDs
-				// the kernel gave the segments.
+				// the segments were given.
 				assert.NotZero(t, ca["wire_tx_segmented"], "segmentation offload used")
-				if !v6 {
+				if !v6 && !tc.keepGSO {
 					assert.NotZero(t, cb["wire_rx_ipid_solved"])
 				}
-				assert.Zero(t, ca["drop_bad_icrc"]+cb["drop_bad_icrc"])
+				if tc.corrupt > 0 {
+					// Every corrupted packet dropped by the ICRC check, none
+					// taken: the transfers above checked every byte.
+					assert.NotZero(t, tp.imp.corrupted.Load())
+					assert.Equal(t, uint64(tp.imp.corrupted.Load()), ca["drop_bad_icrc"]+cb["drop_bad_icrc"],
+						"corrupted packets dropped as bad ICRC")
+					t.Logf("corrupted %d; coalesced messages a %d b %d", tp.imp.corrupted.Load(),
+						ca["wire_rx_coalesced"], cb["wire_rx_coalesced"])
+					if tc.keepGSO {
+						assert.NotZero(t, cb["wire_rx_coalesced"])
+					}
+				} else {
+					assert.Zero(t, ca["drop_bad_icrc"]+cb["drop_bad_icrc"])
+				}
 				assert.Equal(t, icmp0, tp.b.snmp(t, "Icmp", "OutDestUnreachs"), "no ICMP port unreachable")
 				if tc.imp.Loss > 0 {
 					assert.NotZero(t, tp.imp.lost.Load())
