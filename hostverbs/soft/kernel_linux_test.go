@@ -4,6 +4,7 @@ package soft
 
 import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -13,10 +14,14 @@ import (
 )
 
 // newKernelFabric opens a fabric on the default kernel wire (UDPWire)
-// inside ns.
+// inside ns, or on the raw one with PVRDMA_WIRE=raw (to compare).
 func newKernelFabric(t testing.TB, ns *netns, cfg Config) *Fabric {
 	t.Helper()
-	return newFabricOn(t, ns, cfg, "udp")
+	kind := "udp"
+	if os.Getenv("PVRDMA_WIRE") == "raw" {
+		kind = "raw"
+	}
+	return newFabricOn(t, ns, cfg, kind)
 }
 
 // newFabricOn opens a fabric on a kernel wire of the given kind inside
