@@ -59,13 +59,10 @@ type topo struct {
 	imp     *l2Impairer
 }
 
-func newTopo(t *testing.T, imp wire.Impairment, seed uint64) *topo {
-	return newTopoCorrupt(t, imp, 0, false, seed)
-}
-
-// newTopoCorrupt is newTopo whose impairer also corrupts RoCE packets with
-// probability corrupt.
-func newTopoCorrupt(t *testing.T, imp wire.Impairment, corrupt float64, keepGSO bool, seed uint64) *topo {
+// newTopo builds the three namespaces; the impairer also corrupts RoCE
+// packets with probability corrupt, and forwards super-packets whole if
+// keepGSO.
+func newTopo(t *testing.T, imp wire.Impairment, corrupt float64, keepGSO bool, seed uint64) *topo {
 	needRoot(t)
 	tp := &topo{a: newNetns(t, "a"), b: newNetns(t, "b"), m: newNetns(t, "m")}
 	run(t, "ip", "link", "add", "a0", "netns", tp.a.name, "type", "veth", "peer", "name", "ma", "netns", tp.m.name)
@@ -390,7 +387,7 @@ func TestVethNetnsImpaired(t *testing.T) {
 	} {
 		for _, v6 := range []bool{false, true} {
 			t.Run(fmt.Sprintf("%s/ipv6=%v", tc.name, v6), func(t *testing.T) {
-				tp := newTopoCorrupt(t, tc.imp, tc.corrupt, tc.keepGSO, 11)
+				tp := newTopo(t, tc.imp, tc.corrupt, tc.keepGSO, 11)
 				if tc.name == "clean" && !v6 {
 					netemAvailable(t, tp.m)
 				}
