@@ -95,3 +95,39 @@ func BenchmarkRecoverIPv4ID(b *testing.B) {
 		}
 	}
 }
+
+// FuzzRecoverIPv4ID feeds arbitrary IPv4 RoCE datagrams, as a UDP
+// receiver rebuilds them, to RecoverIPv4ID: nothing may panic, and a
+// datagram it accepts must then carry a valid ICRC and differ from the
+// input only in the ID, DF and header checksum.
+func FuzzRecoverIPv4ID(f *testing.F) {
+	var tab IPIDTable
+	for _, n := range []int{0, 8, 1024} {
+		op := RCWriteOnly
+		if n == 0 {
+			op = RCAcknowledge
+		}
+		d := buildPacket(f, "::ffff:10.0.0.1", "::ffff:10.0.0.2", op, n)
+		tab.SetIPv4ID(d, 0x1234)
+		binary.BigEndian.PutUint16(d[4:], 0)
+		f.Add(d)
+	}
+	f.Fuzz(func(t *testing.T, d []byte) {
+		var p Packet
+		if p.Parse(d) != nil || p.IPv6 {
+			return
+		}
+		in := append([]byte(nil), d...)
+		if !tab.RecoverIPv4ID(d) {
+			require.Equal(t, in, d, "a refused datagram is left as it was")
+			return
+		}
+		require.NoError(t, p.Parse(d))
+		require.True(t, p.ICRCValid())
+		for i := range d {
+			if i != 4 && i != 5 && i != 6 && i != 10 && i != 11 {
+				require.Equal(t, in[i], d[i], "byte %d", i)
+			}
+		}
+	})
+}
