@@ -92,9 +92,10 @@ func NewKernelWire(cfg KernelWireConfig) (w *KernelWire, err error) {
 		cfg.SocketBuffer = 8 << 20
 	}
 	w = &KernelWire{closedFlag: make(chan struct{})}
+	made := w // a failing return sets w to nil
 	defer func() {
 		if err != nil {
-			_ = w.Close()
+			_ = made.Close()
 		}
 	}()
 	if w.tx4, err = openTx(unix.AF_INET, cfg.SocketBuffer, w.closedFlag); err != nil {
