@@ -71,11 +71,6 @@ func TestKernelLoopbackAllOps(t *testing.T) {
 			assert.NotZero(t, c["tx_packets"])
 			assert.Zero(t, c["local_packets"])
 			assert.Zero(t, c["drop_bad_icrc"])
-			if tc.kind == "udp" {
-				// ACKs and READ responses came in on the response socket.
-				assert.NotZero(t, c["wire_rx_response_messages"])
-				assert.Less(t, c["wire_rx_response_messages"], c["wire_rx_messages"])
-			}
 			assert.Equal(t, icmp0, ns.snmp(t, "Icmp", "OutDestUnreachs"), "no ICMP port unreachable for RoCE")
 		})
 	}

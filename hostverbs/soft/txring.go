@@ -32,28 +32,6 @@ type txSlot struct {
 	buf       []byte
 	dg        wire.Datagram
 	committed atomic.Bool
-	// A payload still to gather from guest memory, then the seal
-	// (segs empty: the datagram is complete).
-	segs           []seg
-	dataOff        uint64
-	payOff, payLen int
-	seal           sealKind
-}
-
-// finish gathers a slot's deferred payload into its datagram and seals
-// it; if the sender's memory went away (unmapped or deregistered) the slot
-// sends nothing: retransmission or the local checks at completion time
-// surface the error.
-func (r *txRing) finish(s *txSlot) {
-	d := s.dg.Packet
-	if err := gather(d[s.payOff:s.payOff+s.payLen], s.segs, s.dataOff); err != nil {
-		r.f.ctrs.inc(cntTxErrors)
-		s.dg = wire.Datagram{}
-	} else {
-		sealDatagram(d, s.seal)
-	}
-	clear(s.segs) // let go of the MRs
-	s.segs = s.segs[:0]
 }
 
 // txRingSlots bounds the datagrams queued for the wire: a full window of a
@@ -153,9 +131,6 @@ func (r *txRing) drainLocked() (sent bool) {
 			s := &r.slots[(h+uint64(k))%n]
 			if !s.committed.Load() {
 				break
-			}
-			if len(s.segs) > 0 {
-				r.finish(s)
 			}
 			r.dgs[k] = s.dg
 			k++

@@ -104,31 +104,10 @@ func (t *txBatch) encode(p *packet) {
 	} else {
 		d, off = roce.Build(slot.buf, &net, &tf, int(p.n))
 	}
-	seal := sealV2
-	switch {
-	case p.v1:
-		seal = sealV1
-	case v4:
-		seal = sealV2IPv4
-	}
 	switch {
 	case p.n == 0:
 	case p.data != nil:
 		copy(d[off:off+int(p.n)], p.data)
-	case t.rx:
-		// The receive loop's requests (a requester whose window an ACK
-		// opened): the payload is gathered from guest memory, and the
-		// packet sealed, by whoever sends the slot (txRing.finish),
-		// usually the transmit goroutine, so that taking packets in and
-		// building the next ones run on two cores. The segments are
-		// copied; the MRs they name never change. Other producers (a
-		// poster, the read pump, which paces READ responses so that a
-		// flood of them cannot hold up other QPs' packets) build their
-		// packets themselves.
-		slot.segs = append(slot.segs[:0], p.segs...)
-		slot.dataOff, slot.payOff, slot.payLen, slot.seal = p.dataOff, off, int(p.n), seal
-		slot.commit(wire.Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac, RoCEv1: p.v1})
-		return
 	default:
 		if err := gather(d[off:off+int(p.n)], p.segs, p.dataOff); err != nil {
 			// The sender's memory went away under it (unmapped or
@@ -139,29 +118,15 @@ func (t *txBatch) encode(p *packet) {
 			return
 		}
 	}
-	sealDatagram(d, seal)
-	slot.commit(wire.Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac, RoCEv1: p.v1})
-}
-
-// sealKind says how a datagram's ICRC is computed.
-type sealKind uint8
-
-const (
-	sealV2 sealKind = iota // RoCE v2 over IPv6
-	sealV2IPv4
-	sealV1
-)
-
-// sealDatagram stores datagram d's ICRC.
-func sealDatagram(d []byte, k sealKind) {
-	switch k {
-	case sealV1:
+	switch {
+	case p.v1:
 		roce.SealICRCv1(d)
-	case sealV2IPv4:
+	case v4:
 		roce.SealICRC(d, roce.IPv4HeaderSize)
 	default:
 		roce.SealICRC(d, roce.IPv6HeaderSize)
 	}
+	slot.commit(wire.Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac, RoCEv1: p.v1})
 }
 
 // flush delivers in-process packets until none are left, sends the

@@ -39,9 +39,8 @@ import (
 // port whose socket cannot be bound (another program holds the port) is
 // sent through a raw socket as KernelWire does, and counted.
 //
-// Receiving: two UDP sockets on port 4791 per family (requests, and
-// responses: see steerResponses) with UDP_GRO, which get a flow's packets
-// coalesced (with their segment size) and without their
+// Receiving: a UDP socket on port 4791 per family with UDP_GRO, which gets
+// a flow's packets coalesced (with their segment size) and without their
 // IP headers. Receive rebuilds each packet's header from what the kernel
 // reports (addresses, TOS with ECN, TTL) and, for IPv4, finds the ID and
 // DF that the ICRC was computed over: first the one a UDPWire sender uses
@@ -66,11 +65,6 @@ type UDPWire struct {
 	// sockets opened later must live too (the goroutine that opens one
 	// may run on a thread of another namespace).
 	netns *os.File
-	// portLock is an abstract UNIX socket named after port 4791: the
-	// receive sockets share the port (SO_REUSEPORT), so it is this name,
-	// unique per network namespace, that keeps a second wire from
-	// joining them and taking half the traffic.
-	portLock int
 }
 
 // UDPWireConfig parameterises NewUDPWire.
@@ -104,7 +98,6 @@ const (
 	udpRxDropOversize        // packets larger than MaxDatagram, dropped
 	udpRxDropNoInfo          // messages without their addresses, dropped
 	udpRxDropICRC            // packets whose ICRC did not check, dropped
-	udpRxResponses           // messages received on the response sockets
 	numUDPCounters
 )
 
@@ -113,7 +106,6 @@ var udpCounterNames = [numUDPCounters]string{
 	"wire_rx_messages", "wire_rx_coalesced", "wire_rx_ipid_solved",
 	"wire_rx_drop_oversize", "wire_rx_drop_no_pktinfo",
 	"drop_bad_icrc", // the fabric's name: it adds its own
-	"wire_rx_response_messages",
 }
 
 // maxGSOSegments is the most packets one message carries (Linux's
@@ -122,32 +114,6 @@ const maxGSOSegments = 64
 
 // maxGSOPayload bounds a message's UDP payload: an IPv4 datagram's 64 KiB.
 const maxGSOPayload = 65535 - roce.IPv4HeaderSize - roce.UDPHeaderSize
-
-// udpRxQueuesPerFamily is the number of port 4791 sockets per family, in
-// one SO_REUSEPORT group: requests, then responses (steerResponses).
-const udpRxQueuesPerFamily = 2
-
-// steerResponses is the SO_REUSEPORT group's program, which sees each
-// datagram from its UDP payload on, the BTH first: RC and RD responses
-// (opcodes 0x0D-0x12 of their classes: READ responses, ACKs, atomic ACKs)
-// go to socket 1, everything else to socket 0. Each socket has its own
-// receive goroutine in the fabric, so a requester's work when its ACKs
-// arrive (completing, then opening the window for the transmit goroutine
-// to build more packets) runs beside the responder's intake of data
-// instead of queueing behind it. A flow's packets of one kind keep their
-// order; requests and responses are independent streams (IBA 9.7).
-func steerResponses() []unix.SockFilter {
-	return []unix.SockFilter{
-		{Code: unix.BPF_LD | unix.BPF_B | unix.BPF_ABS, K: 0},            // opcode
-		{Code: unix.BPF_JMP | unix.BPF_JGE | unix.BPF_K, K: 0x60, Jt: 5}, // UC, UD, CNP: requests
-		{Code: unix.BPF_JMP | unix.BPF_JGE | unix.BPF_K, K: 0x40, Jf: 1}, // RD...
-		{Code: unix.BPF_ALU | unix.BPF_SUB | unix.BPF_K, K: 0x40},        // ...numbered as RC
-		{Code: unix.BPF_JMP | unix.BPF_JGE | unix.BPF_K, K: 0x0d, Jf: 2}, // below the responses
-		{Code: unix.BPF_JMP | unix.BPF_JGT | unix.BPF_K, K: 0x12, Jt: 1}, // above them
-		{Code: unix.BPF_RET | unix.BPF_K, K: 1},
-		{Code: unix.BPF_RET | unix.BPF_K, K: 0},
-	}
-}
 
 // udpRxMsgs is how many messages one recvmmsg takes, each up to 64 KiB.
 const udpRxMsgs = 8
@@ -163,7 +129,7 @@ func NewUDPWire(cfg UDPWireConfig) (w *UDPWire, err error) {
 	if cfg.MaxSendSockets == 0 {
 		cfg.MaxSendSockets = 4096
 	}
-	w = &UDPWire{cfg: cfg, closedFlag: make(chan struct{}), portLock: -1}
+	w = &UDPWire{cfg: cfg, closedFlag: make(chan struct{})}
 	made := w // a failing return sets w to nil
 	defer func() {
 		if err != nil {
@@ -172,9 +138,6 @@ func NewUDPWire(cfg UDPWireConfig) (w *UDPWire, err error) {
 	}()
 	if w.netns, err = os.Open("/proc/thread-self/ns/net"); err != nil {
 		return nil, fmt.Errorf("udp wire: network namespace: %w", err)
-	}
-	if w.portLock, err = lockPort(); err != nil {
-		return nil, err
 	}
 	families := []int{unix.AF_INET}
 	if !cfg.DisableIPv6 {
@@ -193,19 +156,11 @@ func NewUDPWire(cfg UDPWireConfig) (w *UDPWire, err error) {
 		if err := bindToDevice(raw.fd, cfg.Interface); err != nil {
 			return nil, err
 		}
-		var group []*udpRx
-		for range udpRxQueuesPerFamily {
-			rx, err := openUDPRx(fam, cfg)
-			if err != nil {
-				return nil, err
-			}
-			rx.responses = len(group) == 1
-			w.rx = append(w.rx, rx)
-			group = append(group, rx)
+		rx, err := openUDPRx(fam, cfg)
+		if err != nil {
+			return nil, err
 		}
-		if err := mmsg.AttachReuseportFilter(group[0].fd, steerResponses()); err != nil {
-			return nil, fmt.Errorf("udp wire: reuseport filter: %w", err)
-		}
+		w.rx = append(w.rx, rx)
 	}
 	w.scratch.New = func() any { return newUDPTxScratch() }
 	return w, nil
@@ -249,9 +204,6 @@ func (w *UDPWire) Close() error {
 		if w.netns != nil {
 			w.netns.Close()
 		}
-		if w.portLock >= 0 {
-			unix.Close(w.portLock)
-		}
 	})
 	return nil
 }
@@ -285,26 +237,6 @@ func (w *UDPWire) sendSock(v6 bool, port uint16) *txSock {
 	}
 	w.socks.Store(key, s)
 	return s
-}
-
-// portLockName is the abstract UNIX socket name a UDPWire holds.
-const portLockName = "\x00pvrdma-backend/udp-wire/4791"
-
-// lockPort takes the namespace-wide name that says port 4791 is this
-// wire's.
-func lockPort() (int, error) {
-	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return -1, fmt.Errorf("udp wire: port lock: %w", err)
-	}
-	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: portLockName}); err != nil {
-		unix.Close(fd)
-		if errors.Is(err, unix.EADDRINUSE) {
-			return -1, fmt.Errorf("udp wire: another pvrdma-backend fabric uses udp %d in this network namespace: %w", roce.UDPPort, err)
-		}
-		return -1, fmt.Errorf("udp wire: port lock: %w", err)
-	}
-	return fd, nil
 }
 
 // inNetns runs open on a thread in the wire's network namespace.
@@ -623,8 +555,6 @@ type udpRx struct {
 	file *os.File
 	rc   syscall.RawConn
 	v6   bool
-	// responses marks the socket steerResponses gives responses to.
-	responses bool
 	// recvmmsg state (see rawSock).
 	rxN   int
 	rxErr error
@@ -666,7 +596,7 @@ func openUDPRx(fam int, cfg UDPWireConfig) (s *udpRx, err error) {
 	}()
 	v6 := fam == unix.AF_INET6
 	type opt struct{ level, name, val int }
-	opts := []opt{{unix.SOL_UDP, unix.UDP_GRO, 1}, {unix.SOL_SOCKET, unix.SO_REUSEPORT, 1}}
+	opts := []opt{{unix.SOL_UDP, unix.UDP_GRO, 1}}
 	var sa unix.Sockaddr = &unix.SockaddrInet4{Port: roce.UDPPort}
 	if v6 {
 		sa = &unix.SockaddrInet6{Port: roce.UDPPort}
@@ -792,9 +722,6 @@ func (w *UDPWire) TryReceive(queue int, bufs [][]byte, lens []int) (int, error) 
 func (w *UDPWire) started(s *udpRx, n int) {
 	s.msgs, s.cur, s.off = n, 0, 0
 	w.inc(udpRxMessages, uint64(n))
-	if s.responses {
-		w.inc(udpRxResponses, uint64(n))
-	}
 	if n > 0 {
 		s.readMeta(0)
 	}

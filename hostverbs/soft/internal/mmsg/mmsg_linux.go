@@ -58,14 +58,6 @@ func AttachFilter(fd int, prog []unix.SockFilter) error {
 	return unix.SetsockoptSockFprog(fd, unix.SOL_SOCKET, unix.SO_ATTACH_FILTER, &fp)
 }
 
-// AttachReuseportFilter installs a classic BPF program that picks, for
-// each datagram, the socket of fd's SO_REUSEPORT group by its index (in
-// bind order); it sees the datagram from the transport payload on.
-func AttachReuseportFilter(fd int, prog []unix.SockFilter) error {
-	fp := unix.SockFprog{Len: uint16(len(prog)), Filter: unsafe.SliceData(prog)}
-	return unix.SetsockoptSockFprog(fd, unix.SOL_SOCKET, unix.SO_ATTACH_REUSEPORT_CBPF, &fp)
-}
-
 // Cmsgs walks the control messages in oob, calling fn with each header's
 // level, type and data.
 func Cmsgs(oob []byte, fn func(level, typ int32, data []byte)) {
