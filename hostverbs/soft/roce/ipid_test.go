@@ -14,11 +14,7 @@ func TestSetIPv4IDMatchesReseal(t *testing.T) {
 	var tab IPIDTable
 	rng := rand.New(rand.NewPCG(1, 2))
 	for _, n := range []int{0, 4, 8, 256, 1024, 1500, 4096} {
-		op := RCSendOnly
-		if n == 0 {
-			op = RCAcknowledge
-		}
-		d := buildPacket(t, "::ffff:10.0.0.1", "::ffff:10.0.0.2", op, n)
+		d := buildPacket(t, "::ffff:10.0.0.1", "::ffff:10.0.0.2", opWithPayload(RCSendOnly, n), n)
 		for range 50 {
 			id := uint16(rng.Uint32())
 			tab.SetIPv4ID(d, id)
@@ -36,11 +32,7 @@ func TestRecoverIPv4ID(t *testing.T) {
 	var tab IPIDTable
 	rng := rand.New(rand.NewPCG(3, 4))
 	for _, n := range []int{0, 64, 1024, 4096} {
-		op := RCWriteOnly
-		if n == 0 {
-			op = RCAcknowledge
-		}
-		d := buildPacket(t, "::ffff:192.168.1.1", "::ffff:192.168.1.2", op, n)
+		d := buildPacket(t, "::ffff:192.168.1.1", "::ffff:192.168.1.2", opWithPayload(RCWriteOnly, n), n)
 		for range 100 {
 			id := uint16(rng.Uint32())
 			tab.SetIPv4ID(d, id)
@@ -82,6 +74,14 @@ func TestRecoverIPv4ID(t *testing.T) {
 	require.Zero(t, accepted, "corrupted packets explained by an ID")
 }
 
+// opWithPayload is op for n payload bytes, an ACK for none.
+func opWithPayload(op Opcode, n int) Opcode {
+	if n == 0 {
+		return RCAcknowledge
+	}
+	return op
+}
+
 func BenchmarkRecoverIPv4ID(b *testing.B) {
 	var tab IPIDTable
 	d := buildPacket(b, "::ffff:10.0.0.1", "::ffff:10.0.0.2", RCWriteOnly, 4096)
@@ -103,11 +103,7 @@ func BenchmarkRecoverIPv4ID(b *testing.B) {
 func FuzzRecoverIPv4ID(f *testing.F) {
 	var tab IPIDTable
 	for _, n := range []int{0, 8, 1024} {
-		op := RCWriteOnly
-		if n == 0 {
-			op = RCAcknowledge
-		}
-		d := buildPacket(f, "::ffff:10.0.0.1", "::ffff:10.0.0.2", op, n)
+		d := buildPacket(f, "::ffff:10.0.0.1", "::ffff:10.0.0.2", opWithPayload(RCWriteOnly, n), n)
 		tab.SetIPv4ID(d, 0x1234)
 		binary.BigEndian.PutUint16(d[4:], 0)
 		f.Add(d)

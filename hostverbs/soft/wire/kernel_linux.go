@@ -235,11 +235,7 @@ func (w *KernelWire) Queues() int { return len(w.rx) }
 func (w *KernelWire) Close() error {
 	w.closeOnce.Do(func() {
 		close(w.closedFlag)
-		for _, s := range []*txSock{w.tx4, w.tx6} {
-			if s != nil {
-				s.close()
-			}
-		}
+		closeTx(w.tx4, w.tx6)
 		for _, s := range w.rx {
 			s.file.Close()
 		}
@@ -359,12 +355,7 @@ func (w *KernelWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 	err := s.rc.Read(s.rxFn)
 	n, rerr := s.rxN, s.rxErr
 	if err != nil {
-		select {
-		case <-w.closedFlag:
-			return 0, fmt.Errorf("kernel wire: %w", hostverbs.ErrClosed)
-		default:
-		}
-		return 0, fmt.Errorf("kernel wire: receive: %w", err)
+		return 0, waitError("kernel wire", w.closedFlag, err)
 	}
 	if rerr != nil {
 		return 0, fmt.Errorf("kernel wire: recvmmsg: %w", rerr)

@@ -372,12 +372,7 @@ func (w *PacketWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 		err := w.rc.Read(w.rxFn)
 		n, rerr := w.rxN, w.rxErr
 		if err != nil {
-			select {
-			case <-w.closed:
-				return 0, fmt.Errorf("packet wire: %w", hostverbs.ErrClosed)
-			default:
-			}
-			return 0, fmt.Errorf("packet wire: receive: %w", err)
+			return 0, waitError("packet wire", w.closed, err)
 		}
 		if rerr != nil {
 			return 0, fmt.Errorf("packet wire: recvmmsg: %w", rerr)

@@ -50,6 +50,15 @@ func (s *txSock) close() {
 	}
 }
 
+// closeTx closes the send sockets that are open (nil ones are skipped).
+func closeTx(socks ...*txSock) {
+	for _, s := range socks {
+		if s != nil {
+			s.close()
+		}
+	}
+}
+
 // sendmmsg sends hdrs, waiting for buffer space, until all are sent or an
 // error stops it.
 func (s *txSock) sendmmsg(hdrs []unix.Mmsghdr) (int, error) {

@@ -84,8 +84,8 @@ func fuzzSeedRun() ([]byte, uint16) {
 func splitAll(t *testing.T, w *UDPWire, payload []byte, gso uint16, v6, pktinfo bool, tos uint8) (out [][]byte) {
 	t.Helper()
 	net := roce.NetFields{Src: [16]byte{10: 0xff, 11: 0xff, 12: 10, 15: 1}, Dst: [16]byte{10: 0xff, 11: 0xff, 12: 10, 15: 2}}
-	s := &udpRx{v6: v6, hdrs: make([]unix.Mmsghdr, 1), iovs: make([]unix.Iovec, 1),
-		names: make([]unix.RawSockaddrInet6, 1), oob: make([]byte, udpRxOOB), bufs: [][]byte{make([]byte, 65536)}}
+	s := &udpRx{rawSock: rawSock{v6: v6, hdrs: make([]unix.Mmsghdr, 1), iovs: make([]unix.Iovec, 1),
+		names: make([]unix.RawSockaddrInet6, 1), oob: make([]byte, udpRxOOB)}, bufs: [][]byte{make([]byte, 65536)}}
 	copy(s.bufs[0], payload)
 	s.hdrs[0].Len = uint32(len(payload))
 	n := 0

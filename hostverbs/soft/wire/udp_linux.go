@@ -11,7 +11,6 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"unsafe"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
@@ -185,16 +184,10 @@ func (w *UDPWire) inc(c int, n uint64) { w.ctrs[c].Add(n) }
 func (w *UDPWire) Close() error {
 	w.closeOnce.Do(func() {
 		close(w.closedFlag)
-		for _, s := range []*txSock{w.raw4, w.raw6} {
-			if s != nil {
-				s.close()
-			}
-		}
+		closeTx(w.raw4, w.raw6)
 		w.sockMu.Lock()
 		w.socks.Range(func(k, v any) bool {
-			if s := v.(*txSock); s != nil {
-				s.close()
-			}
+			closeTx(v.(*txSock))
 			return true
 		})
 		w.sockMu.Unlock()
@@ -551,19 +544,8 @@ func (w *UDPWire) transmitRaw(s *txScratch, pkts []Datagram, f *flow) (int, erro
 // udpRx is a port 4791 receive socket, polled by the Go runtime, with the
 // messages of its last recvmmsg that Receive has not handed out yet.
 type udpRx struct {
-	fd   int
-	file *os.File
-	rc   syscall.RawConn
-	v6   bool
-	// recvmmsg state (see rawSock).
-	rxN   int
-	rxErr error
-	rxFn  func(fd uintptr) bool
-	hdrs  []unix.Mmsghdr
-	iovs  []unix.Iovec
-	names []unix.RawSockaddrInet6
-	oob   []byte
-	bufs  [][]byte
+	rawSock // the descriptor, recvmmsg state and headers
+	bufs    [][]byte
 	// Messages not yet split: cur of msgs, from byte off.
 	msgs, cur, off int
 	meta           rxMeta
@@ -626,9 +608,9 @@ func openUDPRx(fam int, cfg UDPWireConfig) (s *udpRx, err error) {
 	if err != nil {
 		return nil, err
 	}
-	s = &udpRx{fd: fd, file: f, rc: rc, v6: v6,
+	s = &udpRx{rawSock: rawSock{fd: fd, file: f, rc: rc, v6: v6,
 		hdrs: make([]unix.Mmsghdr, udpRxMsgs), iovs: make([]unix.Iovec, udpRxMsgs),
-		names: make([]unix.RawSockaddrInet6, udpRxMsgs), oob: make([]byte, udpRxMsgs*udpRxOOB),
+		names: make([]unix.RawSockaddrInet6, udpRxMsgs), oob: make([]byte, udpRxMsgs*udpRxOOB)},
 		bufs: make([][]byte, udpRxMsgs)}
 	backing := make([]byte, udpRxMsgs*65536)
 	for i := range s.bufs {
@@ -652,49 +634,20 @@ func (s *udpRx) prepare() {
 	}
 }
 
-func (s *udpRx) recvReady(fd uintptr) bool {
-	for {
-		s.rxN, s.rxErr = mmsg.RecvMmsg(int(fd), s.hdrs)
-		if s.rxErr == unix.EINTR {
-			continue
-		}
-		return s.rxErr != unix.EAGAIN
-	}
-}
-
 // Receive returns the next packets from queue's socket, waiting for some
 // if none is left from the last system call.
 func (w *UDPWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error) {
-	if queue < 0 || queue >= len(w.rx) {
-		return 0, fmt.Errorf("udp wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
-	}
-	s := w.rx[queue]
-	for {
-		if s.cur < s.msgs {
-			if n := w.split(s, bufs, lens); n > 0 {
-				return n, nil
-			}
-			continue
-		}
-		s.prepare()
-		err := s.rc.Read(s.rxFn)
-		if err != nil {
-			select {
-			case <-w.closedFlag:
-				return 0, fmt.Errorf("udp wire: %w", hostverbs.ErrClosed)
-			default:
-			}
-			return 0, fmt.Errorf("udp wire: receive: %w", err)
-		}
-		if s.rxErr != nil {
-			return 0, fmt.Errorf("udp wire: recvmmsg: %w", s.rxErr)
-		}
-		w.started(s, s.rxN)
-	}
+	return w.receive(queue, bufs, lens, true)
 }
 
 // TryReceive is Receive without waiting.
 func (w *UDPWire) TryReceive(queue int, bufs [][]byte, lens []int) (int, error) {
+	return w.receive(queue, bufs, lens, false)
+}
+
+// receive hands out what is left of the last system call's messages, or
+// makes another (waiting for datagrams if wait, else returning 0).
+func (w *UDPWire) receive(queue int, bufs [][]byte, lens []int, wait bool) (int, error) {
 	if queue < 0 || queue >= len(w.rx) {
 		return 0, fmt.Errorf("udp wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
 	}
@@ -707,9 +660,19 @@ func (w *UDPWire) TryReceive(queue int, bufs [][]byte, lens []int) (int, error) 
 			continue
 		}
 		s.prepare()
-		n, err := mmsg.RecvMmsg(s.fd, s.hdrs)
-		if err == unix.EAGAIN || err == unix.EINTR {
-			return 0, nil
+		var n int
+		var err error
+		if wait {
+			s.rxK = len(s.hdrs)
+			if rerr := s.rc.Read(s.rxFn); rerr != nil {
+				return 0, waitError("udp wire", w.closedFlag, rerr)
+			}
+			n, err = s.rxN, s.rxErr
+		} else {
+			n, err = mmsg.RecvMmsg(s.fd, s.hdrs)
+			if err == unix.EAGAIN || err == unix.EINTR {
+				return 0, nil
+			}
 		}
 		if err != nil {
 			return 0, fmt.Errorf("udp wire: recvmmsg: %w", err)

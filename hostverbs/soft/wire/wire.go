@@ -10,6 +10,9 @@ package wire
 import (
 	"context"
 	"errors"
+	"fmt"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 )
 
 // Wire carries RoCE v2 datagrams between a Fabric and the network. The
@@ -105,3 +108,14 @@ var ErrOversize = errors.New("datagram exceeds the path MTU")
 // MaxDatagram bounds every datagram a Fabric sends or accepts: a 4096-byte
 // path MTU plus the largest header set.
 const MaxDatagram = 4096 + 128
+
+// waitError is the error of a failed wait for a receive socket (the wire
+// named name): ErrClosed once the wire's closed channel is, else err.
+func waitError(name string, closed <-chan struct{}, err error) error {
+	select {
+	case <-closed:
+		return fmt.Errorf("%s: %w", name, hostverbs.ErrClosed)
+	default:
+	}
+	return fmt.Errorf("%s: receive: %w", name, err)
+}
