@@ -42,6 +42,12 @@ func TestUsage(t *testing.T) {
 	code, _, stderr = cli(t, "serve", "--ibdev", "rxe0")
 	assert.Equal(t, 1, code)
 	assert.Contains(t, stderr, "need --transport ibverbs")
+	code, _, stderr = cli(t, "serve", "--ip-wire", "gso")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "want udp or raw")
+	code, _, stderr = cli(t, "serve", "--ip-wire", "raw", "--socket-dir", t.TempDir())
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "--ip-wire raw needs IP mode")
 	// This host has libibverbs but no RDMA device: the error names what to create.
 	code, _, stderr = cli(t, "serve", "--transport", "ibverbs", "--ibdev", "nosuch0", "--fabric-netdev", "lo", "--socket-dir", t.TempDir())
 	assert.Equal(t, 1, code)
