@@ -47,18 +47,12 @@ func TestRoCEv1InProcess(t *testing.T) {
 	// A v2 device sends UD to a's GID: a never sees it.
 	c := newEndpoint(t, f, "ccc", "10.1.0.3", 1<<20)
 	qc, qav := udQP(t, c, hostverbs.QPTypeUD, 7), udQP(t, a, hostverbs.QPTypeUD, 7)
-	require.NoError(t, qav.PostRecv(&hostverbs.RecvWR{WRID: 9, SGL: sge(a, 0, 4096)}))
-	require.NoError(t, qc.PostSend(&hostverbs.SendWR{WRID: 10, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
-		SGL: sge(c, 0, 64), AV: hostverbs.AddressVector{DGID: a.gid}, RemoteQPN: qav.QPN(), RemoteQKey: 7}))
-	require.Equal(t, hostverbs.WCSuccess, c.ccq.wait(t, 5*time.Second).Status)
+	udSendToPostedRecv(t, c, qc, a, qav, 9)
 	eventually(t, "version mismatch drop", func() bool { return ctr(a, "drop_roce_version_mismatch") == 1 })
 	a.ccq.none(t, 50*time.Millisecond)
 	// And the other way.
 	qcu := udQP(t, c, hostverbs.QPTypeUD, 7)
-	require.NoError(t, qcu.PostRecv(&hostverbs.RecvWR{WRID: 11, SGL: sge(c, 0, 4096)}))
-	require.NoError(t, qav.PostSend(&hostverbs.SendWR{WRID: 12, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
-		SGL: sge(a, 0, 64), AV: hostverbs.AddressVector{DGID: c.gid}, RemoteQPN: qcu.QPN(), RemoteQKey: 7}))
-	require.Equal(t, hostverbs.WCSuccess, a.ccq.wait(t, 5*time.Second).Status)
+	udSendToPostedRecv(t, a, qav, c, qcu, 11)
 	eventually(t, "version mismatch drop", func() bool { return ctr(c, "drop_roce_version_mismatch") == 2 })
 	c.ccq.none(t, 50*time.Millisecond)
 }
@@ -107,10 +101,7 @@ func TestCountersOutliveDevices(t *testing.T) {
 	a := newEndpointMode(t, f, "a", "10.1.0.1", 1<<20, false, hostverbs.GIDTypeRoCEv1)
 	c := newEndpoint(t, f, "ccc", "10.1.0.3", 1<<20)
 	qc, qa := udQP(t, c, hostverbs.QPTypeUD, 7), udQP(t, a, hostverbs.QPTypeUD, 7)
-	require.NoError(t, qa.PostRecv(&hostverbs.RecvWR{WRID: 1, SGL: sge(a, 0, 4096)}))
-	require.NoError(t, qc.PostSend(&hostverbs.SendWR{WRID: 2, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
-		SGL: sge(c, 0, 64), AV: hostverbs.AddressVector{DGID: a.gid}, RemoteQPN: qa.QPN(), RemoteQKey: 7}))
-	require.Equal(t, hostverbs.WCSuccess, c.ccq.wait(t, 5*time.Second).Status)
+	udSendToPostedRecv(t, c, qc, a, qa, 1)
 	eventually(t, "version mismatch drop", func() bool { return f.Counters()["drop_roce_version_mismatch"] == 1 })
 	before := f.Counters()
 	require.NoError(t, qa.Destroy())
@@ -122,4 +113,15 @@ func TestCountersOutliveDevices(t *testing.T) {
 		assert.GreaterOrEqual(t, after[k], v, k)
 	}
 	assert.Equal(t, uint64(1), after["drop_roce_version_mismatch"])
+}
+
+// udSendToPostedRecv posts a receive (WRID wrid) on UD QP qto of to, sends
+// it 64 bytes from UD QP qfrom of from (QKey 7, WRID wrid+1) and waits for
+// the send's successful completion.
+func udSendToPostedRecv(t *testing.T, from *endpoint, qfrom hostverbs.QP, to *endpoint, qto hostverbs.QP, wrid uint64) {
+	t.Helper()
+	require.NoError(t, qto.PostRecv(&hostverbs.RecvWR{WRID: wrid, SGL: sge(to, 0, 4096)}))
+	require.NoError(t, qfrom.PostSend(&hostverbs.SendWR{WRID: wrid + 1, Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled,
+		SGL: sge(from, 0, 64), AV: hostverbs.AddressVector{DGID: to.gid}, RemoteQPN: qto.QPN(), RemoteQKey: 7}))
+	require.Equal(t, hostverbs.WCSuccess, from.ccq.wait(t, 5*time.Second).Status)
 }

@@ -85,13 +85,8 @@ func TestPairMatrix(t *testing.T) {
 	}
 	for i := range cfgs {
 		cfgs[i].Modules = rdmaCMModules
-		cfgs[i].NoErrExit = true
-		cfgs[i].Timeout = 12 * time.Minute
 	}
-	vms, err := vm.StartAll(ctx, t, img, nw, cfgs...)
-	require.NoError(t, err)
-	res, err := vm.WaitAll(ctx, vms...)
-	require.NoError(t, err)
+	res := runGuests(ctx, t, img, nw, 12*time.Minute, cfgs...)
 	checkSteps(t, res, steps)
 	for i, r := range res {
 		for _, tool := range []string{"ib_send_bw", "ib_write_bw", "ib_read_bw"} {
@@ -113,6 +108,22 @@ func side(i int) string {
 }
 
 // checkSteps asserts that every step finished with status 0 on every guest.
+// runGuests boots cfgs in parallel, each allowed timeout and left to run
+// its whole scenario whatever fails (NoErrExit: checkSteps judges the
+// steps), and returns their results once all have powered off.
+func runGuests(ctx context.Context, t *testing.T, img *vm.Image, nw *vm.Network, timeout time.Duration, cfgs ...vm.Config) []vm.Result {
+	t.Helper()
+	for i := range cfgs {
+		cfgs[i].NoErrExit = true
+		cfgs[i].Timeout = timeout
+	}
+	vms, err := vm.StartAll(ctx, t, img, nw, cfgs...)
+	require.NoError(t, err)
+	res, err := vm.WaitAll(ctx, vms...)
+	require.NoError(t, err)
+	return res
+}
+
 func checkSteps(t *testing.T, res []vm.Result, steps []step) {
 	t.Helper()
 	rcRE := regexp.MustCompile(`(?m)^rc=(\d+)$`)

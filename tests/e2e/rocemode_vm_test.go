@@ -122,14 +122,9 @@ func TestRoCEModeTable(t *testing.T) {
 	for _, g := range guests {
 		c := pvrdmaGuest(d, g.name, g.ip, roceModeScenario(g))
 		c.Modules = rdmaCMModules
-		c.NoErrExit = true
-		c.Timeout = 15 * time.Minute
 		cfgs = append(cfgs, c)
 	}
-	vms, err := vm.StartAll(ctx, t, img, nw, cfgs...)
-	require.NoError(t, err)
-	res, err := vm.WaitAll(ctx, vms...)
-	require.NoError(t, err)
+	res := runGuests(ctx, t, img, nw, 15*time.Minute, cfgs...)
 
 	rcRE := regexp.MustCompile(`(?m)^rc=(\d+)$`)
 	rc := func(out, sec string) string {

@@ -37,14 +37,7 @@ func TestRxePeer(t *testing.T) {
 	r := vm.Config{Name: "rxe1", Modules: []string{"ib_core", "ib_uverbs"},
 		NICs:     []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:00:02", IP: "10.77.0.2/24"}},
 		Scenario: "pvt_rxe eth0\n" + matrixScenario("rxe0", "10.77.0.2", "10.77.0.1", false, steps)}
-	for _, c := range []*vm.Config{&a, &r} {
-		c.NoErrExit = true
-		c.Timeout = 8 * time.Minute
-	}
-	vms, err := vm.StartAll(ctx, t, img, nw, a, r)
-	require.NoError(t, err)
-	res, err := vm.WaitAll(ctx, vms...)
-	require.NoError(t, err)
+	res := runGuests(ctx, t, img, nw, 8*time.Minute, a, r)
 	checkSteps(t, res, steps)
 	t.Logf("fabric counters: %v", nonzero(d.Status().Counters))
 	for i, r := range res {

@@ -70,14 +70,7 @@ func TestTrafficClassOnTheWire(t *testing.T) {
 	r := vm.Config{Name: "tcrxe", Modules: []string{"ib_core", "ib_uverbs"},
 		NICs:     []vm.NIC{{Addr: "05.0", MAC: "52:54:00:77:00:12", IP: "10.77.0.2/24"}},
 		Scenario: "pvt_rxe eth0\n" + matrixScenario("rxe0", "10.77.0.2", "", true, steps)}
-	for _, c := range []*vm.Config{&a, &r} {
-		c.NoErrExit = true
-		c.Timeout = 6 * time.Minute
-	}
-	vms, err := vm.StartAll(ctx, t, img, nw, a, r)
-	require.NoError(t, err)
-	res, err := vm.WaitAll(ctx, vms...)
-	require.NoError(t, err)
+	res := runGuests(ctx, t, img, nw, 6*time.Minute, a, r)
 	checkSteps(t, res, steps)
 	got := caps.snapshot()
 	t.Logf("TOS of the daemon's RoCE v2 frames for tc1 (tos: frames): %v", got)

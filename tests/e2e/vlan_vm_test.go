@@ -165,14 +165,7 @@ func TestVLANPriority(t *testing.T) {
 		NICs: []vm.NIC{{Addr: "05.0", MAC: rxeMAC, IP: "10.77.0.2/24"}},
 		Scenario: vlanSetup("10.77.0.2", "10.80.0.2/24", "egress-qos-map 0:4 1:4 2:4 3:4 4:4 5:4 6:4 7:4") +
 			"pvt_rxe eth0\n" + matrixScenario("rxe0", "10.80.0.2", "", true, steps)}
-	for _, c := range []*vm.Config{&a, &r} {
-		c.NoErrExit = true
-		c.Timeout = 6 * time.Minute
-	}
-	vms, err := vm.StartAll(ctx, t, img, nw, a, r)
-	require.NoError(t, err)
-	res, err := vm.WaitAll(ctx, vms...)
-	require.NoError(t, err)
+	res := runGuests(ctx, t, img, nw, 6*time.Minute, a, r)
 	checkSteps(t, res, steps)
 
 	ours, theirs := tags.of(backend.DefaultMAC("vl1")), tags.of(net.HardwareAddr{0x52, 0x54, 0, 0x77, 0, 0x14})
