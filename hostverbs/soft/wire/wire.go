@@ -23,7 +23,8 @@ type Wire interface {
 	// Transmit sends the datagrams, in order, and returns how many were
 	// accepted. A datagram the network refuses (too large for the path,
 	// no route) is skipped and reported through the error; Transmit does
-	// not retain the slices.
+	// not retain the slices, but may rewrite an IPv4 datagram's ID with
+	// its header checksum and ICRC (UDPWire sends the IDs Linux assigns).
 	Transmit(pkts []Datagram) (int, error)
 	// Queues is the number of independent receive queues (sockets); the
 	// fabric runs one receive goroutine per queue.
