@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -48,6 +49,24 @@ func run(t testing.TB, args ...string) string {
 		t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
 	}
 	return string(out)
+}
+
+// addAddr6 adds IPv6 address addr (with its prefix length) to dev without
+// duplicate address detection, and waits until the namespace takes
+// packets for it: Linux configures even a nodad address for reception in
+// a work item after the netlink request returns (its local route appears
+// then), and packets that come before are not delivered.
+func (n *netns) addAddr6(t testing.TB, addr, dev string) {
+	t.Helper()
+	n.ip(t, "addr", "add", addr, "dev", dev, "nodad")
+	host, _, _ := strings.Cut(addr, "/")
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(n.ip(t, "-6", "route", "show", "table", "local", host), host) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s on %s: no local route after 10s", addr, dev)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 func (n *netns) ip(t testing.TB, args ...string) string {

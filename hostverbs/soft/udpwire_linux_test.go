@@ -55,7 +55,7 @@ func newTunPeer(t *testing.T) *tunPeer {
 	t.Cleanup(func() { tun.Close() })
 	ns.ip(t, "link", "set", "rt0", "mtu", "9000", "up")
 	ns.ip(t, "addr", "add", "10.98.0.1/24", "dev", "rt0")
-	ns.ip(t, "addr", "add", "fd98::1/64", "dev", "rt0", "nodad")
+	ns.addAddr6(t, "fd98::1/64", "rt0")
 	return &tunPeer{ns: ns, tun: tun}
 }
 

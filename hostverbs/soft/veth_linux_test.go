@@ -74,7 +74,7 @@ func newTopo(t *testing.T, imp wire.Impairment, corrupt float64, keepGSO bool, s
 	}{{tp.a, "a0", "10.99.0.1/24", "fd99::1/64"}, {tp.b, "b0", "10.99.0.2/24", "fd99::2/64"}} {
 		x.ns.ip(t, "link", "set", "dev", x.dev, "mtu", "9000", "up")
 		x.ns.ip(t, "addr", "add", x.ip4, "dev", x.dev)
-		x.ns.ip(t, "addr", "add", x.ip6, "dev", x.dev, "nodad")
+		x.ns.addAddr6(t, x.ip6, x.dev)
 	}
 	for _, dev := range []string{"ma", "mb"} {
 		tp.m.ip(t, "link", "set", "dev", dev, "mtu", "9000", "up")
