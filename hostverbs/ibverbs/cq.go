@@ -3,6 +3,7 @@
 package ibverbs
 
 /*
+#include <stdlib.h>
 #include "pv.h"
 */
 import "C"
@@ -22,8 +23,9 @@ type CQ struct {
 	handler hostverbs.CompletionHandler
 	users   int // QPs using the CQ; guarded by d.mu
 
-	mu   sync.Mutex // serialises drain, resize and destroy
+	mu   sync.Mutex // serialises drain, poll, resize and destroy
 	cq   *C.struct_ibv_cq
+	wc   *C.struct_ibv_wc // pollBatch entries, C memory, used under mu
 	dead bool
 	qps  map[uint32]uint64 // QPN -> QP context, guarded by d.mu
 }
@@ -54,6 +56,7 @@ func (d *Device) CreateCQ(attr hostverbs.CQAttr) (hostverbs.CQ, error) {
 		C.pv_destroy_cq(d.p.lib.l, cq)
 		return nil, errnoErr("create cq: arm", rc, err)
 	}
+	c.wc = (*C.struct_ibv_wc)(C.calloc(pollBatch, C.size_t(unsafe.Sizeof(C.struct_ibv_wc{}))))
 	d.cqs[c.handle] = c
 	d.counts.cq++
 	d.p.track(unsafe.Pointer(cq), asyncTarget{d: d, context: attr.Context})
@@ -94,6 +97,8 @@ func (c *CQ) destroy(force bool) error {
 		return nil
 	}
 	c.dead = true
+	C.free(unsafe.Pointer(c.wc))
+	c.wc = nil
 	d.mu.Lock()
 	d.counts.cq--
 	d.mu.Unlock()
@@ -107,30 +112,46 @@ func (c *CQ) destroy(force bool) error {
 // drain re-arms the CQ, then hands every completion in it to the handler.
 // Arming first means a completion that lands after the last poll raises a
 // new event.
-func (c *CQ) drain(buf *C.struct_ibv_wc) {
+func (c *CQ) drain() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.dead {
 		return
 	}
 	C.pv_arm_cq(c.cq)
-	c.pollLocked(buf)
+	c.pollLocked()
 }
 
 // poll takes every completion without arming the CQ and returns how many
 // (-1: the CQ is destroyed).
-func (c *CQ) poll(buf *C.struct_ibv_wc) int {
+func (c *CQ) poll() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.dead {
 		return -1
 	}
-	return c.pollLocked(buf)
+	return c.pollLocked()
+}
+
+// pollNow hands over what the CQ holds now, from the poster's goroutine
+// right after a post: a device that completes within the post (rxe, a
+// loopback) needs no event and no wake-up of the completion goroutine for
+// it. If another goroutine is taking the CQ's completions (or resizing or
+// destroying it), that one delivers them and pollNow returns at once.
+func (c *CQ) pollNow() {
+	if !c.mu.TryLock() {
+		return
+	}
+	defer c.mu.Unlock()
+	if !c.dead {
+		c.pollLocked()
+	}
 }
 
 // pollLocked hands the CQ's completions to the handler, pollBatch at a
 // time, and returns how many there were.
-func (c *CQ) pollLocked(buf *C.struct_ibv_wc) int {
+func (c *CQ) pollLocked() int {
+	buf := c.wc
 	wcs := unsafe.Slice(buf, pollBatch)
 	var wc hostverbs.WorkCompletion
 	total := 0

@@ -19,7 +19,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"time"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -48,7 +47,6 @@ type Device struct {
 	events  *os.File    // a duplicate of the channel's descriptor, in Go's poller
 	stop    atomic.Bool // set before events is closed: the loop's wait ends by design
 	done    chan struct{}
-	wc      *C.struct_ibv_wc // pollBatch entries, C memory
 
 	mu      sync.Mutex
 	closed  bool
@@ -112,7 +110,6 @@ func newDevice(p *Provider, cfg hostverbs.DeviceConfig) (*Device, error) {
 		C.pv_destroy_channel(p.lib.l, ch)
 		return nil, fmt.Errorf("ibverbs: %s: completion channel: %w", cfg.Name, err)
 	}
-	d.wc = (*C.struct_ibv_wc)(C.calloc(pollBatch, C.size_t(unsafe.Sizeof(C.struct_ibv_wc{}))))
 	go d.completions(raw)
 	return d, nil
 }
@@ -323,7 +320,6 @@ func (d *Device) Close() error {
 	if rc, err := C.pv_destroy_channel(d.p.lib.l, d.channel); rc != 0 {
 		errs = append(errs, errnoErr("ibv_destroy_comp_channel", rc, err))
 	}
-	C.free(unsafe.Pointer(d.wc))
 	d.p.forget(d)
 	return errors.Join(errs...)
 }
@@ -351,8 +347,8 @@ func (d *Device) completions(raw syscall.RawConn) {
 					continue
 				}
 				if d.p.busy == 0 {
-					cq.drain(d.wc)
-				} else if cq.poll(d.wc) >= 0 && !slices.Contains(hot, cq) {
+					cq.drain()
+				} else if cq.poll() >= 0 && !slices.Contains(hot, cq) {
 					hot = append(hot, cq)
 				}
 			}
@@ -378,14 +374,14 @@ func (d *Device) busyPoll(hot []*CQ) {
 	deadline := time.Now().Add(d.p.busy)
 	for time.Now().Before(deadline) {
 		for _, cq := range hot {
-			if cq.poll(d.wc) > 0 {
+			if cq.poll() > 0 {
 				deadline = time.Now().Add(d.p.busy)
 			}
 		}
 		runtime.Gosched()
 	}
 	for _, cq := range hot {
-		cq.drain(d.wc)
+		cq.drain()
 	}
 }
 

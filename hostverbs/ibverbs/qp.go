@@ -234,17 +234,26 @@ func (q *QP) PostSend(wr *hostverbs.SendWR) error {
 			return fmt.Errorf("post send: %w", err)
 		}
 	}
+	if err := q.postSend(wr, op, ah); err != nil {
+		return fmt.Errorf("post send: %w", err)
+	}
+	// Take what the post completed at once (see CQ.pollNow).
+	q.send.pollNow()
+	return nil
+}
+
+func (q *QP) postSend(wr *hostverbs.SendWR, op C.int, ah *C.struct_ibv_ah) error {
 	q.sendMu.Lock()
 	defer q.sendMu.Unlock()
 	if err := fillSGL(q.sendSGE, q.cap.MaxSendSGE, wr.SGL); err != nil {
-		return fmt.Errorf("post send: %w", err)
+		return err
 	}
 	flags := C.uint(wr.Flags &^ hostverbs.SendInline)
 	rc := C.pv_post_send(q.qp, C.uint64_t(wr.WRID), op, flags, C.uint32_t(wr.ImmData), q.sendSGE, C.int(len(wr.SGL)),
 		C.uint64_t(wr.RemoteAddr), C.uint32_t(wr.RKey), C.uint64_t(wr.CompareAdd), C.uint64_t(wr.Swap),
 		ah, C.uint32_t(wr.RemoteQPN), C.uint32_t(wr.RemoteQKey))
 	if rc != 0 {
-		return fmt.Errorf("post send: %w", hostErr(errnoErr("ibv_post_send", rc, nil)))
+		return hostErr(errnoErr("ibv_post_send", rc, nil))
 	}
 	return nil
 }
