@@ -413,10 +413,7 @@ func (w *UDPWire) Transmit(pkts []Datagram) (int, error) {
 		}
 		w.inc(udpTxMessages, uint64(n))
 		if err != nil {
-			if errors.Is(err, unix.EMSGSIZE) {
-				return sent, fmt.Errorf("udp wire: %w", ErrOversize)
-			}
-			return sent, fmt.Errorf("udp wire: sendmmsg: %w", err)
+			return sent, sendError("sendmmsg", err)
 		}
 	}
 	return sent, nil
@@ -533,12 +530,17 @@ func (w *UDPWire) transmitRaw(s *txScratch, pkts []Datagram, f *flow) (int, erro
 	n, err := sock.sendmmsg(s.hdrs[:k])
 	w.inc(udpTxRaw, uint64(n))
 	if err != nil {
-		if errors.Is(err, unix.EMSGSIZE) {
-			return n, fmt.Errorf("udp wire: %w", ErrOversize)
-		}
-		return n, fmt.Errorf("udp wire: raw sendmmsg: %w", err)
+		return n, sendError("raw sendmmsg", err)
 	}
 	return n, nil
+}
+
+// sendError wraps a failed send call's error; EMSGSIZE becomes ErrOversize.
+func sendError(call string, err error) error {
+	if errors.Is(err, unix.EMSGSIZE) {
+		return fmt.Errorf("udp wire: %w", ErrOversize)
+	}
+	return fmt.Errorf("udp wire: %s: %w", call, err)
 }
 
 // udpRx is a port 4791 receive socket, polled by the Go runtime, with the
