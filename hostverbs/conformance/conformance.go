@@ -404,7 +404,7 @@ func testFlush(t *testing.T, env Env) {
 
 func testLimits(t *testing.T, env Env) {
 	e := newEP(t, env, "lim", hostverbs.Limits{MaxQP: 2, MaxCQ: 2, MaxMR: 2})
-	_ = e.createQP(t, hostverbs.QPTypeRC, defaultRC())
+	q1 := e.createQP(t, hostverbs.QPTypeRC, defaultRC())
 	_ = e.createQP(t, hostverbs.QPTypeRC, defaultRC())
 	_, err := e.pd.CreateQP(hostverbs.QPInitAttr{Type: hostverbs.QPTypeRC, SendCQ: e.cq, RecvCQ: e.cq,
 		Cap: hostverbs.QPCap{MaxSendWR: 16, MaxRecvWR: 16, MaxSendSGE: 1, MaxRecvSGE: 1}})
@@ -419,6 +419,11 @@ func testLimits(t *testing.T, env Env) {
 	// Bad arguments are refused, not passed on.
 	_, err = e.dev.CreateCQ(hostverbs.CQAttr{Depth: -1, Handler: e.ccq})
 	require.Error(t, err)
+	// A destroyed QP takes no more work.
+	require.NoError(t, q1.Destroy())
+	sgl := []hostverbs.SGE{{Addr: e.iova, Length: 8, LKey: e.mr.LKey()}}
+	require.ErrorIs(t, q1.PostSend(&hostverbs.SendWR{Opcode: hostverbs.WRSend, Flags: hostverbs.SendSignaled, SGL: sgl}), hostverbs.ErrClosed)
+	require.ErrorIs(t, q1.PostRecv(&hostverbs.RecvWR{SGL: sgl}), hostverbs.ErrClosed)
 }
 
 // srqPair connects an RC QP of a new endpoint a to one of b that receives

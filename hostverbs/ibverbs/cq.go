@@ -11,6 +11,7 @@ import "C"
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
@@ -28,6 +29,11 @@ type CQ struct {
 	wc   *C.struct_ibv_wc // pollBatch entries, C memory, used under mu
 	dead bool
 	qps  map[uint32]uint64 // QPN -> QP context, guarded by d.mu
+
+	// touched is set when a poster's own poll took completions, so that a
+	// busy-polling completion goroutine counts them as activity and keeps
+	// the CQ unarmed (see Config.BusyPoll).
+	touched atomic.Bool
 }
 
 var _ hostverbs.CQ = (*CQ)(nil)
@@ -133,44 +139,66 @@ func (c *CQ) poll() int {
 	return c.pollLocked()
 }
 
-// pollNow hands over what the CQ holds now, from the poster's goroutine
-// right after a post: a device that completes within the post (rxe, a
-// loopback) needs no event and no wake-up of the completion goroutine for
-// it. If another goroutine is taking the CQ's completions (or resizing or
-// destroying it), that one delivers them and pollNow returns at once.
-func (c *CQ) pollNow() {
+// tryLockLive locks the CQ for the poster's own poll right after its post,
+// so that a device that completes within the post (rxe, a loopback) needs
+// no event and no wake-up of the completion goroutine for it. It returns
+// nil, locking nothing, if another goroutine is taking the CQ's completions
+// (that one delivers them) or the CQ is destroyed.
+func (c *CQ) tryLockLive() *CQ {
 	if !c.mu.TryLock() {
+		return nil
+	}
+	if c.dead {
+		c.mu.Unlock()
+		return nil
+	}
+	return c
+}
+
+// deliverPolled hands over the n completions a post's poll put in the
+// CQ's buffer, and the rest if the batch was full. The caller holds mu.
+func (c *CQ) deliverPolled(n int) {
+	if n < 0 {
+		c.d.log.Error("ibv_poll_cq failed", "rc", n)
 		return
 	}
-	defer c.mu.Unlock()
-	if !c.dead {
+	c.deliver(n)
+	if n == pollBatch {
 		c.pollLocked()
+	}
+	if n > 0 && c.d.p.busy > 0 {
+		c.touched.Store(true)
 	}
 }
 
 // pollLocked hands the CQ's completions to the handler, pollBatch at a
 // time, and returns how many there were.
 func (c *CQ) pollLocked() int {
-	buf := c.wc
-	wcs := unsafe.Slice(buf, pollBatch)
-	var wc hostverbs.WorkCompletion
 	total := 0
 	for {
-		n := int(C.pv_poll_cq(c.cq, pollBatch, buf))
+		n := int(C.pv_poll_cq(c.cq, pollBatch, c.wc))
 		if n <= 0 {
 			if n < 0 {
 				c.d.log.Error("ibv_poll_cq failed", "rc", n)
 			}
 			return total
 		}
-		for i := range n {
-			c.convert(&wcs[i], &wc)
-			c.handler.Complete(&wc)
-		}
+		c.deliver(n)
 		total += n
 		if n < pollBatch {
 			return total
 		}
+	}
+}
+
+// deliver converts the first n completions in the CQ's buffer and hands
+// them to the handler. The caller holds mu.
+func (c *CQ) deliver(n int) {
+	var wc hostverbs.WorkCompletion
+	ws := unsafe.Slice(c.wc, n)
+	for i := range ws {
+		c.convert(&ws[i], &wc)
+		c.handler.Complete(&wc)
 	}
 }
 

@@ -374,7 +374,7 @@ func (d *Device) busyPoll(hot []*CQ) {
 	deadline := time.Now().Add(d.p.busy)
 	for time.Now().Before(deadline) {
 		for _, cq := range hot {
-			if cq.poll() > 0 {
+			if cq.poll() > 0 || cq.touched.Swap(false) {
 				deadline = time.Now().Add(d.p.busy)
 			}
 		}

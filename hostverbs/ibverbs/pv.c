@@ -143,10 +143,14 @@ int pv_destroy_srq(pv_lib *l, struct ibv_srq *s) { return l->destroy_srq(s); }
 struct ibv_ah *pv_create_ah(pv_lib *l, struct ibv_pd *pd, struct ibv_ah_attr *a) { return l->create_ah(pd, a); }
 int pv_destroy_ah(pv_lib *l, struct ibv_ah *ah) { return l->destroy_ah(ah); }
 
-// pv_post_send posts one send WR whose SGL is in C memory.
+// pv_post_send posts one send WR whose SGL is in C memory, then, if cq is
+// set, polls up to nwc of its completions into wc and stores how many in
+// *polled (a negative poll result there is the poll's error): one call
+// from Go for a post and the poll of what it completed at once.
 int pv_post_send(struct ibv_qp *qp, uint64_t wr_id, int opcode, unsigned int flags, uint32_t imm,
 		struct ibv_sge *sge, int nsge, uint64_t raddr, uint32_t rkey, uint64_t cmp_add, uint64_t swap,
-		struct ibv_ah *ah, uint32_t rqpn, uint32_t rqkey) {
+		struct ibv_ah *ah, uint32_t rqpn, uint32_t rqkey, struct ibv_cq *cq, int nwc, struct ibv_wc *wc,
+		int *polled) {
 	struct ibv_send_wr wr, *bad;
 	memset(&wr, 0, sizeof(wr));
 	wr.wr_id = wr_id;
@@ -175,7 +179,11 @@ int pv_post_send(struct ibv_qp *qp, uint64_t wr_id, int opcode, unsigned int fla
 		wr.wr.ud.remote_qpn = rqpn;
 		wr.wr.ud.remote_qkey = rqkey;
 	}
-	return ibv_post_send(qp, &wr, &bad);
+	*polled = 0;
+	int rc = ibv_post_send(qp, &wr, &bad);
+	if (rc == 0 && cq)
+		*polled = ibv_poll_cq(cq, nwc, wc);
+	return rc;
 }
 
 int pv_post_recv(struct ibv_qp *qp, uint64_t wr_id, struct ibv_sge *sge, int nsge) {

@@ -74,7 +74,7 @@ int pv_query_srq(pv_lib *l, struct ibv_srq *s, struct ibv_srq_attr *a);
 int pv_destroy_srq(pv_lib *l, struct ibv_srq *s);
 struct ibv_ah *pv_create_ah(pv_lib *l, struct ibv_pd *pd, struct ibv_ah_attr *a);
 int pv_destroy_ah(pv_lib *l, struct ibv_ah *ah);
-int pv_post_send(struct ibv_qp *qp, uint64_t wr_id, int opcode, unsigned int flags, uint32_t imm, struct ibv_sge *sge, int nsge, uint64_t raddr, uint32_t rkey, uint64_t cmp_add, uint64_t swap, struct ibv_ah *ah, uint32_t rqpn, uint32_t rqkey);
+int pv_post_send(struct ibv_qp *qp, uint64_t wr_id, int opcode, unsigned int flags, uint32_t imm, struct ibv_sge *sge, int nsge, uint64_t raddr, uint32_t rkey, uint64_t cmp_add, uint64_t swap, struct ibv_ah *ah, uint32_t rqpn, uint32_t rqkey, struct ibv_cq *cq, int nwc, struct ibv_wc *wc, int *polled);
 int pv_post_recv(struct ibv_qp *qp, uint64_t wr_id, struct ibv_sge *sge, int nsge);
 int pv_post_srq_recv(struct ibv_srq *srq, uint64_t wr_id, struct ibv_sge *sge, int nsge);
 int pv_channel_fd(struct ibv_comp_channel *ch);

@@ -30,6 +30,7 @@ type QP struct {
 
 	sendMu  sync.Mutex
 	sendSGE *C.struct_ibv_sge // cap.MaxSendSGE entries, C memory
+	polled  *C.int            // how many completions the post's poll took; C memory, under sendMu
 	recvMu  sync.Mutex
 	recvSGE *C.struct_ibv_sge
 	dead    bool // guarded by p.d.mu
@@ -95,6 +96,7 @@ func (p *PD) CreateQP(attr hostverbs.QPInitAttr) (hostverbs.QP, error) {
 	sgeSize := C.size_t(unsafe.Sizeof(C.struct_ibv_sge{}))
 	q.sendSGE = (*C.struct_ibv_sge)(C.calloc(C.size_t(max(q.cap.MaxSendSGE, 1)), sgeSize))
 	q.recvSGE = (*C.struct_ibv_sge)(C.calloc(C.size_t(max(q.cap.MaxRecvSGE, 1)), sgeSize))
+	q.polled = (*C.int)(C.calloc(1, C.size_t(unsafe.Sizeof(C.int(0)))))
 	p.qps[q] = struct{}{}
 	send.users++
 	recv.users++
@@ -234,28 +236,45 @@ func (q *QP) PostSend(wr *hostverbs.SendWR) error {
 			return fmt.Errorf("post send: %w", err)
 		}
 	}
-	if err := q.postSend(wr, op, ah); err != nil {
+	// Take what the post completed at once, in the same C call (see
+	// CQ.tryLockLive): the send CQ's lock, if free, is held across the post.
+	cq := q.send.tryLockLive()
+	n, err := q.postSend(wr, op, ah, cq)
+	if cq != nil {
+		cq.deliverPolled(n)
+		cq.mu.Unlock()
+	}
+	if err != nil {
 		return fmt.Errorf("post send: %w", err)
 	}
-	// Take what the post completed at once (see CQ.pollNow).
-	q.send.pollNow()
 	return nil
 }
 
-func (q *QP) postSend(wr *hostverbs.SendWR, op C.int, ah *C.struct_ibv_ah) error {
+// postSend posts wr and, if cq is set (locked by the caller), polls up to
+// pollBatch of its completions into its buffer; it returns how many (a
+// negative count is the poll's failure).
+func (q *QP) postSend(wr *hostverbs.SendWR, op C.int, ah *C.struct_ibv_ah, cq *CQ) (int, error) {
 	q.sendMu.Lock()
 	defer q.sendMu.Unlock()
+	if q.sendSGE == nil { // destroyed
+		return 0, hostverbs.ErrClosed
+	}
 	if err := fillSGL(q.sendSGE, q.cap.MaxSendSGE, wr.SGL); err != nil {
-		return err
+		return 0, err
+	}
+	var ccq *C.struct_ibv_cq
+	var wc *C.struct_ibv_wc
+	if cq != nil {
+		ccq, wc = cq.cq, cq.wc
 	}
 	flags := C.uint(wr.Flags &^ hostverbs.SendInline)
 	rc := C.pv_post_send(q.qp, C.uint64_t(wr.WRID), op, flags, C.uint32_t(wr.ImmData), q.sendSGE, C.int(len(wr.SGL)),
 		C.uint64_t(wr.RemoteAddr), C.uint32_t(wr.RKey), C.uint64_t(wr.CompareAdd), C.uint64_t(wr.Swap),
-		ah, C.uint32_t(wr.RemoteQPN), C.uint32_t(wr.RemoteQKey))
+		ah, C.uint32_t(wr.RemoteQPN), C.uint32_t(wr.RemoteQKey), ccq, pollBatch, wc, q.polled)
 	if rc != 0 {
-		return hostErr(errnoErr("ibv_post_send", rc, nil))
+		return 0, hostErr(errnoErr("ibv_post_send", rc, nil))
 	}
-	return nil
+	return int(*q.polled), nil
 }
 
 // PostRecv posts one receive WR on the QP's own RQ.
@@ -265,6 +284,9 @@ func (q *QP) PostRecv(wr *hostverbs.RecvWR) error {
 	}
 	q.recvMu.Lock()
 	defer q.recvMu.Unlock()
+	if q.recvSGE == nil { // destroyed
+		return fmt.Errorf("post recv: %w", hostverbs.ErrClosed)
+	}
 	if err := fillSGL(q.recvSGE, q.cap.MaxRecvSGE, wr.SGL); err != nil {
 		return fmt.Errorf("post recv: %w", err)
 	}
@@ -294,7 +316,8 @@ func (q *QP) Destroy() error {
 	rc, err := C.pv_destroy_qp(d.p.lib.l, q.qp)
 	C.free(unsafe.Pointer(q.sendSGE))
 	C.free(unsafe.Pointer(q.recvSGE))
-	q.sendSGE, q.recvSGE = nil, nil
+	C.free(unsafe.Pointer(q.polled))
+	q.sendSGE, q.recvSGE, q.polled = nil, nil, nil
 	q.recvMu.Unlock()
 	q.sendMu.Unlock()
 	d.mu.Lock()
