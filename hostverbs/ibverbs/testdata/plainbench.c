@@ -10,17 +10,13 @@
 //                     raises an event (an armed CQ disarms on its event)
 //   SEND8ARMED <usec> the same with the send and the receive CQ both armed
 //                     at every post (an event-driven program's state)
-//   SEND8WAITER <usec> SEND8 with a second thread waiting in epoll on the
-//                     channel's descriptor, as the relay's poller does
 //   SEND8MEMFD <usec> SEND8 with both MRs over a shared memfd mapping, as
 //                     the relay's (guest RAM) are
 // Usage: plainbench DEV GID_INDEX NWRITES NSENDS
 #define _GNU_SOURCE
 #include <infiniband/verbs.h>
-#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
-#include <sys/epoll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,18 +29,6 @@ static double now(void) {
 }
 
 static void die(const char *what) { perror(what); exit(1); }
-
-// waiter sleeps in epoll on a descriptor (edge triggered) until told to stop:
-// a thread that the completion event wakes, as Go's poller is in the relay.
-static volatile int waiter_stop;
-static void *waiter(void *arg) {
-	int ep = epoll_create1(0), fd = *(int *)arg;
-	struct epoll_event ev = {.events = EPOLLIN | EPOLLET}, out;
-	if (ep < 0 || epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev)) die("epoll");
-	while (!waiter_stop)
-		epoll_wait(ep, &out, 1, 100);
-	return NULL;
-}
 
 static struct ibv_qp *mkqp(struct ibv_pd *pd, struct ibv_cq *cq) {
 	struct ibv_qp_init_attr ia = {.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
@@ -193,25 +177,6 @@ int main(int argc, char **argv) {
 			;
 	}
 	printf("SEND8ARMED %.1f usec (mean of %d; %.1f usec in ibv_post_send)\n", total / ns * 1e6, ns, inpost4 / ns * 1e6);
-
-	pthread_t th;
-	if (pthread_create(&th, NULL, waiter, &ch->fd)) die("thread");
-	total = 0;
-	double inpost2 = 0;
-	for (int i = 0; i < ns; i++) {
-		if (ibv_post_recv(b, &rwr, &rbad)) die("post recv");
-		double s = now();
-		if (ibv_post_send(a, &wr, &bad)) die("post send");
-		inpost2 += now() - s;
-		wait_one(ch, cq, &wc);
-		total += now() - s;
-		struct ibv_wc rwc;
-		while (ibv_poll_cq(rcq, 1, &rwc) == 0)
-			;
-	}
-	waiter_stop = 1;
-	pthread_join(th, NULL);
-	printf("SEND8WAITER %.1f usec (mean of %d; %.1f usec in ibv_post_send)\n", total / ns * 1e6, ns, inpost2 / ns * 1e6);
 
 	int mfd = memfd_create("plainbench", 0);
 	if (mfd < 0 || ftruncate(mfd, 2 << 20)) die("memfd");
