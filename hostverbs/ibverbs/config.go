@@ -19,8 +19,9 @@ type Config struct {
 	// waits for the next event. Completions that come meanwhile (typically
 	// the answer to what just completed) are taken without an event, so
 	// no thread is woken while a post is inside its system call (rxe
-	// completes a loopback send there). It costs that much CPU after each
-	// burst of completions. 0: arm at once.
+	// completes a loopback send there). Completions a poster takes from
+	// its own post count as activity too. It costs that much CPU after
+	// each burst of completions. 0: arm at once.
 	BusyPoll time.Duration
 	// Logger is the provider's logger; nil means slog.Default().
 	Logger *slog.Logger
