@@ -47,7 +47,17 @@ unit:
 vmtest: image
 	$(GO) test -tags vm -count=1 -p 1 -v -timeout $(VM_TIMEOUT) ./...
 
-test: deps image unit vmtest
+# The unit tests and then the VM tests, the VM tests even if a unit test failed; fails if
+# either did (each `go test ./...` runs every package and reports every failure). The
+# VM tests' sub-make takes deps and image as made (-o) rather than making them again.
+test: deps image
+	@unit=0; vm=0; \
+	$(MAKE) unit || unit=$$?; \
+	$(MAKE) -o deps -o image vmtest || vm=$$?; \
+	if [ $$unit -ne 0 ] || [ $$vm -ne 0 ]; then \
+		echo "make test: unit tests $$([ $$unit -eq 0 ] && echo passed || echo FAILED), VM tests $$([ $$vm -eq 0 ] && echo passed || echo FAILED)" >&2; \
+		exit 1; \
+	fi
 
 # The main job: the daemon plus two stock guests doing RDMA through it.
 demo: deps image bin

@@ -25,19 +25,21 @@ const (
 
 // dialAs connects to the unix socket path as uid (primary group gid,
 // supplementary groups groups) with perl from perl-base, and reports what
-// the daemon did within a second: "open" (kept the connection), "eof"
-// (closed it at once) or the connect error.
-func dialAs(t *testing.T, path string, uid, gid int, groups string) string {
+// the daemon did within wait: "open" (kept the connection), "eof" (closed
+// it) or the connect error. An expected "eof" is waited for up to a
+// generous wait (it comes as soon as the daemon refuses the peer); "open"
+// is what a daemon that keeps the connection for wait looks like.
+func dialAs(t *testing.T, path string, uid, gid int, groups string, wait time.Duration) string {
 	t.Helper()
 	script := `use IO::Socket::UNIX; my $s = IO::Socket::UNIX->new(Peer => $ARGV[0]) or do { print "connect: $!\n"; exit 0 };
-vec(my $r = "", fileno($s), 1) = 1; if (select($r, undef, undef, 1.0) > 0) { my $n = sysread($s, my $x, 1); print $n ? "data\n" : "eof\n" } else { print "open\n" }`
+vec(my $r = "", fileno($s), 1) = 1; if (select($r, undef, undef, $ARGV[1]) > 0) { my $n = sysread($s, my $x, 1); print $n ? "data\n" : "eof\n" } else { print "open\n" }`
 	args := []string{"--reuid", strconv.Itoa(uid), "--regid", strconv.Itoa(gid)}
 	if groups == "" {
 		args = append(args, "--clear-groups")
 	} else {
 		args = append(args, "--groups", groups)
 	}
-	out, err := exec.Command("setpriv", append(args, "perl", "-e", script, path)...).CombinedOutput()
+	out, err := exec.Command("setpriv", append(args, "perl", "-e", script, path, strconv.FormatFloat(wait.Seconds(), 'f', -1, 64))...).CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	return strings.TrimSpace(string(out))
 }
@@ -68,17 +70,17 @@ func TestSocketAccess(t *testing.T) {
 	dir := filepath.Join(top, "pvrdma")
 
 	start := func(allow []uint32) (*Daemon, func()) {
+		logger, serving := servingLogger(slog.NewTextHandler(io.Discard, nil))
 		d, err := New(Config{SocketDir: dir, VMs: []VMRequest{{Name: "vm1"}}, SocketGroup: strconv.Itoa(testGID),
-			AllowUIDs: allow, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+			AllowUIDs: allow, Logger: logger})
 		require.NoError(t, err)
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan error, 1)
 		go func() { done <- d.Run(ctx) }()
-		require.Eventually(t, func() bool {
-			_, err := os.Stat(filepath.Join(dir, "control.sock"))
-			return err == nil
-		}, 2*time.Second, 10*time.Millisecond)
-		return d, func() { cancel(); require.NoError(t, <-done) }
+		stop := func() { cancel(); require.NoError(t, <-done) }
+		t.Cleanup(func() { cancel() }) // a failed wait leaves Run to the end of the test
+		waitServing(t, serving, done)
+		return d, stop
 	}
 	d, stop := start(nil)
 	mode := func(p string) (os.FileMode, uint32) {
@@ -96,18 +98,20 @@ func TestSocketAccess(t *testing.T) {
 	assert.Equal(t, os.FileMode(0o600), m, "control socket")
 
 	// nobody, outside the group, cannot even reach the socket.
-	assert.Contains(t, dialAs(t, d.SocketPath("vm1"), nobodyUID, nobodyUID, ""), "connect:")
+	assert.Contains(t, dialAs(t, d.SocketPath("vm1"), nobodyUID, nobodyUID, "", time.Second), "connect:")
 	// In the group only as a supplementary group: the files let it through,
 	// its credentials (uid nobody, gid nobody) do not.
-	assert.Equal(t, "eof", dialAs(t, d.SocketPath("vm1"), nobodyUID, nobodyUID, strconv.Itoa(testGID)))
-	assert.NotZero(t, d.Status().Counters["refused_peers"])
+	assert.Equal(t, "eof", dialAs(t, d.SocketPath("vm1"), nobodyUID, nobodyUID, strconv.Itoa(testGID), hangBound))
+	// (The daemon counts the refusal just after closing the connection.)
+	assert.Eventually(t, func() bool { return d.Status().Counters["refused_peers"] != 0 }, hangBound, 10*time.Millisecond,
+		"refused_peers")
 	// With the socket group as its group, it is QEMU's peer: served.
-	assert.Equal(t, "open", dialAs(t, d.SocketPath("vm1"), nobodyUID, testGID, strconv.Itoa(testGID)))
+	assert.Equal(t, "open", dialAs(t, d.SocketPath("vm1"), nobodyUID, testGID, strconv.Itoa(testGID), time.Second))
 	stop()
 
 	// An allowed uid is served whatever its group.
 	d, stop = start([]uint32{nobodyUID})
-	assert.Equal(t, "open", dialAs(t, d.SocketPath("vm1"), nobodyUID, nobodyUID, strconv.Itoa(testGID)))
+	assert.Equal(t, "open", dialAs(t, d.SocketPath("vm1"), nobodyUID, nobodyUID, strconv.Itoa(testGID), time.Second))
 	stop()
 }
 

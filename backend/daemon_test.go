@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
@@ -16,11 +17,70 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser/vfiousertest"
 )
 
+// hangBound bounds the tests' waits for an event (the daemon serving, a
+// connection torn down): it only turns a hang into a failure, and is
+// generous so that a loaded machine does not fail them.
+const hangBound = 30 * time.Second
+
+// servingLogger returns a logger writing to h and a channel closed when
+// the daemon logs "serving": Run has its control socket listening with
+// its permissions set. Waiting on it rather than polling for the socket
+// file (which exists before its mode is set) does not race the daemon.
+func servingLogger(h slog.Handler) (*slog.Logger, <-chan struct{}) {
+	ch := make(chan struct{})
+	return slog.New(servingHandler{Handler: h, once: new(sync.Once), serving: ch}), ch
+}
+
+type servingHandler struct {
+	slog.Handler
+	once    *sync.Once
+	serving chan struct{}
+}
+
+func (h servingHandler) Enabled(ctx context.Context, l slog.Level) bool {
+	return l >= slog.LevelInfo || h.Handler.Enabled(ctx, l)
+}
+
+func (h servingHandler) Handle(ctx context.Context, r slog.Record) error {
+	if r.Message == "serving" {
+		h.once.Do(func() { close(h.serving) })
+	}
+	if !h.Handler.Enabled(ctx, r.Level) {
+		return nil
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+func (h servingHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	h.Handler = h.Handler.WithAttrs(as)
+	return h
+}
+
+func (h servingHandler) WithGroup(name string) slog.Handler {
+	h.Handler = h.Handler.WithGroup(name)
+	return h
+}
+
+// waitServing waits until the daemon whose Run reports to done serves
+// (serving from servingLogger). If Run returns first, its error goes back
+// into done (for the caller's cleanup) and the test fails at once.
+func waitServing(t *testing.T, serving <-chan struct{}, done chan error) {
+	t.Helper()
+	select {
+	case <-serving:
+	case err := <-done:
+		done <- err
+		t.Fatalf("daemon stopped before serving: %v", err)
+	case <-time.After(hangBound):
+		t.Fatalf("daemon not serving after %v", hangBound)
+	}
+}
+
 func testDaemon(t *testing.T) (*Daemon, string, context.CancelFunc) {
 	t.Helper()
 	dir := t.TempDir()
-	d, err := New(Config{SocketDir: dir, VMs: []VMRequest{{Name: "vm1"}},
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	logger, serving := servingLogger(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	d, err := New(Config{SocketDir: dir, VMs: []VMRequest{{Name: "vm1"}}, Logger: logger})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -29,10 +89,7 @@ func testDaemon(t *testing.T) (*Daemon, string, context.CancelFunc) {
 		cancel()
 		require.NoError(t, <-done)
 	})
-	require.Eventually(t, func() bool {
-		_, err := os.Stat(filepath.Join(dir, "control.sock"))
-		return err == nil
-	}, 2*time.Second, 10*time.Millisecond)
+	waitServing(t, serving, done)
 	return d, dir, cancel
 }
 
@@ -85,7 +142,7 @@ func TestDaemonServesAPVRDMAFunctionPerVM(t *testing.T) {
 	assert.Equal(t, "52:54:00:77:00:02", st.VMs[1].MAC)
 
 	require.NoError(t, c.Close())
-	require.Eventually(t, func() bool { return !d.Status().VMs[0].Connected }, 2*time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return !d.Status().VMs[0].Connected }, hangBound, 10*time.Millisecond,
 		"EOF tears the device down")
 	// The VM socket serves the next QEMU (a restarted VM).
 	c3 := dialVM(t, d.SocketPath("vm1"))

@@ -104,7 +104,10 @@ func TestCVE_2018_20125_PageCounts(t *testing.T) {
 	}
 	errReg, _ := g.cmd(CmdCreateSRQ, CreateSRQ{PDirDMA: dir, PDHandle: pd, NChunks: 0xffffffff, Attrs: SRQAttr{MaxWR: 4, MaxSGE: 1}})
 	assert.NotZero(t, errReg)
-	assert.Less(t, time.Since(start), 2*time.Second, "refused up front, nothing sized by the guest")
+	// Refused up front: the time is logged, not judged (it measures the
+	// machine); tests/hostile's TestCVE_2018_20125_PageCounts bounds the
+	// heap these refusals may grow.
+	t.Logf("7 CQs, 6 QPs and an SRQ refused in %v", time.Since(start))
 	assert.Equal(t, 0, fv.count("qp"))
 }
 
