@@ -96,6 +96,17 @@ type VMStatus struct {
 	GIDRefusals       uint64 `json:"gid_refusals"`
 	LastRefusedGID    string `json:"last_refused_gid,omitempty"`
 	LastRefusedReason string `json:"last_refused_reason,omitempty"`
+	// QMPSocket is where the VM's QEMU connects the daemon's monitor
+	// (QEMUArgs' -chardev/-mon); QMP says what the daemon holds there:
+	// QMPNone (migrations and snapshots of the VM are not guarded),
+	// QMPConnected (a peer that is not, or not yet, the device's QEMU) or
+	// QMPVerified (the QEMU connected to the device).
+	QMPSocket string `json:"qmp_socket"`
+	QMP       string `json:"qmp"`
+	// MigrationsCancelled and SnapshotsCancelled count the migrations and
+	// snapshot jobs of the VM the daemon cancelled.
+	MigrationsCancelled uint64 `json:"migrations_cancelled"`
+	SnapshotsCancelled  uint64 `json:"snapshots_cancelled"`
 }
 
 // GIDStatus is one bound GID.

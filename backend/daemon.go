@@ -303,6 +303,10 @@ func (d *Daemon) Status() Status {
 // SocketPath returns the vfio-user socket of a registered VM.
 func (d *Daemon) SocketPath(name string) string { return SocketPath(d.cfg.SocketDir, name) }
 
+// QMPSocketPath returns the socket where a registered VM's QEMU connects
+// the daemon's QMP monitor (VMSpec.QMPArgs).
+func (d *Daemon) QMPSocketPath(name string) string { return QMPSocketPath(d.cfg.SocketDir, name) }
+
 // fabric is the daemon's verbs provider (the soft RoCE fabric, or the
 // relay to a host RDMA device) plus its host attachment.
 type fabric struct {

@@ -1,7 +1,10 @@
 package backend
 
 import (
+	"bytes"
 	"encoding/json"
+	"encoding/xml"
+	"errors"
 	"fmt"
 	"regexp"
 	"strings"
@@ -41,7 +44,7 @@ func (s VMSpec) LibvirtDomainXML(o LibvirtOptions) (string, error) {
 	if s.Bus != "" {
 		return "", fmt.Errorf("libvirt xml: a named bus (%s) is not supported; the device sits on the root bus", s.Bus)
 	}
-	if !xmlSafe(s.Socket) {
+	if !xmlSafe(s.Socket) || !xmlSafe(s.QMPSocket) {
 		return "", fmt.Errorf("libvirt xml: socket path %q: XML cannot carry it (invalid UTF-8 or control characters)", s.Socket)
 	}
 	if s.MemBytes%(1<<20) != 0 {
@@ -121,6 +124,12 @@ func (s VMSpec) LibvirtDomainXML(o LibvirtOptions) (string, error) {
 	w("  <qemu:commandline>")
 	w("    <qemu:arg value='-device'/>")
 	w("    <qemu:arg value='%s'/>", string(dev))
+	if qa := s.QMPArgs(); len(qa) > 0 {
+		w("    <!-- a QMP monitor of pvrdma-backend's own: it cancels migrations and snapshots, which would drop the device -->")
+		for _, a := range qa {
+			w("    <qemu:arg value='%s'/>", a)
+		}
+	}
 	w("  </qemu:commandline>")
 	w("</domain>")
 	return b.String(), nil
@@ -163,3 +172,79 @@ var xmlEscaper = strings.NewReplacer("&", "&amp;", "<", "&lt;", ">", "&gt;", "'"
 	"\n", "&#xA;", "\r", "&#xD;", "\t", "&#x9;")
 
 func xmlEscape(s string) string { return xmlEscaper.Replace(s) }
+
+// LibvirtHookOps are the libvirt qemu hook operations the hook refuses for
+// a domain with the device: "migrate" (libvirt runs it on the destination
+// of an incoming migration) and "restore" (a saved image started again).
+// QEMU's vfio-user-pci carries no device state in either, so the guest
+// would resume with a device whose objects are gone and with memory the
+// device wrote missing. libvirt runs no hook on the source of a save: the
+// daemon's QMP monitor cancels that migration (vmmonitor.go).
+var LibvirtHookOps = map[string]bool{"migrate": true, "restore": true}
+
+// ErrHookRefused is the libvirt hook's refusal.
+var ErrHookRefused = errors.New("refused")
+
+// LibvirtHook decides a libvirt qemu hook call (/etc/libvirt/hooks/qemu.d/):
+// domain and op are its first two arguments, domainXML its standard input.
+// It returns an error naming the device for an operation in
+// LibvirtHookOps on a domain with a vfio-user-pci device, and nil
+// otherwise (every other operation, and domains without the device, pass
+// untouched: the hook must never stand in the way of other VMs).
+func LibvirtHook(domain, op string, domainXML []byte) error {
+	if !LibvirtHookOps[op] {
+		return nil
+	}
+	socks, err := libvirtVFIOUserSockets(domainXML)
+	if err != nil {
+		// Unreadable XML: refuse only if it names the device at all.
+		if !bytes.Contains(domainXML, []byte("vfio-user-pci")) {
+			return nil
+		}
+		socks = []string{"(domain XML unreadable: " + err.Error() + ")"}
+	}
+	if len(socks) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w to %s domain %q: it has a PVRDMA device (vfio-user-pci, socket %s), "+
+		"and QEMU's vfio-user-pci cannot carry that device's state, so the guest would resume with a dead device "+
+		"and lose the memory the device wrote; shut the VM down and start it again instead: %w",
+		ErrHookRefused, op, domain, strings.Join(socks, ", "), ErrNotMigratable)
+}
+
+// ErrNotMigratable: a VM with the device cannot be migrated, saved or
+// restored (QEMU 11's vfio-user-pci has no migration support).
+var ErrNotMigratable = errors.New("a VM with a vfio-user PVRDMA device cannot be migrated, saved or restored")
+
+// libvirtVFIOUserSockets returns the vfio-user sockets of the
+// vfio-user-pci devices a domain's <qemu:commandline> adds.
+func libvirtVFIOUserSockets(domainXML []byte) ([]string, error) {
+	var dom struct {
+		Args []struct {
+			Value string `xml:"value,attr"`
+		} `xml:"commandline>arg"`
+	}
+	if err := xml.Unmarshal(domainXML, &dom); err != nil {
+		return nil, fmt.Errorf("domain XML: %w", err)
+	}
+	var socks []string
+	for i, a := range dom.Args {
+		if a.Value != "-device" || i+1 >= len(dom.Args) {
+			continue
+		}
+		v := dom.Args[i+1].Value
+		var dev struct {
+			Driver string `json:"driver"`
+			Socket struct {
+				Path string `json:"path"`
+			} `json:"socket"`
+		}
+		switch {
+		case json.Unmarshal([]byte(v), &dev) == nil && dev.Driver == "vfio-user-pci":
+			socks = append(socks, dev.Socket.Path)
+		case strings.HasPrefix(v, "vfio-user-pci,") || strings.HasPrefix(v, "driver=vfio-user-pci"):
+			socks = append(socks, v)
+		}
+	}
+	return socks, nil
+}

@@ -135,3 +135,70 @@ func FuzzLibvirtDomainXML(f *testing.F) {
 		require.Equal(t, name, d.Name)
 	})
 }
+
+// TestLibvirtDomainXMLMonitor: with a QMP socket the domain carries the
+// daemon's monitor as <qemu:commandline> arguments, as qemu-args does.
+func TestLibvirtDomainXMLMonitor(t *testing.T) {
+	spec := VMSpec{Name: "vm1", Slot: 6, MemBytes: 2 << 30, Netdev: "net0", Socket: "/run/pvrdma/vm1.sock", QMPSocket: "/run/pvrdma/vm1,x.qmp"}
+	x, err := spec.LibvirtDomainXML(LibvirtOptions{})
+	require.NoError(t, err)
+	var d domainXML
+	require.NoError(t, xml.Unmarshal([]byte(x), &d), x)
+	var args []string
+	for _, a := range d.Args {
+		args = append(args, a.Value)
+	}
+	require.Len(t, args, 6)
+	require.Equal(t, []string{"-chardev", "socket,id=pvrdma-qmp,path=/run/pvrdma/vm1,,x.qmp,reconnect-ms=1000",
+		"-mon", "chardev=pvrdma-qmp,mode=control"}, args[2:], "a comma in the path is doubled for QEMU's option syntax")
+	q, err := spec.QEMUArgs()
+	require.NoError(t, err)
+	require.Equal(t, args[2:], q[len(q)-4:], "qemu-args and libvirt-xml give the same monitor")
+}
+
+// TestLibvirtHook: the hook refuses migrate and restore of a domain that
+// libvirt-xml printed (and one in QEMU's legacy -device syntax), and
+// passes every other operation and every domain without the device.
+func TestLibvirtHook(t *testing.T) {
+	spec := VMSpec{Name: "vm1", Slot: 6, MemBytes: 2 << 30, Netdev: "net0", Socket: "/run/pvrdma/vm1.sock", QMPSocket: "/run/pvrdma/vm1.qmp"}
+	x, err := spec.LibvirtDomainXML(LibvirtOptions{})
+	require.NoError(t, err)
+	for _, op := range []string{"migrate", "restore"} {
+		err := LibvirtHook("vm1", op, []byte(x))
+		require.ErrorIs(t, err, ErrHookRefused, op)
+		require.ErrorIs(t, err, ErrNotMigratable, op)
+		require.Contains(t, err.Error(), "/run/pvrdma/vm1.sock", "the refusal names the device")
+		require.Contains(t, err.Error(), `to `+op+` domain "vm1"`)
+	}
+	for _, op := range []string{"prepare", "start", "started", "stopped", "release", "reconnect", "attach", ""} {
+		require.NoError(t, LibvirtHook("vm1", op, []byte(x)), op)
+	}
+	plain := `<domain type='kvm'><name>other</name><devices><interface type='network'/></devices>
+<qemu:commandline xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'><qemu:arg value='-device'/><qemu:arg value='{"driver":"virtio-rng-pci"}'/></qemu:commandline></domain>`
+	require.NoError(t, LibvirtHook("other", "migrate", []byte(plain)), "a domain without the device migrates")
+	legacy := `<domain xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'><name>l</name><qemu:commandline>
+<qemu:arg value='-device'/><qemu:arg value='vfio-user-pci,socket.type=unix,socket.path=/run/pvrdma/l.sock'/></qemu:commandline></domain>`
+	require.ErrorIs(t, LibvirtHook("l", "restore", []byte(legacy)), ErrHookRefused)
+	require.ErrorIs(t, LibvirtHook("b", "migrate", []byte("<domain><vfio-user-pci")), ErrHookRefused,
+		"unreadable XML that names the device is refused")
+	require.NoError(t, LibvirtHook("b", "migrate", []byte("<domain><disk")), "unreadable XML without the device passes")
+}
+
+func FuzzLibvirtHook(f *testing.F) {
+	spec := VMSpec{Name: "vm1", Slot: 6, MemBytes: 1 << 30, Netdev: "net0", Socket: "/run/pvrdma/vm1.sock", QMPSocket: "/run/pvrdma/vm1.qmp"}
+	x, err := spec.LibvirtDomainXML(LibvirtOptions{})
+	require.NoError(f, err)
+	f.Add("migrate", x)
+	f.Add("restore", `<domain><qemu:commandline><qemu:arg value='-device'/></qemu:commandline></domain>`)
+	f.Add("start", x)
+	f.Fuzz(func(t *testing.T, op, domainXML string) {
+		err := LibvirtHook("d", op, []byte(domainXML))
+		if !LibvirtHookOps[op] {
+			require.NoError(t, err, "only migrate and restore are ever refused")
+		}
+		if err != nil {
+			require.ErrorIs(t, err, ErrHookRefused)
+			require.Contains(t, domainXML, "vfio-user-pci", "refused a domain that never names the device")
+		}
+	})
+}

@@ -43,10 +43,18 @@ type vmSession struct {
 	refusals atomic.Uint64
 	locked   *vdev.Budget // the guest memory its QEMU may map and lock
 
+	// The daemon's QMP monitors of the VM's QEMU (vmmonitor.go).
+	qmpSocket           string
+	qmpLn               net.Listener
+	qmpDone             chan struct{} // closed when serveMonitors returns
+	migrationsCancelled atomic.Uint64
+	snapshotsCancelled  atomic.Uint64
+
 	mu          sync.Mutex
-	conn        *vmConn       // the connected QEMU, if any
-	connGone    chan struct{} // closed when conn's teardown ends
-	lastRefused [2]string     // GID and reason of the latest refused bind
+	conn        *vmConn                 // the connected QEMU, if any
+	connGone    chan struct{}           // closed when conn's teardown ends
+	lastRefused [2]string               // GID and reason of the latest refused bind
+	monitors    map[*vmMonitor]struct{} // nil once the session stops
 }
 
 // reconnectWait bounds how long a new QEMU connection waits for the
@@ -59,6 +67,7 @@ const reconnectWait = 2 * time.Second
 // vmConn is the device stack of one QEMU connection.
 type vmConn struct {
 	since time.Time
+	pid   int32 // the QEMU's process (SO_PEERCRED), 0 if unknown
 	mem   *guestmem.Memory
 	verbs hostverbs.Device
 	dev   *vdev.Device
@@ -71,6 +80,7 @@ type vmConn struct {
 
 func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode hostverbs.GIDType, locked *vdev.Budget) (*vmSession, error) {
 	s := &vmSession{d: d, name: name, mac: mac, mode: mode, socket: SocketPath(d.cfg.SocketDir, name),
+		qmpSocket: QMPSocketPath(d.cfg.SocketDir, name), qmpDone: make(chan struct{}), monitors: map[*vmMonitor]struct{}{},
 		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
 	s.lim = ratelog.New(s.log, 0)
 	s.binds = ratelog.NewBucket(d.cfg.GIDBindRate, d.cfg.GIDBindBurst)
@@ -87,7 +97,13 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode h
 		_ = ln.Close()
 		return nil, fmt.Errorf("VM %s: %w", name, err)
 	}
-	s.srv = srv
+	qln, err := s.listenMonitors()
+	if err != nil {
+		_ = ln.Close()
+		return nil, fmt.Errorf("VM %s: %w", name, err)
+	}
+	s.srv, s.qmpLn = srv, qln
+	go s.serveMonitors(qln)
 	go func() {
 		defer close(s.done)
 		if err := srv.Serve(d.access.listener(ln, "vm")); err != nil && !errors.Is(err, vfiouser.ErrServerClosed) && !errors.Is(err, net.ErrClosed) {
@@ -101,6 +117,10 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode h
 // stop closes the socket and any connection; the connection's device is
 // torn down by its Close callback.
 func (s *vmSession) stop() {
+	_ = s.qmpLn.Close()
+	s.closeMonitors()
+	<-s.qmpDone
+	_ = os.Remove(s.qmpSocket)
 	_ = s.srv.Close()
 	<-s.done
 	_ = os.Remove(s.socket)
@@ -131,7 +151,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 			return nil, fmt.Errorf("VM %s already has a connected QEMU (since %s)", s.name, old.since.Format(time.RFC3339))
 		}
 	}
-	c := &vmConn{since: time.Now(), mem: h.Memory, gids: map[int]hostverbs.GIDEntry{}}
+	c := &vmConn{since: time.Now(), pid: h.PeerPID, mem: h.Memory, gids: map[int]hostverbs.GIDEntry{}}
 	var mac [6]byte
 	copy(mac[:], s.mac)
 	var events eventRelay
@@ -279,7 +299,8 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 
 func (s *vmSession) status() VMStatus {
 	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String(),
-		GIDAllow: FormatGIDAllow(s.policy.allow), RoCEMode: RoCEModeName(s.mode), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit()}
+		GIDAllow: FormatGIDAllow(s.policy.allow), RoCEMode: RoCEModeName(s.mode), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit(),
+		QMPSocket: s.qmpSocket, QMP: s.monitorState(), MigrationsCancelled: s.migrationsCancelled.Load(), SnapshotsCancelled: s.snapshotsCancelled.Load()}
 	for _, a := range s.d.owners.reserved(s.name) {
 		st.ReservedGIDs = append(st.ReservedGIDs, a.String())
 	}

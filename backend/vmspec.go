@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // ErrBadVMName: a VM name is empty, too long or has characters that cannot
@@ -65,6 +66,11 @@ type VMSpec struct {
 	Netdev string
 	// Socket is the vfio-user socket path.
 	Socket string
+	// QMPSocket, if set, is the daemon's QMP socket for the VM
+	// (QMPSocketPath): QEMU connects a monitor of the daemon's own to it
+	// (QMPArgs), with which the daemon guards the VM against migrations
+	// and snapshots that would drop the device.
+	QMPSocket string
 	// GIDAllow is the VM's GID allow list as registered with the daemon
 	// (VMRequest.GIDAllow); nil means the daemon's default.
 	GIDAllow []string
@@ -158,14 +164,36 @@ func (s VMSpec) QEMUArgs() ([]string, error) {
 		return nil, err
 	}
 	mem := strconv.FormatUint(s.MemBytes>>20, 10) + "M"
-	return []string{
+	return append([]string{
 		"-m", mem,
 		"-object", "memory-backend-memfd,id=pvrdma-ram,size=" + mem + ",share=on,prealloc=on",
 		"-machine", "q35,memory-backend=pvrdma-ram",
 		"-overcommit", "mem-lock=on",
 		"-device", string(nic),
 		"-device", string(dev),
-	}, nil
+	}, s.QMPArgs()...), nil
+}
+
+// QMPReconnect is how often QEMU retries its connection to the daemon's
+// QMP socket while the daemon is away (QEMU reports the first failure
+// once, not every retry).
+const QMPReconnect = time.Second
+
+// QMPArgs returns the arguments that connect a QMP monitor of the
+// daemon's own to QMPSocket (none without one): QEMU is the client and
+// reconnects by itself, so the daemon needs no access to the VM's main
+// monitor and finds the monitor again after a restart. -mon rather than
+// QEMU 11's -object monitor-qmp, which QEMU 10.1 lacks (QEMU 11 warns
+// that -mon is deprecated).
+func (s VMSpec) QMPArgs() []string {
+	if s.QMPSocket == "" {
+		return nil
+	}
+	return []string{
+		"-chardev", "socket,id=pvrdma-qmp,path=" + strings.ReplaceAll(s.QMPSocket, ",", ",,") +
+			",reconnect-ms=" + strconv.FormatInt(QMPReconnect.Milliseconds(), 10),
+		"-mon", "chardev=pvrdma-qmp,mode=control",
+	}
 }
 
 // ParseVMFlag parses a `serve --vm` value: NAME, NAME=MAC, then optional

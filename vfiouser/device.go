@@ -171,6 +171,9 @@ type Host struct {
 	IRQs *IRQs
 	// Logger is the connection's logger.
 	Logger *slog.Logger
+	// PeerPID is the client's process ID as the kernel gave it when the
+	// socket connected (SO_PEERCRED); 0 if unknown (not a unix socket).
+	PeerPID int32
 }
 
 // NewDeviceFunc makes the device for one connection. ctx is canceled when

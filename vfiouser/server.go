@@ -190,7 +190,7 @@ func (s *Server) ServeConn(uc *net.UnixConn, name string) error {
 		_ = uc.Close()
 		return err
 	}
-	return s.serveTransport(t, name)
+	return s.serveTransport(t, name, peerPID(uc))
 }
 
 // ServeStream serves one connection whose client side is the scripted
@@ -201,7 +201,7 @@ func (s *Server) ServeConn(uc *net.UnixConn, name string) error {
 // traffic. The connection ends at the end of the script.
 func (s *Server) ServeStream(segs []Segment) ([][]byte, error) {
 	t := newMemTransport(append([]Segment(nil), segs...), oobFDs)
-	err := s.serveTransport(t, "stream")
+	err := s.serveTransport(t, "stream", 0)
 	return t.Written(), err
 }
 
@@ -240,9 +240,10 @@ func (s *Server) isClosing() bool {
 	return s.closing
 }
 
-// serveTransport runs one connection on t to its end.
-func (s *Server) serveTransport(t transport, name string) error {
-	c, err := s.newConn(t, name)
+// serveTransport runs one connection on t to its end; pid is the
+// client's process (0: unknown).
+func (s *Server) serveTransport(t transport, name string, pid int32) error {
+	c, err := s.newConn(t, name, pid)
 	if err != nil {
 		_ = t.close()
 		return err
@@ -272,7 +273,7 @@ func (s *Server) serveTransport(t transport, name string) error {
 }
 
 // newConn builds a connection and its device.
-func (s *Server) newConn(t transport, name string) (*conn, error) {
+func (s *Server) newConn(t transport, name string, pid int32) (*conn, error) {
 	id := s.seq.Add(1)
 	name = fmt.Sprintf("%s#%d", name, id)
 	log := s.log.With("vfio_user", name)
@@ -294,7 +295,7 @@ func (s *Server) newConn(t transport, name string) (*conn, error) {
 	c.tok <- struct{}{}
 	c.mem = guestmem.New(guestmem.WithRemote(c))
 	c.irqs = &IRQs{}
-	h := &Host{Name: name, Memory: c.mem, IRQs: c.irqs, Logger: log}
+	h := &Host{Name: name, Memory: c.mem, IRQs: c.irqs, Logger: log, PeerPID: pid}
 	dev, err := s.cfg.NewDevice(ctx, h)
 	if err != nil {
 		cancel()

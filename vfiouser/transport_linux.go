@@ -127,3 +127,19 @@ func (t *unixTransport) write(p []byte, fds []int) error {
 func (t *unixTransport) setReadDeadline(d time.Time) error { return t.c.SetReadDeadline(d) }
 
 func (t *unixTransport) close() error { return t.c.Close() }
+
+// peerPID returns the process at the other end of a unix socket as the
+// kernel recorded it at connect (SO_PEERCRED), or 0.
+func peerPID(c *net.UnixConn) int32 {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	var pid int32
+	_ = rc.Control(func(fd uintptr) {
+		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
+			pid = cred.Pid
+		}
+	})
+	return pid
+}

@@ -63,6 +63,7 @@ type doctorOpts struct {
 // hostEnv is the host as the checks see it; tests point it at fake trees.
 type hostEnv struct {
 	proc, sys, dev, modules string // /proc, /sys, /dev, /lib/modules
+	etc                     string // /etc
 	libDirs                 []string
 	lookPath                func(string) (string, error)
 	run                     func(ctx context.Context, name string, args ...string) ([]byte, error)
@@ -74,7 +75,7 @@ func realHost() hostEnv {
 	var uts unix.Utsname
 	_ = unix.Uname(&uts)
 	return hostEnv{
-		proc: "/proc", sys: "/sys", dev: "/dev", modules: "/lib/modules",
+		proc: "/proc", sys: "/sys", dev: "/dev", modules: "/lib/modules", etc: "/etc",
 		libDirs:  []string{"/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"},
 		lookPath: exec.LookPath,
 		run: func(ctx context.Context, name string, args ...string) ([]byte, error) {
@@ -183,7 +184,7 @@ func doctor(ctx context.Context, h hostEnv, o doctorOpts) []checkResult {
 	if o.createRXE == "" {
 		res = append(res, checkRXE(h))
 	}
-	res = append(res, checkKVM(h))
+	res = append(res, checkKVM(h), checkLibvirtHook(h))
 	return res
 }
 
@@ -604,4 +605,31 @@ func checkKVM(h hostEnv) checkResult {
 	}
 	f.Close()
 	return ok(name, "%s opens (QEMU can use KVM where the CPU allows it)", p)
+}
+
+// checkLibvirtHook: where libvirt is installed, its qemu hook refuses
+// migrate and restore of domains with the device (packaging/libvirt-hook).
+func checkLibvirtHook(h hostEnv) checkResult {
+	const name = "libvirt-hook"
+	_, errd := h.lookPath("libvirtd")
+	_, errq := h.lookPath("virtqemud")
+	if _, err := os.Stat(filepath.Join(h.etc, "libvirt")); err != nil && errd != nil && errq != nil {
+		return ok(name, "libvirt is not installed: no hook needed")
+	}
+	p := filepath.Join(h.etc, strings.TrimPrefix(LibvirtHookPath, "/etc/"))
+	const fix = "reinstall the package, or install packaging/libvirt-hook as " + LibvirtHookPath + " (mode 0755); then restart libvirtd"
+	fi, err := os.Stat(p)
+	if err != nil {
+		return fail(name, fix, "%s: %v: libvirt would migrate, save and restore VMs with the device, which drops it", p, err)
+	}
+	b, err := os.ReadFile(p)
+	switch {
+	case err != nil:
+		return fail(name, fix, "%s: %v", p, err)
+	case !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0:
+		return fail(name, fix, "%s is not an executable file (mode %v): libvirt skips it", p, fi.Mode())
+	case !strings.Contains(string(b), "pvrdma-backend libvirt-hook"):
+		return fail(name, fix, "%s does not run `pvrdma-backend libvirt-hook`", p)
+	}
+	return ok(name, "%s refuses migrate and restore of domains with the device (libvirtd loads hooks when it starts)", p)
 }

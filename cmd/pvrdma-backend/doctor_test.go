@@ -40,7 +40,7 @@ func fakeHost(t *testing.T) hostEnv {
 	root := t.TempDir()
 	h := hostEnv{
 		proc: filepath.Join(root, "proc"), sys: filepath.Join(root, "sys"), dev: filepath.Join(root, "dev"),
-		modules: filepath.Join(root, "modules"), kernel: "6.1.0-test",
+		etc: filepath.Join(root, "etc"), modules: filepath.Join(root, "modules"), kernel: "6.1.0-test",
 		libDirs:  []string{filepath.Join(root, "lib")},
 		lookPath: func(string) (string, error) { return "", exec.ErrNotFound },
 		run: func(ctx context.Context, name string, args ...string) ([]byte, error) {

@@ -3,11 +3,11 @@ package main
 import (
 	"bytes"
 	"context"
-	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -22,6 +22,47 @@ func cli(t *testing.T, args ...string) (int, string, string) {
 	var out, errb bytes.Buffer
 	code := run(context.Background(), args, &out, &errb)
 	return code, out.String(), errb.String()
+}
+
+// servingSignal is a log handler that discards the daemon's log and closes
+// serving when it logs "serving" (its control socket is listening).
+type servingSignal struct {
+	once    *sync.Once
+	serving chan struct{}
+}
+
+func (servingSignal) Enabled(_ context.Context, l slog.Level) bool { return l >= slog.LevelInfo }
+func (h servingSignal) Handle(_ context.Context, r slog.Record) error {
+	if r.Message == "serving" {
+		h.once.Do(func() { close(h.serving) })
+	}
+	return nil
+}
+func (h servingSignal) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h servingSignal) WithGroup(string) slog.Handler      { return h }
+
+// runDaemon runs a daemon on cfg until the test ends and returns once it
+// serves. The wait is on the daemon's signal, bounded only against a hang:
+// a generous bound, so that a loaded machine does not fail the test.
+func runDaemon(t *testing.T, cfg backend.Config) {
+	t.Helper()
+	sig := servingSignal{once: new(sync.Once), serving: make(chan struct{})}
+	cfg.Logger = slog.New(sig)
+	d, err := backend.New(cfg)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	const hangBound = 30 * time.Second
+	select {
+	case <-sig.serving:
+	case err := <-done:
+		done <- err
+		t.Fatalf("daemon stopped before serving: %v", err)
+	case <-time.After(hangBound):
+		t.Fatalf("daemon not serving after %v", hangBound)
+	}
 }
 
 func TestUsage(t *testing.T) {
@@ -59,24 +100,16 @@ func TestUsage(t *testing.T) {
 
 func TestQEMUArgsRegistersAndGuardsTheMAC(t *testing.T) {
 	dir := t.TempDir()
-	d, err := backend.New(backend.Config{SocketDir: dir, VMs: []backend.VMRequest{{Name: "vm1"}, {Name: "vm3", RoCEMode: "v1"}},
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- d.Run(ctx) }()
-	defer func() { cancel(); require.NoError(t, <-done) }()
-	require.Eventually(t, func() bool {
-		_, err := os.Stat(filepath.Join(dir, "control.sock"))
-		return err == nil
-	}, 2*time.Second, 10*time.Millisecond)
+	runDaemon(t, backend.Config{SocketDir: dir, VMs: []backend.VMRequest{{Name: "vm1"}, {Name: "vm3", RoCEMode: "v1"}}})
 
 	code, out, stderr := cli(t, "qemu-args", "--vm", "vm2", "--socket-dir", dir, "--mem", "2G", "--slot", "6")
 	require.Equal(t, 0, code, stderr)
 	assert.Contains(t, out, "size=2048M,share=on")
 	assert.Contains(t, out, `"addr":"06.1"`)
 	assert.Contains(t, out, filepath.Join(dir, "vm2.sock"))
-	_, err = os.Stat(filepath.Join(dir, "vm2.sock"))
+	assert.Contains(t, out, "-chardev socket,id=pvrdma-qmp,path="+filepath.Join(dir, "vm2.qmp")+",reconnect-ms=1000 -mon chardev=pvrdma-qmp,mode=control",
+		"qemu-args gives the daemon a QMP monitor of its own")
+	_, err := os.Stat(filepath.Join(dir, "vm2.sock"))
 	assert.NoError(t, err, "qemu-args registered vm2, so its socket exists before QEMU starts")
 
 	code, _, stderr = cli(t, "qemu-args", "--vm", "vm1", "--socket-dir", dir)
@@ -89,7 +122,7 @@ func TestQEMUArgsRegistersAndGuardsTheMAC(t *testing.T) {
 	require.Equal(t, 0, code)
 	assert.True(t, strings.Contains(out, "vm1") && strings.Contains(out, "vm2"), out)
 	assert.Contains(t, out, "RoCE v2 by default, congestion control dcqcn; CNPs sent 0 received 0")
-	assert.Regexp(t, `vm3 +false +\S+ +v1 `, out)
+	assert.Regexp(t, `vm3 +false +none +\S+ +v1 `, out)
 	code, out, _ = cli(t, "status", "--socket-dir", dir, "--metrics")
 	require.Equal(t, 0, code)
 	assert.Contains(t, out, `pvrdma_vm_connected{vm="vm2"} 0`)
@@ -100,16 +133,7 @@ func TestQEMUArgsRegistersAndGuardsTheMAC(t *testing.T) {
 // conflicting MAC, and malformed lists fail before anything starts.
 func TestGIDAllowFlags(t *testing.T) {
 	dir := t.TempDir()
-	d, err := backend.New(backend.Config{SocketDir: dir, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- d.Run(ctx) }()
-	defer func() { cancel(); require.NoError(t, <-done) }()
-	require.Eventually(t, func() bool {
-		_, err := os.Stat(filepath.Join(dir, "control.sock"))
-		return err == nil
-	}, 2*time.Second, 10*time.Millisecond)
+	runDaemon(t, backend.Config{SocketDir: dir})
 
 	code, _, stderr := cli(t, "qemu-args", "--vm", "t1", "--socket-dir", dir, "--gid-allow", "10.5.0.0/24, fd05::/64")
 	require.Equal(t, 0, code, stderr)

@@ -35,6 +35,7 @@ type vmFlags struct {
 	gidAllow, roceMode                string
 	slot                              int
 	mem                               sizeFlag
+	qmp                               bool
 }
 
 func (v *vmFlags) register(fs *flag.FlagSet) {
@@ -47,6 +48,7 @@ func (v *vmFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&v.slot, "slot", 5, "PCI slot: vmxnet3 at <slot>.0, PVRDMA at <slot>.1")
 	v.mem = 1 << 30
 	fs.Var(&v.mem, "mem", "guest RAM size, backed by a shared memfd")
+	fs.BoolVar(&v.qmp, "qmp-monitor", true, "give the daemon a QMP monitor of its own on the VM (QEMU connects to <socket-dir>/<vm>.qmp): it cancels migrations and snapshots, which QEMU would complete without the device's state")
 }
 
 func (v *vmFlags) spec() (backend.VMSpec, error) {
@@ -55,6 +57,9 @@ func (v *vmFlags) spec() (backend.VMSpec, error) {
 	}
 	spec := backend.VMSpec{Name: v.name, Slot: v.slot, Bus: v.bus, MemBytes: uint64(v.mem), Netdev: v.netdev,
 		Socket: backend.SocketPath(v.socketDir, v.name)}
+	if v.qmp {
+		spec.QMPSocket = backend.QMPSocketPath(v.socketDir, v.name)
+	}
 	if v.mac != "" {
 		mac, err := net.ParseMAC(v.mac)
 		if err != nil || len(mac) != 6 {
@@ -247,13 +252,13 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "VM\tCONNECTED\tMAC\tROCE\tGIDS\tQPS\tMRS\tLOCKED")
+	fmt.Fprintln(tw, "VM\tCONNECTED\tQMP\tMAC\tROCE\tGIDS\tQPS\tMRS\tLOCKED")
 	for _, vm := range st.VMs {
 		gids := make([]string, 0, len(vm.GIDs))
 		for _, g := range vm.GIDs {
 			gids = append(gids, fmt.Sprintf("%d:%s", g.Index, g.GID))
 		}
-		fmt.Fprintf(tw, "%s\t%v\t%s\t%s\t%s\t%d\t%d\t%dM\n", vm.Name, vm.Connected, vm.MAC, vm.RoCEMode, strings.Join(gids, ","),
+		fmt.Fprintf(tw, "%s\t%v\t%s\t%s\t%s\t%s\t%d\t%d\t%dM\n", vm.Name, vm.Connected, vm.QMP, vm.MAC, vm.RoCEMode, strings.Join(gids, ","),
 			vm.Resources["qp"], vm.Resources["mr"], vm.LockedBytes>>20)
 	}
 	if err := tw.Flush(); err != nil {
@@ -265,6 +270,14 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		}
 		if vm.Fault != "" {
 			fmt.Fprintf(stdout, "%s: device fault: %s\n", vm.Name, vm.Fault)
+		}
+		if vm.MigrationsCancelled+vm.SnapshotsCancelled > 0 {
+			fmt.Fprintf(stdout, "%s: %d migrations and %d snapshot jobs cancelled (QEMU's vfio-user-pci would drop the device)\n",
+				vm.Name, vm.MigrationsCancelled, vm.SnapshotsCancelled)
+		}
+		if vm.Connected && vm.QMP != backend.QMPVerified {
+			fmt.Fprintf(stdout, "%s: exposed: the daemon has no QMP monitor of this VM's QEMU (qemu-args --qmp-monitor): "+
+				"a migration or snapshot would drop its device unnoticed\n", vm.Name)
 		}
 	}
 	return nil

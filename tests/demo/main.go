@@ -72,7 +72,8 @@ func main() {
 // guest is one demo VM as qemu-args describes it.
 type guest struct {
 	name, ip, mac string
-	device        string // the vfio-user-pci -device JSON
+	device        string   // the vfio-user-pci -device JSON
+	monitor       []string // the daemon's QMP monitor: -chardev ... -mon ...
 }
 
 func run(c *cli, bin string) error {
@@ -121,7 +122,7 @@ func run(c *cli, bin string) error {
 		}
 		cfgs = append(cfgs, vm.Config{Name: g.name, Modules: mods, QuietConsole: true, Timeout: 6 * time.Minute,
 			NICs:      []vm.NIC{{Addr: "05.0", MAC: g.mac, IP: g.ip + "/24"}},
-			ExtraArgs: []string{"-device", g.device},
+			ExtraArgs: append([]string{"-device", g.device}, g.monitor...),
 			Scenario:  scenario(g.ip, peer)})
 	}
 	fmt.Printf("booting %s and %s on bridge %s in netns %s (TCG: ~10-20 s)...\n", guests[0].name, guests[1].name, nw.Bridge(), nw.Name())
@@ -265,6 +266,10 @@ func (g *guest) qemuArgs(ctx context.Context, bin, sockets string) error {
 	}
 	fmt.Printf("  %s\n", strings.Join(args, " "))
 	for i := 0; i+1 < len(args); i++ {
+		if args[i] == "-chardev" || args[i] == "-mon" {
+			g.monitor = append(g.monitor, args[i], args[i+1])
+			continue
+		}
 		if args[i] != "-device" {
 			continue
 		}

@@ -61,7 +61,8 @@ func (w testWriter) Write(p []byte) (int, error) {
 }
 
 // pvrdmaGuest is a guest config with vmxnet3 at 05.0 (MAC as the backend
-// derives it for name) and our device at 05.1.
+// derives it for name), our device at 05.1 and the daemon's QMP monitor,
+// as qemu-args gives them.
 func pvrdmaGuest(d *backend.Daemon, name, ip, scenario string) vm.Config {
 	dev, _ := json.Marshal(map[string]any{
 		"driver": "vfio-user-pci", "addr": "05.1", "x-no-posted-writes": true,
@@ -70,7 +71,7 @@ func pvrdmaGuest(d *backend.Daemon, name, ip, scenario string) vm.Config {
 	return vm.Config{
 		Name:      name,
 		NICs:      []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: backend.DefaultMAC(name).String(), IP: ip}},
-		ExtraArgs: []string{"-device", string(dev)},
+		ExtraArgs: append([]string{"-device", string(dev)}, backend.VMSpec{QMPSocket: d.QMPSocketPath(name)}.QMPArgs()...),
 		Scenario:  scenario,
 	}
 }

@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"context"
+	"encoding/binary"
 	"fmt"
 	"os"
 	"os/exec"
@@ -13,7 +14,9 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
@@ -26,9 +29,13 @@ import (
 // libvirt-qemu user added to a private copy of /etc/passwd), so the host's files are
 // never touched: QEMU runs as root, without cgroups, namespaces or a security driver.
 // $1 is the domain XML, $2 the domain's name, $3 a host directory for the console log,
-// libvirt's QEMU log and QEMU's PID.
+// libvirt's QEMU log and QEMU's PID, $4 the pvrdma-backend binary whose libvirt hook is
+// installed as /etc/libvirt/hooks/qemu.d/pvrdma-backend (the package's hook runs
+// /usr/bin/pvrdma-backend), $5 a save image of a domain with the device. Once the
+// domain runs, the script tries to save it (the daemon's QMP monitor must cancel that)
+// and to restore $5 (the hook must refuse it), logging both to $3.
 const libvirtScript = `set -eu
-xml=$1 name=$2 out=$3
+xml=$1 name=$2 out=$3 bin=$4 image=$5
 T=$(mktemp -d)
 cp /etc/passwd /etc/group "$T"/
 grep -q '^libvirt-qemu:' "$T"/passwd || echo 'libvirt-qemu:x:64055:64055:libvirt:/var/lib/libvirt:/usr/sbin/nologin' >> "$T"/passwd
@@ -48,6 +55,9 @@ cgroup_controllers = [ ]
 namespaces = [ ]
 stdio_handler = "file"
 EOC
+mkdir -p /etc/libvirt/hooks/qemu.d
+printf '#!/bin/sh\nexec %s libvirt-hook "$@"\n' "$bin" > /etc/libvirt/hooks/qemu.d/pvrdma-backend
+chmod 0755 /etc/libvirt/hooks/qemu.d/pvrdma-backend
 cat > /etc/libvirt/libvirtd.conf <<'EOC'
 unix_sock_rw_perms = "0700"
 auth_unix_rw = "none"
@@ -69,6 +79,10 @@ virsh -c qemu:///system create "$xml" || rc=$?
 if [ $rc -eq 0 ]; then
 	cat /run/libvirt/qemu/"$name".pid > "$out"/qemu.pid
 	echo "libvirt: domain $name running, QEMU pid $(cat "$out"/qemu.pid)"
+	src=0; virsh -c qemu:///system save "$name" "$out"/saved.img > "$out"/save.log 2>&1 || src=$?
+	echo "rc=$src" >> "$out"/save.log
+	rrc=0; virsh -c qemu:///system restore "$image" > "$out"/restore.log 2>&1 || rrc=$?
+	echo "rc=$rrc" >> "$out"/restore.log
 	while virsh -c qemu:///system domstate "$name" 2>/dev/null | grep -q running; do sleep 0.5; done
 fi
 cp /var/log/libvirt/qemu/"$name".log "$out"/qemu.log 2>/dev/null || true
@@ -95,7 +109,7 @@ func TestLibvirtDomain(t *testing.T) {
 	}
 	work := t.TempDir()
 	sockDir := filepath.Join(work, "sock")
-	daemon(t, backend.Config{SocketDir: sockDir})
+	d := daemon(t, backend.Config{SocketDir: sockDir})
 	bin := filepath.Join(work, "pvrdma-backend")
 	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
 	build.Dir = repoDir(t)
@@ -123,6 +137,12 @@ func TestLibvirtDomain(t *testing.T) {
 	}
 	require.NoError(t, os.WriteFile(filepath.Join(work, "printed.xml"), out, 0o644))
 	validate(filepath.Join(work, "printed.xml"))
+
+	// A save image of the same domain under another name, as `virsh save`
+	// writes it (libvirt's header, then the domain XML): its restore must
+	// be refused by the hook.
+	image := filepath.Join(work, "lv1-saved.img")
+	require.NoError(t, os.WriteFile(image, libvirtSaveImage(strings.Replace(domain, "<name>lv1</name>", "<name>lv1-saved</name>", 1)), 0o644))
 
 	script := filepath.Join(work, "libvirt.sh")
 	require.NoError(t, os.WriteFile(script, []byte(libvirtScript), 0o755))
@@ -161,12 +181,20 @@ cat /tmp/server.log
 				return nil, err
 			}
 			validate(path)
-			return exec.Command("unshare", "--mount", "--propagation", "private", "sh", script, path, name, logs), nil
+			return exec.Command("unshare", "--mount", "--propagation", "private", "sh", script, path, name, logs, bin, image), nil
 		},
 	}
 	ctx := context.Background()
 	g, err := vm.Start(ctx, t, img, nil, cfg)
 	require.NoError(t, err)
+	assert.Eventually(t, func() bool {
+		for _, v := range d.Status().VMs {
+			if v.Name == name && v.QMP == backend.QMPVerified {
+				return true
+			}
+		}
+		return false
+	}, 3*time.Minute, 50*time.Millisecond, "libvirt's QEMU connected the daemon's QMP monitor")
 	res, err := g.WaitOK(ctx)
 	if qlog, rerr := os.ReadFile(filepath.Join(logs, "qemu.log")); rerr == nil {
 		t.Logf("libvirt's QEMU log (its command line):\n%s", qlog)
@@ -175,6 +203,49 @@ cat /tmp/server.log
 	require.Contains(t, res.Output, "hca_id:\tvmw_pvrdma0")
 	require.Regexp(t, regexp.MustCompile(`state:\s+PORT_ACTIVE \(4\)`), res.Output)
 	require.Regexp(t, regexp.MustCompile(`(?m)^\s*819200 bytes in .* seconds = .*Mbit/sec`), res.Output)
+
+	// virsh save: libvirt runs no hook on the source of a save; the
+	// daemon's monitor must cancel the migration libvirt starts, the save
+	// fail and the guest run on. Debian 12's libvirt 9.0 cannot start a
+	// migration on QEMU 11 at all (it passes `migrate` the "detach"
+	// argument QEMU removed), which this checks for: then nothing reached
+	// the guard. A libvirt that can migrate must meet the guard.
+	save, err := os.ReadFile(filepath.Join(logs, "save.log"))
+	require.NoError(t, err)
+	t.Logf("virsh save:\n%s", save)
+	require.NotContains(t, string(save), "rc=0", "virsh save of a domain with the device succeeded")
+	cancelled := uint64(1)
+	if strings.Contains(string(save), "Parameter 'detach' is unexpected") {
+		t.Logf("this libvirt cannot save or migrate a domain on QEMU 11 (migrate's detach argument): the guard was not reached")
+		cancelled = 0
+	} else {
+		require.Contains(t, string(save), "cancel")
+	}
+	for _, v := range d.Status().VMs {
+		if v.Name == name {
+			require.Equal(t, cancelled, v.MigrationsCancelled)
+		}
+	}
+	// virsh restore: the hook refused it with its reason.
+	restore, err := os.ReadFile(filepath.Join(logs, "restore.log"))
+	require.NoError(t, err)
+	t.Logf("virsh restore:\n%s", restore)
+	require.NotContains(t, string(restore), "rc=0")
+	require.Contains(t, string(restore), `refused to restore domain "lv1-saved": it has a PVRDMA device (vfio-user-pci, socket `+filepath.Join(sockDir, name+".sock"))
+}
+
+// libvirtSaveImage is the start of a libvirt save image of a domain
+// (src/qemu/qemu_saveimage.h: the magic, version 2, the XML's length with
+// its NUL, was_running, format 0 (raw), no cookie, 14 unused words; then
+// the XML) with no QEMU migration stream behind it: enough for libvirt to
+// read the domain and run the restore hook.
+func libvirtSaveImage(domainXML string) []byte {
+	b := []byte("LibvirtQemudSave")
+	for _, v := range []uint32{2, uint32(len(domainXML) + 1), 1, 0, 0} {
+		b = binary.LittleEndian.AppendUint32(b, v)
+	}
+	b = append(b, make([]byte, 14*4)...)
+	return append(append(b, domainXML...), 0)
 }
 
 // canRaiseMemlock reports whether this process may raise RLIMIT_MEMLOCK

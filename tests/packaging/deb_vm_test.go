@@ -40,6 +40,11 @@ step dir stat -c '%a %U %G' /run/pvrdma
 step control stat -c '%a %U %G' /run/pvrdma/control.sock
 step qemu-args pvrdma-backend qemu-args --vm pkgvm --mem 256M
 step vmsock stat -c '%a %U %G' /run/pvrdma/pkgvm.sock
+step qmpsock stat -c '%a %U %G' /run/pvrdma/pkgvm.qmp
+step hook stat -c '%a %U %G' /etc/libvirt/hooks/qemu.d/pvrdma-backend
+step hook-migrate sh -c 'pvrdma-backend libvirt-xml --vm pkgvm --mem 256M --register=false | /etc/libvirt/hooks/qemu.d/pvrdma-backend pkgvm migrate begin -'
+step hook-restore sh -c 'pvrdma-backend libvirt-xml --vm pkgvm --mem 256M --register=false | /etc/libvirt/hooks/qemu.d/pvrdma-backend pkgvm restore begin -'
+step hook-start sh -c 'pvrdma-backend libvirt-xml --vm pkgvm --mem 256M --register=false | /etc/libvirt/hooks/qemu.d/pvrdma-backend pkgvm start begin -'
 step man test -s /usr/share/man/man8/pvrdma-backend.8
 step conffile cat /var/lib/dpkg/info/pvrdma-backend.conffiles
 step security sh -c 'systemd-analyze security pvrdma-backend.service | tail -1'
@@ -50,6 +55,7 @@ step journal journalctl -b -u pvrdma-backend.service --no-pager -o cat
 step remove dpkg -r pvrdma-backend
 step after-remove systemctl is-active pvrdma-backend.service
 step binary-gone test ! -e /usr/bin/pvrdma-backend
+step hook-gone test ! -e /etc/libvirt/hooks/qemu.d/pvrdma-backend
 `
 
 // runner is the oneshot unit that runs pkgScript at boot and powers the container off.
@@ -118,6 +124,16 @@ func TestDebInstallsService(t *testing.T) {
 	require.Equal(t, "600 root root", ok("control"))
 	require.Contains(t, ok("qemu-args"), "vfio-user-pci")
 	require.Equal(t, "660 root pvrdma", ok("vmsock"))
+	require.Equal(t, "660 root pvrdma", ok("qmpsock"), "the daemon's QMP socket has the VM socket's access")
+	// The libvirt hook, run as libvirt runs it (arguments, domain XML on
+	// stdin), refuses migrate and restore of the domain libvirt-xml prints
+	// and passes its start.
+	require.Equal(t, "755 root root", ok("hook"))
+	for _, op := range []string{"hook-migrate", "hook-restore"} {
+		require.Equal(t, "1", steps[op].rc, steps[op].out)
+		require.Regexp(t, `refused to (migrate|restore) domain "pkgvm": it has a PVRDMA device \(vfio-user-pci, socket /run/pvrdma/pkgvm.sock\)`, steps[op].out)
+	}
+	require.Empty(t, ok("hook-start"), "the hook prints nothing for other operations")
 	ok("man")
 	require.Equal(t, "/etc/default/pvrdma-backend", ok("conffile"))
 	t.Logf("systemd-analyze security: %s", steps["security"].out)
@@ -125,6 +141,7 @@ func TestDebInstallsService(t *testing.T) {
 	require.Equal(t, "1", steps["doctor"].rc, steps["doctor"].out)
 	require.Regexp(t, `(?m)^FAIL +qemu +no qemu-system-x86_64 on PATH\n +fix: install QEMU >= 10.1`, steps["doctor"].out)
 	require.Regexp(t, `(?m)^OK +socket-dir +/run/pvrdma: mode 0750, owner root, group pvrdma$`, steps["doctor"].out)
+	require.Regexp(t, `(?m)^OK +libvirt-hook +/etc/libvirt/hooks/qemu.d/pvrdma-backend refuses migrate and restore`, steps["doctor"].out)
 	// The packaged binary carries the relay; without rdma-core it says what to install.
 	require.Regexp(t, `(?m)^OK +transport +ibverbs: the relay loads libibverbs at start$`, steps["relay-doctor"].out)
 	require.Regexp(t, `(?m)^FAIL +libibverbs +libibverbs.so.1 not found`, steps["relay-doctor"].out)
@@ -133,6 +150,7 @@ func TestDebInstallsService(t *testing.T) {
 	ok("remove")
 	require.Equal(t, "inactive", strings.TrimSpace(steps["after-remove"].out))
 	ok("binary-gone")
+	ok("hook-gone")
 }
 
 type step struct{ out, rc string }
