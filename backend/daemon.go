@@ -177,6 +177,17 @@ func (d *Daemon) close() {
 	}
 	d.vms = map[string]*vmSession{}
 	d.mu.Unlock()
+	var exposed []string
+	for _, s := range vms {
+		if s.qemuConnected() {
+			exposed = append(exposed, s.name)
+		}
+	}
+	if len(exposed) > 0 {
+		sort.Strings(exposed)
+		d.log.Warn("stopping with connected VMs: their QEMUs see EOF, and each device stays dead until its VM reboots "+
+			"(QEMU's vfio-user client does not reconnect; a QEMU with a request in flight may abort)", "vms", exposed)
+	}
 	for _, s := range vms {
 		s.stop()
 	}

@@ -426,6 +426,13 @@ func (s *vmSession) qemuPID() int32 {
 	return s.conn.pid
 }
 
+// qemuConnected reports whether a QEMU is connected to the VM's device.
+func (s *vmSession) qemuConnected() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.conn != nil
+}
+
 // monitorState says which monitor the daemon holds of the VM's QEMU.
 func (s *vmSession) monitorState() string {
 	s.mu.Lock()
