@@ -77,7 +77,7 @@ type VMStatus struct {
 	Resources   map[string]int `json:"resources,omitempty"`
 	LockedBytes uint64         `json:"locked_bytes"`
 	// LockedLimit is what the VM's QEMU may have the daemon map and lock
-	// (its registered RAM plus LockSlack, or the daemon-wide cap).
+	// (its registered RAM plus LockSlack, or serve --vm-locked-default).
 	LockedLimit uint64 `json:"locked_limit"`
 	// Fault is why the device refused the guest, if it did (e.g. guest RAM
 	// not shared).
@@ -125,9 +125,9 @@ type VMRequest struct {
 	// ["none"] only the VM's own MAC-derived link-local GID.
 	GIDAllow []string `json:"gid_allow,omitempty"`
 	// MemBytes is the VM's RAM size: the guest memory its QEMU may map
-	// and the daemon lock (plus LockSlack for firmware maps). 0 leaves
-	// the VM bounded by the daemon-wide cap only (serve
-	// --max-locked-memory).
+	// and the daemon lock (plus LockSlack for firmware maps). 0 gives the
+	// VM the daemon's default (serve --vm-locked-default, DefaultVMLocked:
+	// a 1 GiB guest).
 	MemBytes uint64 `json:"mem_bytes,omitempty"`
 	// RoCEMode is the VM's RoCE version, "v1" or "v2"; absent means the
 	// fabric's (serve --roce-mode).

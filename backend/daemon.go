@@ -49,6 +49,11 @@ type Config struct {
 	// daemon map and lock together; 0 means three quarters of the host's
 	// memory. Each VM is also capped by its registered size.
 	MaxLockedMemory uint64
+	// VMLockedDefault caps the guest memory of a VM registered without its
+	// RAM size (VMRequest.MemBytes), LockSlack included; 0 means
+	// DefaultVMLocked. A VM registered with its size gets that size plus
+	// LockSlack instead.
+	VMLockedDefault uint64
 	// SocketGroup, if set (a name or a number), owns the socket
 	// directory (mode 0750) and the VM sockets (0660): the group QEMU runs
 	// in. Without it only the daemon's user and root reach them.
@@ -109,6 +114,9 @@ func New(cfg Config) (*Daemon, error) {
 			return nil, fmt.Errorf("locked memory cap from the host's memory: %w (set it explicitly)", err)
 		}
 		cfg.MaxLockedMemory = uint64(si.Totalram) * uint64(si.Unit) / 4 * 3
+	}
+	if cfg.VMLockedDefault == 0 {
+		cfg.VMLockedDefault = DefaultVMLocked
 	}
 	if cfg.GIDBindBurst <= 0 {
 		cfg.GIDBindBurst = gidBindBurst
@@ -238,9 +246,9 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if _, ok := d.vms[req.Name]; ok {
 		return VMStatus{}, fmt.Errorf("VM %s: %w", req.Name, ErrVMExists)
 	}
-	lockLimit := d.cfg.MaxLockedMemory
+	lockLimit := min(d.cfg.MaxLockedMemory, d.cfg.VMLockedDefault)
 	if req.MemBytes > 0 {
-		lockLimit = min(lockLimit, req.MemBytes+LockSlack)
+		lockLimit = min(d.cfg.MaxLockedMemory, req.MemBytes+LockSlack)
 	}
 	s, err := startVM(d, req.Name, mac, pol, mode, vdev.NewBudget(lockLimit, d.locked))
 	if err != nil {
@@ -574,3 +582,10 @@ func vfioServer(newDevice vfiouser.NewDeviceFunc, log *slog.Logger, locked vfiou
 // LockSlack is what a VM's QEMU may map beyond its registered RAM size:
 // firmware and option ROM maps.
 const LockSlack = 16 << 20
+
+// DefaultVMLocked is the guest memory a VM registered without its RAM size
+// may have the daemon map and lock (serve --vm-locked-default): enough for
+// a 1 GiB guest. Register a larger VM with its size (qemu-args --mem,
+// --vm NAME,mem=SIZE, the control API's mem_bytes); without a bound of its
+// own a VM could otherwise lock most of the host's memory.
+const DefaultVMLocked = 1<<30 + LockSlack

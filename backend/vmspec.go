@@ -15,14 +15,21 @@ import (
 
 // ErrBadVMName: a VM name is empty, too long or has characters that cannot
 // name a socket file.
-var ErrBadVMName = errors.New("VM name must be 1-64 characters of [A-Za-z0-9_.-], not starting with '.'")
+var ErrBadVMName = errors.New("VM name must be 1-64 characters of [A-Za-z0-9_.-], not starting with '.', and not \"control\"")
 
 var vmNameRE = regexp.MustCompile(`^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$`)
+
+// reservedVMNames name files of the daemon's own in the socket directory
+// (control.sock): a VM of that name would collide with them.
+var reservedVMNames = map[string]bool{"control": true}
 
 // CheckVMName validates a VM name.
 func CheckVMName(name string) error {
 	if !vmNameRE.MatchString(name) {
 		return fmt.Errorf("VM name %q: %w", name, ErrBadVMName)
+	}
+	if reservedVMNames[name] {
+		return fmt.Errorf("VM name %q is reserved (the daemon's control socket is control.sock): %w", name, ErrBadVMName)
 	}
 	return nil
 }

@@ -24,10 +24,10 @@ func TestDefaultMACStableAndDistinct(t *testing.T) {
 }
 
 func TestCheckVMName(t *testing.T) {
-	for _, ok := range []string{"vm1", "a", "web-01.prod", "_x"} {
+	for _, ok := range []string{"vm1", "a", "web-01.prod", "_x", "Control", "control1", "vm1.qmp"} {
 		assert.NoError(t, CheckVMName(ok), ok)
 	}
-	for _, bad := range []string{"", ".hidden", "a/b", "../x", "sp ace", string(make([]byte, 65))} {
+	for _, bad := range []string{"", ".hidden", "a/b", "../x", "sp ace", string(make([]byte, 65)), "control"} {
 		assert.ErrorIs(t, CheckVMName(bad), ErrBadVMName, "%q", bad)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"syscall"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 )
 
 // conn serves one client. One goroutine (serve) runs the staged pipeline
@@ -66,6 +67,9 @@ type conn struct {
 	closeMu sync.Once
 
 	stats connStats
+	// lim rate-limits the log lines the client can provoke (resets,
+	// stray replies, maps it cannot use).
+	lim *ratelog.Limiter
 }
 
 // ownedMsg is a message whose body and descriptors the holder owns.
@@ -389,4 +393,5 @@ func (c *conn) teardown() {
 	c.backlog = nil
 	c.backlogM.Unlock()
 	c.tok <- struct{}{}
+	c.lim.Flush()
 }

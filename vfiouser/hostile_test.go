@@ -1,10 +1,13 @@
 package vfiouser_test
 
 import (
+	"context"
 	"io"
+	"log/slog"
 	"os"
 	"runtime"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -483,4 +486,49 @@ func waitFor(t testing.TB, cond func() bool) {
 	for !cond() && time.Now().Before(deadline) {
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// countingHandler counts the records logged with each message.
+type countingHandler struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (h *countingHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h *countingHandler) Handle(_ context.Context, r slog.Record) error {
+	h.mu.Lock()
+	h.n[r.Message]++
+	h.mu.Unlock()
+	return nil
+}
+func (h *countingHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *countingHandler) WithGroup(string) slog.Handler      { return h }
+
+func (h *countingHandler) count(msg string) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.n[msg]
+}
+
+// TestClientLogFloodBounded: 5000 DEVICE_RESETs and 5000 stray replies
+// from a client write a handful of log lines, not one each (issue 23:
+// 5000 resets wrote 5000 lines); every reset is still carried out.
+func TestClientLogFloodBounded(t *testing.T) {
+	h := &countingHandler{n: map[string]int{}}
+	srv, devs := newServer(t, func(c *vfiouser.Config) { c.Logger = slog.New(h) })
+	c, _ := connect(t, srv, devs)
+	const n = 5000
+	for range n {
+		_, err := c.Call(vfiouser.CmdDeviceReset, nil)
+		require.NoError(t, err, "every reset is carried out and answered")
+	}
+	b := make([]byte, vfiouser.HeaderSize)
+	for i := range n {
+		vfiouser.Header{ID: uint16(i), Command: vfiouser.CmdDMARead, Size: vfiouser.HeaderSize, Flags: vfiouser.FlagReply}.Encode(b)
+		require.NoError(t, c.SendRaw(b))
+	}
+	_, err := c.DeviceInfo() // the stray replies were read before this answer
+	require.NoError(t, err)
+	assert.LessOrEqual(t, h.count("device reset by client"), 2, "resets logged once per interval")
+	assert.LessOrEqual(t, h.count("unexpected reply from client"), 2, "stray replies logged once per interval")
 }

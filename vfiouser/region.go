@@ -156,7 +156,7 @@ func (c *conn) handleWriteMulti(m *ownedMsg) (int, error) {
 }
 
 func (c *conn) handleReset(m *ownedMsg) (int, error) {
-	c.log.Info("device reset by client")
+	c.lim.Info("reset", "device reset by client")
 	if err := c.dev.Reset(ResetClient); err != nil {
 		return 0, fmt.Errorf("DEVICE_RESET: %w", err)
 	}

@@ -100,7 +100,7 @@ func (c *conn) deliver(m *rawMsg) {
 	})
 	if !ok {
 		c.stats.dropped.Add(1)
-		c.log.Warn("unexpected reply from client", "hdr", m.hdr)
+		c.lim.Warn("stray-reply", "unexpected reply from client", "hdr", m.hdr)
 	}
 	closeFDs(m.fds)
 }

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
+	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 )
 
 // Config parameterises a Server.
@@ -293,6 +294,7 @@ func (s *Server) newConn(t transport, name string, pid int32) (*conn, error) {
 		closed:       make(chan struct{}),
 	}
 	c.tok <- struct{}{}
+	c.lim = ratelog.New(log, 0)
 	c.mem = guestmem.New(guestmem.WithRemote(c))
 	c.irqs = &IRQs{}
 	h := &Host{Name: name, Memory: c.mem, IRQs: c.irqs, Logger: log, PeerPID: pid}

@@ -252,7 +252,7 @@ const (
 // bound by the limit), or CAP_SYS_RESOURCE (serve raises the limit itself).
 func checkMemlock(h hostEnv, want uint64) checkResult {
 	const name = "memlock"
-	const fix = "run the daemon as root or with CAP_IPC_LOCK (the package's unit does: LimitMEMLOCK=infinity, CAP_IPC_LOCK)"
+	const fix = "run the daemon with CAP_IPC_LOCK (the package's unit grants it as an ambient capability)"
 	lim, err := h.memlock()
 	if err != nil {
 		return fail(name, fix, "getrlimit: %v", err)
@@ -385,14 +385,19 @@ func checkSocketDir(dir, group string) checkResult {
 	if mode&0o002 != 0 {
 		return fail(name, "chmod o-w "+dir+" (serve makes it 0750)", "%s: other users may write to it; serve refuses it", desc)
 	}
-	if sys.Uid != 0 && int(sys.Uid) != os.Geteuid() {
-		return fail(name, "chown root "+dir, "%s: owned by another user; serve refuses it", desc)
+	if sys.Uid != 0 && int(sys.Uid) != os.Geteuid() && userName(sys.Uid) != serviceUser {
+		return fail(name, "chown root "+dir+" (or "+serviceUser+", the packaged service's user)", "%s: owned by another user; serve refuses it", desc)
 	}
 	if gid >= 0 && int(sys.Gid) != gid {
 		return warn(name, "serve gives it to "+group+" at start", "%s, not --socket-group %s", desc, group)
 	}
 	return ok(name, "%s", desc)
 }
+
+// serviceUser is the user the packaged unit runs the daemon as
+// (packaging/pvrdma-backend.service, User=): a socket directory it owns
+// is the service's.
+const serviceUser = "pvrdma"
 
 func lookupGroup(name string) (int, error) {
 	if n, err := strconv.Atoi(name); err == nil {

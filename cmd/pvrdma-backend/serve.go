@@ -83,6 +83,8 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs.Var(&vmBudget, "vm-memory-budget", "daemon memory one VM's QPs, SRQs, CQs and MRs may cost (e.g. 256M)")
 	var maxLocked sizeFlag
 	fs.Var(&maxLocked, "max-locked-memory", "guest memory all VMs may have the daemon map and lock, and RLIMIT_MEMLOCK (default: three quarters of the host's memory)")
+	vmLocked := sizeFlag(backend.DefaultVMLocked)
+	fs.Var(&vmLocked, "vm-locked-default", "guest memory a VM registered without its RAM size (--vm NAME,mem=SIZE, qemu-args --mem) may have the daemon map and lock")
 	var daemonBudget sizeFlag
 	fs.Var(&daemonBudget, "daemon-memory-budget", "daemon memory all VMs' objects may cost together (default: a quarter of the host's memory)")
 	socketGroup := fs.String("socket-group", "", "group (name or number) owning the socket directory (0750) and the VM sockets (0660): the group QEMU runs in")
@@ -184,6 +186,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		Limits:          lim,
 		MemoryBudget:    uint64(daemonBudget),
 		MaxLockedMemory: uint64(maxLocked),
+		VMLockedDefault: uint64(vmLocked),
 		SocketGroup:     *socketGroup,
 		AllowUIDs:       allowUIDs,
 		AllowGIDs:       allowGIDs,

@@ -116,3 +116,30 @@ func guestRAMNoMap(size int) (int, []byte, error) {
 	}
 	return fd, nil, nil
 }
+
+// TestLockedMemoryDefaultCap: a VM registered without its RAM size gets
+// backend.DefaultVMLocked, not the daemon-wide cap (issue 23: without
+// mem=, one 2 GiB DMA map locked 2 GiB): its QEMU's 2 GiB map is refused,
+// while its RAM within the default still maps and the device works.
+func TestLockedMemoryDefaultCap(t *testing.T) {
+	e := newEnvConfig(t, vdev.Limits{}, testLogger(t), func(c *backend.Config) {
+		for i := range c.VMs {
+			c.VMs[i].MemBytes = 0
+		}
+	})
+	require.EqualValues(t, backend.DefaultVMLocked, e.vmStatus(vmEvil).LockedLimit)
+	v, err := e.dial(vmEvil)
+	require.NoError(t, err)
+	const sparse = 2 << 30
+	big, _, err := guestRAMNoMap(sparse)
+	require.NoError(t, err)
+	err = v.c.DMAMap(1<<32, sparse, uint32(vfiouser.DMAFlagRead|vfiouser.DMAFlagWrite), big, 0)
+	require.NoError(t, unix.Close(big))
+	require.ErrorIs(t, err, syscall.EINVAL, "2 GiB for a VM registered without its size")
+	require.Zero(t, e.vmStatus(vmEvil).LockedBytes)
+	v.mapRAM()
+	v.pciSetup()
+	v.probe()
+	v.Close()
+	e.healthy()
+}

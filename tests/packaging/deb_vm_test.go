@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -36,6 +37,7 @@ step active systemctl is-active pvrdma-backend.service
 step status pvrdma-backend status
 step status-json pvrdma-backend status --json
 step group getent group pvrdma
+step user sh -c 'pid=$(systemctl show -p MainPID --value pvrdma-backend.service); stat -c "%U %G" /proc/$pid; grep -E "^Cap(Eff|Amb|Bnd)" /proc/$pid/status'
 step dir stat -c '%a %U %G' /run/pvrdma
 step control stat -c '%a %U %G' /run/pvrdma/control.sock
 step qemu-args pvrdma-backend qemu-args --vm pkgvm --mem 256M
@@ -120,11 +122,17 @@ func TestDebInstallsService(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(ok("status-json")), &st))
 	require.Equal(t, "/run/pvrdma", st.SocketDir)
 	require.Regexp(t, `^pvrdma:x:\d+:`, ok("group"))
-	require.Equal(t, "750 root pvrdma", ok("dir"))
-	require.Equal(t, "600 root root", ok("control"))
+	// The daemon's own user, with the three capabilities it needs and no
+	// others: CAP_NET_ADMIN (12), CAP_NET_RAW (13), CAP_IPC_LOCK (14).
+	user := ok("user")
+	require.Regexp(t, `(?m)^pvrdma +pvrdma$`, user)
+	require.Regexp(t, `(?m)^CapEff:\s+0000000000007000$`, user)
+	require.Regexp(t, `(?m)^CapBnd:\s+0000000000007000$`, user)
+	require.Equal(t, "750 pvrdma pvrdma", ok("dir"), "the daemon runs as its own user")
+	require.Equal(t, "600 pvrdma pvrdma", ok("control"))
 	require.Contains(t, ok("qemu-args"), "vfio-user-pci")
-	require.Equal(t, "660 root pvrdma", ok("vmsock"))
-	require.Equal(t, "660 root pvrdma", ok("qmpsock"), "the daemon's QMP socket has the VM socket's access")
+	require.Equal(t, "660 pvrdma pvrdma", ok("vmsock"))
+	require.Equal(t, "660 pvrdma pvrdma", ok("qmpsock"), "the daemon's QMP socket has the VM socket's access")
 	// The libvirt hook, run as libvirt runs it (arguments, domain XML on
 	// stdin), refuses migrate and restore of the domain libvirt-xml prints
 	// and passes its start.
@@ -137,10 +145,16 @@ func TestDebInstallsService(t *testing.T) {
 	ok("man")
 	require.Equal(t, "/etc/default/pvrdma-backend", ok("conffile"))
 	t.Logf("systemd-analyze security: %s", steps["security"].out)
+	m := regexp.MustCompile(`Overall exposure level for pvrdma-backend.service: (\d+\.\d)`).FindStringSubmatch(steps["security"].out)
+	require.NotNil(t, m, steps["security"].out)
+	exposure, err := strconv.ParseFloat(m[1], 64)
+	require.NoError(t, err)
+	require.LessOrEqual(t, exposure, 2.5, "systemd-analyze security: the unit's exposure (4.5 as root with six capabilities)")
 	// No QEMU in the clean root: doctor says so, with the fix, and exits 1.
 	require.Equal(t, "1", steps["doctor"].rc, steps["doctor"].out)
 	require.Regexp(t, `(?m)^FAIL +qemu +no qemu-system-x86_64 on PATH\n +fix: install QEMU >= 10.1`, steps["doctor"].out)
-	require.Regexp(t, `(?m)^OK +socket-dir +/run/pvrdma: mode 0750, owner root, group pvrdma$`, steps["doctor"].out)
+	require.Regexp(t, `(?m)^OK +socket-dir +/run/pvrdma: mode 0750, owner pvrdma, group pvrdma$`, steps["doctor"].out)
+	require.Regexp(t, `(?m)^OK +memlock +CAP_IPC_LOCK`, steps["doctor"].out)
 	require.Regexp(t, `(?m)^OK +libvirt-hook +/etc/libvirt/hooks/qemu.d/pvrdma-backend refuses migrate and restore`, steps["doctor"].out)
 	// The packaged binary carries the relay; without rdma-core it says what to install.
 	require.Regexp(t, `(?m)^OK +transport +ibverbs: the relay loads libibverbs at start$`, steps["relay-doctor"].out)

@@ -87,8 +87,10 @@ func boot(t *testing.T, root string, timeout time.Duration) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
+	// CAP_IPC_LOCK is not in nspawn's default set, and a host has it: the
+	// unit grants it to the daemon (and nothing lifts RLIMIT_MEMLOCK).
 	cmd := exec.CommandContext(ctx, "systemd-nspawn", "--quiet", "-D", root, "--boot",
-		"--register=no", "--keep-unit", "--private-network", "--console=read-only")
+		"--register=no", "--keep-unit", "--private-network", "--console=read-only", "--capability=CAP_IPC_LOCK")
 	cmd.WaitDelay = 10 * time.Second
 	out, err := cmd.CombinedOutput()
 	if ctx.Err() != nil {
