@@ -16,8 +16,8 @@ var ErrBadCongestion = errors.New("bad congestion control setting")
 // ParseCongestion parses serve --dcqcn: "on" (or empty: the defaults of
 // soft.DefaultCongestion), "off", or comma-separated KEY=VALUE settings
 // over the defaults: line-rate, min-rate, ai-rate, hai-rate (bits per
-// second, K/M/G suffixes), cnp-interval, alpha-period, rate-timer
-// (durations such as 50us), byte-counter (bytes, K/M/G), g (a fraction
+// second, K/M/G suffixes), cnp-interval, alpha-period, rate-timer,
+// reduction-period, cnp-window (durations such as 50us), byte-counter (bytes, K/M/G), g (a fraction
 // such as 1/256 or 0.004) and f (fast recovery steps).
 func ParseCongestion(s string) (soft.CongestionConfig, error) {
 	var c soft.CongestionConfig
@@ -47,6 +47,10 @@ func ParseCongestion(s string) (soft.CongestionConfig, error) {
 			c.CNPInterval, err = time.ParseDuration(v)
 		case "alpha-period":
 			c.AlphaPeriod, err = time.ParseDuration(v)
+		case "reduction-period":
+			c.RateReductionPeriod, err = time.ParseDuration(v)
+		case "cnp-window":
+			c.CNPWindow, err = time.ParseDuration(v)
 		case "rate-timer":
 			c.RateIncreasePeriod, err = time.ParseDuration(v)
 		case "byte-counter":

@@ -66,6 +66,10 @@ func TestParseCongestion(t *testing.T) {
 	assert.Equal(t, uint64(1<<20), c.ByteCounter)
 	assert.Equal(t, 10e6, c.AIRate)
 	assert.Equal(t, 4*time.Microsecond, c.CNPInterval)
+	c, err = ParseCongestion("reduction-period=100us,cnp-window=5ms")
+	require.NoError(t, err)
+	assert.Equal(t, 100*time.Microsecond, c.RateReductionPeriod)
+	assert.Equal(t, 5*time.Millisecond, c.CNPWindow)
 	for _, bad := range []string{"fast", "line-rate=-1", "g=1/0", "rate-timer=soon", "x=1"} {
 		_, err := ParseCongestion(bad)
 		assert.ErrorIs(t, err, ErrBadCongestion, bad)

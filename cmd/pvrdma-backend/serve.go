@@ -60,7 +60,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	bridge := fs.String("fabric-bridge", "", "L2 mode: carry RoCE as frames with the VMs' own MACs on this bridge (the VMs' NICs are on it)")
 	vlan := fs.Uint("fabric-vlan", 0, "L2 mode: the 802.1Q VLAN ID (1-4094) the fabric's frames carry and the only one it takes in; 0: untagged")
 	pcp := fs.String("pcp", "auto", "L2 mode with --fabric-vlan: the 802.1Q priority of RoCE frames, 0-7, or auto (each frame's traffic class >> 5, i.e. DSCP >> 3)")
-	dcqcn := fs.String("dcqcn", "on", "soft transport congestion control: on (DCQCN with its default parameters), off, or KEY=VALUE,... over the defaults (line-rate, min-rate, ai-rate, hai-rate, cnp-interval, alpha-period, rate-timer, byte-counter, g, f)")
+	dcqcn := fs.String("dcqcn", "on", "soft transport congestion control: on (DCQCN with its default parameters), off, or KEY=VALUE,... over the defaults (line-rate, min-rate, ai-rate, hai-rate, cnp-interval, alpha-period, rate-timer, reduction-period, cnp-window, byte-counter, g, f)")
 	roceMode := fs.String("roce-mode", "v2", "RoCE version of VMs registered without their own (--vm NAME,roce=v1): v2 (UDP 4791, routable) or v1 (Ethertype 0x8915; L2 mode or VMs of this daemon only); a VM's device offers exactly one")
 	tos := fs.Uint("default-tos", 0, "IP TOS of RoCE packets whose traffic class is 0 (default_roce_tos)")
 	transport := fs.String("transport", "soft", "host verbs provider: soft (pure-Go RoCE v2) or ibverbs (relay to a host RDMA device through libibverbs)")

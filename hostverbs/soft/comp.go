@@ -364,20 +364,44 @@ func (q *qp) onPace() {
 	f.putTx(tx)
 }
 
-// onCNP is the reaction point: a CNP from this QP's peer cuts its rate.
-// A CNP from anyone else is dropped: it must not slow a QP down.
+// onCNP is the reaction point: a CNP from this QP's peer cuts its rate,
+// at most once per RateReductionPeriod (later CNPs within it are counted,
+// rx_cnp_coalesced). A CNP from anyone else is dropped: it must not slow
+// a QP down; so is one the QP's traffic cannot have drawn (cnpSolicited:
+// no ECN-capable packet to its peer in flight or within CNPWindow), a
+// forgery or an answer too late to matter (rx_cnp_unsolicited).
 func (q *qp) onCNP(p *packet) {
 	q.sqMu.Lock()
 	defer q.sqMu.Unlock()
+	cc := &q.dev.f.cc
 	switch {
-	case q.dead || q.dev.f.cc.Disabled:
+	case q.dead || cc.Disabled:
 	case q.state != hostverbs.QPStateRTS && q.state != hostverbs.QPStateSQD:
 		q.dev.ctrs.inc(cntDropQPState)
 	case p.src != q.attr.AV.DGID || p.dst != q.sgid:
 		q.dev.ctrs.inc(cntDropAddress)
 	default:
-		q.cc.onCNP(&q.dev.f.cc, q.dev.f.clock.Now())
+		now := q.dev.f.clock.Now()
+		switch {
+		case !q.cnpSolicited(now):
+			q.dev.ctrs.inc(cntRxCNPUnsolicited)
+		case !q.cc.onCNP(cc, now):
+			q.dev.ctrs.inc(cntRxCNPCoalesced)
+		}
 	}
+}
+
+// cnpSolicited reports whether a CNP arriving at now can answer this QP's
+// traffic: the QP has sent its peer ECN-capable packets, and either some
+// of its requests are unacknowledged (they may sit in a congested queue
+// however long) or the last of those packets left within CNPWindow.
+// sqMu is held.
+func (q *qp) cnpSolicited(now time.Time) bool {
+	ect := q.ectSentAt.Load()
+	if ect == 0 {
+		return false
+	}
+	return q.comp.psn.Before(q.req.sentHigh) || now.UnixNano()-ect <= int64(q.dev.f.cc.CNPWindow)
 }
 
 // cnpTClass is the traffic class of CNPs: DSCP 48 (CS6), Not-ECT, as RoCE

@@ -59,6 +59,8 @@ const (
 	cntRxECNCE
 	cntTxCNP
 	cntRxCNP
+	cntRxCNPUnsolicited
+	cntRxCNPCoalesced
 	cntAsyncEvents
 	numCounters
 )
@@ -111,6 +113,8 @@ var counterNames = [numCounters]string{
 	cntRxECNCE:           "rx_ecn_ce_marked",
 	cntTxCNP:             "tx_cnp",
 	cntRxCNP:             "rx_cnp",
+	cntRxCNPUnsolicited:  "rx_cnp_unsolicited", // its QP has no ECN-capable traffic in flight or within CNPWindow: dropped
+	cntRxCNPCoalesced:    "rx_cnp_coalesced",   // within RateReductionPeriod after a cut: no cut
 	cntAsyncEvents:       "async_events",
 }
 

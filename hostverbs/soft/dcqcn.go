@@ -29,6 +29,22 @@ import (
 // Timers are evaluated lazily, when the QP sends or a CNP arrives, so an
 // idle QP costs nothing; a QP that has never received a CNP is not paced
 // at all, one that has is paced at Rc (up to the line rate) for good.
+//
+// A CNP carries nothing but addresses and the destination QPN, so whoever
+// can send from a QP's peer's address can forge one. Two rules keep a
+// flood of them from slowing a QP more than real congestion would:
+//
+//   - The reaction point cuts at most once per RateReductionPeriod (as
+//     NICs do: mlx5's rate_reduce_monitor_period); a CNP within the period
+//     after a cut is counted (rx_cnp_coalesced) and changes nothing. The
+//     period is the notification point's CNPInterval: real congestion
+//     asks for at most one cut per CNPInterval, and loses one only when
+//     jitter brings two CNPs closer together than they left (5-15% of
+//     the incast test's CNPs are coalesced).
+//   - A CNP answers ECN-capable packets: one for a QP that has none of
+//     them unacknowledged and sent none to that peer within CNPWindow (an
+//     idle QP, one that never sent, or one whose traffic stays in
+//     process) is dropped (rx_cnp_unsolicited).
 
 // CongestionConfig parameterises DCQCN. Zero fields take the defaults of
 // DefaultCongestion.
@@ -43,6 +59,33 @@ type CongestionConfig struct {
 	MinRate float64
 	// CNPInterval is the least time between two CNPs one QP sends.
 	CNPInterval time.Duration
+	// RateReductionPeriod is the least time between two rate cuts of one
+	// QP, the reaction point's rate reduction period: CNPs that arrive
+	// within it after a cut are counted (rx_cnp_coalesced) and otherwise
+	// ignored, so a flood of forged CNPs cuts no more often than real
+	// congestion does. Zero means CNPInterval, the default: a notification
+	// point sends a QP at most one CNP per CNPInterval, so the harshest
+	// real congestion asks for one cut per CNPInterval, and a flood gets
+	// no more; a shorter period would let a flood cut faster than any
+	// notification point asks, a longer one would drop more real CNPs
+	// (already, CNPs that jitter brings closer together than they left
+	// are coalesced).
+	RateReductionPeriod time.Duration
+	// CNPWindow is how long after a QP's last ECN-capable packet to its
+	// peer (request, ACK or READ response) a CNP for the QP is still
+	// taken as an answer to its traffic, once none of its requests is
+	// unacknowledged (while some are, they may sit in a congested queue,
+	// and CNPs are taken whatever the window). A CNP for a QP that sent
+	// nothing ECN-capable within the window (idle, never sent, or only in
+	// process, where nothing is ECN-capable) is unsolicited: dropped and
+	// counted (rx_cnp_unsolicited). The default, 20 ms, bounds a round
+	// trip through congested queues rather than a few RTTs of an idle
+	// path: a CNP comes back a round trip after the marked packet left,
+	// and a congested queue holds a packet for milliseconds (the incast
+	// test's 512 KiB into 400 Mb/s, 10.5 ms), while a paced QP sends a
+	// burst and then waits (at 100 Mb/s, 16 KiB every 1.3 ms). A QP that
+	// keeps sending keeps the stamp fresh whatever the window.
+	CNPWindow time.Duration
 	// AlphaG is the gain g of alpha's moving average.
 	AlphaG float64
 	// AlphaPeriod is how often alpha decays without CNPs.
@@ -63,19 +106,23 @@ type CongestionConfig struct {
 // alpha timer (55 us), CNP interval (50 us), byte counter (10 MB) and F (5);
 // the rate timer, increase steps and minimum rate of NVIDIA's published
 // adapter defaults (rpg_time_reset 300 us, rpg_ai_rate 5 Mb/s,
-// rpg_hai_rate 50 Mb/s, rpg_min_rate 1 Mb/s); a 25 Gb/s line rate.
+// rpg_hai_rate 50 Mb/s, rpg_min_rate 1 Mb/s); a 25 Gb/s line rate; a rate
+// reduction period of one CNP interval and a 20 ms CNP window (see their
+// fields).
 func DefaultCongestion() CongestionConfig {
 	return CongestionConfig{
-		LineRate:           25e9,
-		MinRate:            1e6,
-		CNPInterval:        50 * time.Microsecond,
-		AlphaG:             1.0 / 256,
-		AlphaPeriod:        55 * time.Microsecond,
-		RateIncreasePeriod: 300 * time.Microsecond,
-		ByteCounter:        10 << 20,
-		FastRecoverySteps:  5,
-		AIRate:             5e6,
-		HAIRate:            50e6,
+		LineRate:            25e9,
+		MinRate:             1e6,
+		CNPInterval:         50 * time.Microsecond,
+		RateReductionPeriod: 50 * time.Microsecond,
+		CNPWindow:           20 * time.Millisecond,
+		AlphaG:              1.0 / 256,
+		AlphaPeriod:         55 * time.Microsecond,
+		RateIncreasePeriod:  300 * time.Microsecond,
+		ByteCounter:         10 << 20,
+		FastRecoverySteps:   5,
+		AIRate:              5e6,
+		HAIRate:             50e6,
 	}
 }
 
@@ -85,6 +132,8 @@ func (c CongestionConfig) withDefaults() (CongestionConfig, error) {
 	orDefault(&c.LineRate, d.LineRate)
 	orDefault(&c.MinRate, d.MinRate)
 	orDefault(&c.CNPInterval, d.CNPInterval)
+	orDefault(&c.RateReductionPeriod, c.CNPInterval)
+	orDefault(&c.CNPWindow, d.CNPWindow)
 	orDefault(&c.AlphaG, d.AlphaG)
 	orDefault(&c.AlphaPeriod, d.AlphaPeriod)
 	orDefault(&c.RateIncreasePeriod, d.RateIncreasePeriod)
@@ -97,7 +146,8 @@ func (c CongestionConfig) withDefaults() (CongestionConfig, error) {
 		return c, fmt.Errorf("congestion control: rates: line %g, min %g b/s: %w", c.LineRate, c.MinRate, hostverbs.ErrInvalid)
 	case c.AlphaG <= 0 || c.AlphaG >= 1:
 		return c, fmt.Errorf("congestion control: g %g: want 0 < g < 1: %w", c.AlphaG, hostverbs.ErrInvalid)
-	case c.CNPInterval < 0 || c.AlphaPeriod < time.Microsecond || c.RateIncreasePeriod < time.Microsecond:
+	case c.CNPInterval < 0 || c.RateReductionPeriod < 0 || c.CNPWindow < 0 ||
+		c.AlphaPeriod < time.Microsecond || c.RateIncreasePeriod < time.Microsecond:
 		return c, fmt.Errorf("congestion control: periods: %w", hostverbs.ErrInvalid)
 	case c.FastRecoverySteps < 1 || c.AIRate < 0 || c.HAIRate < 0:
 		return c, fmt.Errorf("congestion control: increase steps: %w", hostverbs.ErrInvalid)
@@ -142,8 +192,9 @@ type rateState struct {
 	timerN  int       // rate increase timer events since the last cut
 	bytesN  int       // byte counter events since the last cut
 	bytes   uint64    // bytes sent since the last byte counter event
+	cutAt   time.Time // the last rate cut
 	next    time.Time // pacing: when the next packet may go
-	cnps    uint64    // CNPs this QP's requester received
+	cnps    uint64    // CNPs this QP's requester received (cut or not)
 }
 
 // rate returns the QP's current rate in bits per second.
@@ -194,9 +245,14 @@ func (s *rateState) increase(c *CongestionConfig) {
 	// drained.
 }
 
-// onCNP is the reaction to a CNP: the rate cut.
-func (s *rateState) onCNP(c *CongestionConfig, now time.Time) {
+// onCNP is the reaction to a CNP: the rate cut, at most one per
+// RateReductionPeriod. It reports whether it cut: a CNP within the period
+// after the last cut is only counted.
+func (s *rateState) onCNP(c *CongestionConfig, now time.Time) bool {
 	s.cnps++
+	if s.limited && now.Sub(s.cutAt) < c.RateReductionPeriod {
+		return false
+	}
 	s.advance(c, now)
 	if !s.limited {
 		s.limited = true
@@ -206,8 +262,9 @@ func (s *rateState) onCNP(c *CongestionConfig, now time.Time) {
 	s.rt = s.rc
 	s.rc = max(s.rc*(1-s.alpha/2), c.MinRate)
 	s.alpha = (1-c.AlphaG)*s.alpha + c.AlphaG
-	s.alphaAt, s.timerAt = now, now
+	s.alphaAt, s.timerAt, s.cutAt = now, now, now
 	s.timerN, s.bytesN, s.bytes = 0, 0, 0
+	return true
 }
 
 // wait returns how long the QP must wait before its next packet (0: now).

@@ -16,26 +16,39 @@ func testCC(t *testing.T) CongestionConfig {
 	return c
 }
 
+// cuts delivers n CNPs one rate reduction period apart from t0, each of
+// them a cut, and returns the time of the last.
+func cuts(t *testing.T, s *rateState, c *CongestionConfig, t0 time.Time, n int) time.Time {
+	at := t0
+	for i := range n {
+		at = t0.Add(time.Duration(i) * c.RateReductionPeriod)
+		require.True(t, s.onCNP(c, at), "CNP %d cuts", i)
+	}
+	return at
+}
+
 // TestDCQCNCut: the first CNP halves the line rate (alpha starts at 1),
-// keeps the old rate as the target, and raises alpha by g; CNPs in a row
-// keep cutting, never below the minimum rate.
+// keeps the old rate as the target, and raises alpha by g; a CNP within
+// the rate reduction period after a cut is only counted; CNPs a period
+// apart keep cutting, never below the minimum rate.
 func TestDCQCNCut(t *testing.T) {
 	c := testCC(t)
 	var s rateState
 	t0 := time.Unix(1000, 0)
 	assert.Equal(t, c.LineRate, s.rate(&c))
 	assert.Zero(t, s.wait(&c, t0), "not limited: no pacing")
-	s.onCNP(&c, t0)
+	assert.True(t, s.onCNP(&c, t0))
 	assert.True(t, s.limited)
 	assert.InDelta(t, 5e9, s.rc, 1)
 	assert.InDelta(t, 10e9, s.rt, 1)
 	assert.InDelta(t, 1.0, s.alpha, 1e-9, "(1-g)*1 + g")
-	s.onCNP(&c, t0.Add(time.Microsecond))
+	assert.False(t, s.onCNP(&c, t0.Add(c.RateReductionPeriod-time.Nanosecond)), "within the period")
+	assert.InDelta(t, 5e9, s.rc, 1)
+	assert.Equal(t, uint64(2), s.cnps)
+	assert.True(t, s.onCNP(&c, t0.Add(c.RateReductionPeriod)))
 	assert.InDelta(t, 2.5e9, s.rc, 1)
 	assert.InDelta(t, 5e9, s.rt, 1)
-	for i := range 100 {
-		s.onCNP(&c, t0.Add(time.Duration(2+i)*time.Microsecond))
-	}
+	cuts(t, &s, &c, t0.Add(2*c.RateReductionPeriod), 100)
 	assert.Equal(t, c.MinRate, s.rc)
 }
 
@@ -62,8 +75,7 @@ func TestDCQCNRecovery(t *testing.T) {
 	c := testCC(t)
 	var s rateState
 	t0 := time.Unix(1000, 0)
-	s.onCNP(&c, t0)
-	s.onCNP(&c, t0) // the target below line rate: room for additive increase
+	t0 = cuts(t, &s, &c, t0, 2) // the target below line rate: room for additive increase
 	rc, rt := s.rc, s.rt
 	for i := 1; i <= c.FastRecoverySteps-1; i++ {
 		s.advance(&c, t0.Add(time.Duration(i)*c.RateIncreasePeriod))
@@ -85,9 +97,7 @@ func TestDCQCNHyperIncrease(t *testing.T) {
 	c.ByteCounter = 1 << 20
 	var s rateState
 	t0 := time.Unix(1000, 0)
-	for range 20 {
-		s.onCNP(&c, t0) // deep cut: room to grow
-	}
+	t0 = cuts(t, &s, &c, t0, 20) // deep cut: room to grow
 	for i := 1; i <= c.FastRecoverySteps; i++ {
 		s.advance(&c, t0.Add(time.Duration(i)*c.RateIncreasePeriod))
 	}
@@ -106,9 +116,7 @@ func TestDCQCNPacing(t *testing.T) {
 	c := testCC(t)
 	var s rateState
 	t0 := time.Unix(1000, 0)
-	for range 10 {
-		s.onCNP(&c, t0)
-	}
+	t0 = cuts(t, &s, &c, t0, 10)
 	rate := s.rc
 	sent := 0
 	for s.wait(&c, t0) == 0 {
@@ -129,12 +137,32 @@ func TestDCQCNPacing(t *testing.T) {
 func TestCongestionConfigChecks(t *testing.T) {
 	for _, c := range []CongestionConfig{
 		{LineRate: 1}, {AlphaG: 1.5}, {MinRate: 1e12, LineRate: 1e9}, {AlphaPeriod: time.Nanosecond}, {FastRecoverySteps: -1},
+		{RateReductionPeriod: -1}, {CNPWindow: -1},
 	} {
 		_, err := c.withDefaults()
 		assert.ErrorIs(t, err, hostverbs.ErrInvalid, "%+v", c)
 	}
 	_, err := New(Config{Congestion: CongestionConfig{AlphaG: 2}})
 	assert.ErrorIs(t, err, hostverbs.ErrInvalid)
+}
+
+// TestCongestionReductionPeriodDefault: the rate reduction period is the
+// CNP interval unless set, the configured one too; DefaultCongestion
+// holds the values withDefaults fills in.
+func TestCongestionReductionPeriodDefault(t *testing.T) {
+	d := DefaultCongestion()
+	assert.Equal(t, d.CNPInterval, d.RateReductionPeriod)
+	assert.Equal(t, 20*time.Millisecond, d.CNPWindow)
+	c, err := CongestionConfig{}.withDefaults()
+	require.NoError(t, err)
+	assert.Equal(t, d, c)
+	c, err = CongestionConfig{CNPInterval: time.Millisecond}.withDefaults()
+	require.NoError(t, err)
+	assert.Equal(t, time.Millisecond, c.RateReductionPeriod)
+	c, err = CongestionConfig{RateReductionPeriod: 10 * time.Microsecond, CNPWindow: time.Second}.withDefaults()
+	require.NoError(t, err)
+	assert.Equal(t, 10*time.Microsecond, c.RateReductionPeriod)
+	assert.Equal(t, time.Second, c.CNPWindow)
 }
 
 // TestRNRIsNotCongestion: between two VMs of one fabric there is no queue

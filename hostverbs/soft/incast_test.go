@@ -213,6 +213,8 @@ type incastResult struct {
 	drops, marked      uint64
 	retransmitted      uint64
 	cnps, cnpsSent     uint64
+	cnpsUnsolicited    uint64   // dropped: for a QP that sent nothing ECN-capable within CNPWindow
+	cnpsCoalesced      uint64   // within the rate reduction period after a cut
 	rates              []QPRate // the senders' QPs, at the end
 	seconds            float64
 }
@@ -348,14 +350,17 @@ func runIncast(t testing.TB, cc CongestionConfig, d time.Duration) incastResult 
 		r.retransmitted += c["retransmitted_packets"]
 		r.cnps += c["rx_cnp"]
 		r.cnpsSent += c["tx_cnp"]
+		r.cnpsUnsolicited += c["rx_cnp_unsolicited"]
+		r.cnpsCoalesced += c["rx_cnp_coalesced"]
 		r.marked += c["rx_ecn_ce_marked"]
 	}
 	return r
 }
 
 func (r incastResult) String() string {
-	return fmt.Sprintf("queue p50 %3d KiB p99 %3d KiB (from the start %3d) | goodput %6.1f Mb/s, per sender %v MiB, Jain %.3f | drops %5d, retransmitted %6d, CE-marked %6d, CNPs %5d (sent %5d)",
-		r.queueP50>>10, r.queueP99>>10, r.queueP99All>>10, float64(r.total())*8/r.seconds/1e6, mib(r.goodput), r.jain(), r.drops, r.retransmitted, r.marked, r.cnps, r.cnpsSent)
+	return fmt.Sprintf("queue p50 %3d KiB p99 %3d KiB (from the start %3d) | goodput %6.1f Mb/s, per sender %v MiB, Jain %.3f | drops %5d, retransmitted %6d, CE-marked %6d, CNPs %5d (sent %5d, unsolicited %d, coalesced %d)",
+		r.queueP50>>10, r.queueP99>>10, r.queueP99All>>10, float64(r.total())*8/r.seconds/1e6, mib(r.goodput), r.jain(), r.drops, r.retransmitted, r.marked, r.cnps, r.cnpsSent,
+		r.cnpsUnsolicited, r.cnpsCoalesced)
 }
 
 func mib(v []uint64) []float64 {

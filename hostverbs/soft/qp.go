@@ -46,6 +46,11 @@ type qp struct {
 	paceArmed bool
 	// cnpSentAt is when this QP last sent a CNP (UnixNano; either lock).
 	cnpSentAt atomic.Int64
+	// ectSentAt is when this QP last sent an ECN-capable packet to its
+	// peer (UnixNano, 0 never; stored with either lock held): a CNP is
+	// taken only while requests are unacknowledged or within
+	// CongestionConfig.CNPWindow of it (cnpSolicited).
+	ectSentAt atomic.Int64
 
 	rqMu sync.Mutex
 	rq   recvQueue
@@ -314,6 +319,7 @@ func (q *qp) apply(a *hostverbs.QPAttr, mask hostverbs.AttrMask, sgid hostverbs.
 	if has(hostverbs.AttrAV) {
 		t.AV = a.AV
 		q.sgid = sgid
+		q.ectSentAt.Store(0) // what it sent went to the old peer
 	}
 	if q.typ == hostverbs.QPTypeRC && has(hostverbs.AttrAV|hostverbs.AttrDestQPN) {
 		// rxe: the UDP source port of a connected QP comes from the AV's
@@ -354,6 +360,7 @@ func (q *qp) resetLocked() {
 	q.pace.Stop()
 	q.paceArmed = false
 	q.cc = rateState{}
+	q.ectSentAt.Store(0)
 	q.sq.head, q.sq.next, q.sq.tail = 0, 0, 0
 	if q.srq == nil {
 		q.rq.head, q.rq.tail = 0, 0

@@ -250,7 +250,7 @@ func (q *qp) sendReadRange(tx *txBatch, j *readJob, n uint32, mtu uint64) bool {
 		if sz > 0 {
 			p.segs, p.dataOff, p.n = r.readSeg[:], off, uint32(sz)
 		}
-		tx.emit(&p)
+		q.emitToPeer(tx, &p)
 	}
 	j.next += n
 	return true

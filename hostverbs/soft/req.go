@@ -196,6 +196,15 @@ func (q *qp) fillNet(p *packet) {
 	p.dqpn = q.attr.DestQPN
 }
 
+// emitToPeer emits p, a packet of this RC QP to its peer, noting when one
+// left ECN-capable: a CNP is taken only as an answer to such packets
+// (onCNP). Either of the QP's locks is held.
+func (q *qp) emitToPeer(tx *txBatch, p *packet) {
+	if tx.emit(p) {
+		q.ectSentAt.Store(q.dev.f.clock.Now().UnixNano())
+	}
+}
+
 func (q *qp) fillNetAV(p *packet, av *hostverbs.AddressVector) {
 	p.tclass = av.TrafficClass
 	if p.tclass == 0 {
@@ -267,7 +276,7 @@ func (q *qp) reqPacket(tx *txBatch, w *sendWQE, i uint32) {
 		p.ackReq = true
 		q.req.noAck = 0
 	}
-	tx.emit(&p)
+	q.emitToPeer(tx, &p)
 }
 
 func pick(first, last bool, f, m, l, only roce.Opcode) roce.Opcode {

@@ -436,7 +436,7 @@ func (q *qp) sendAtomicAck(tx *txBatch, psn roce.PSN, orig uint64) {
 	a.info = a.op.Info()
 	a.psn = psn
 	a.syn, a.msn, a.orig = roce.SyndromeACKUnlimited, q.resp.msn, orig
-	tx.emit(&a)
+	q.emitToPeer(tx, &a)
 }
 
 // respDuplicate answers a request with an old PSN (IBA 9.7.5.2.1, C9-105):
@@ -533,7 +533,7 @@ func (q *qp) respAck(tx *txBatch, syn roce.Syndrome, psn roce.PSN) {
 	a.info = a.op.Info()
 	a.psn = psn
 	a.syn, a.msn = syn, q.resp.msn
-	tx.emit(&a)
+	q.emitToPeer(tx, &a)
 }
 
 func (q *qp) ackIfAsked(tx *txBatch, p *packet) {
@@ -567,7 +567,7 @@ func (q *qp) flushAckLocked(tx *txBatch) {
 	a.info = a.op.Info()
 	a.psn = r.ackPSN
 	a.syn, a.msn = roce.SyndromeACKUnlimited, r.msn
-	tx.emit(&a)
+	q.emitToPeer(tx, &a)
 }
 
 // sendPendingAck is the batch's end-of-work call for a QP with an ACK

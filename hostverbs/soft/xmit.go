@@ -42,8 +42,9 @@ func (f *Fabric) isLocal(g [16]byte) bool {
 
 // emit sends p: to a device of this fabric in process, or encoded to the
 // wire. The caller holds the lock of the QP that owns p's payload
-// segments; emit copies what it needs before returning.
-func (t *txBatch) emit(p *packet) {
+// segments; emit copies what it needs before returning. It reports
+// whether p went to the wire ECN-capable (the packets a CNP answers).
+func (t *txBatch) emit(p *packet) (ect bool) {
 	f := t.f
 	if f.isLocal(p.dst) {
 		p.local = true
@@ -55,26 +56,28 @@ func (t *txBatch) emit(p *packet) {
 			p.segs = nil
 		}
 		t.local = append(t.local, *p)
-		return
+		return false
 	}
 	if f.wire == nil {
 		f.ctrs.inc(cntDropUnknownGID)
-		return
+		return false
 	}
-	t.encode(p)
+	return t.encode(p)
 }
 
-// encode queues p on the transmit ring.
-func (t *txBatch) encode(p *packet) {
+// encode queues p on the transmit ring; it reports whether p went
+// ECN-capable: every RoCE v2 packet but a CNP, unless congestion control
+// is off.
+func (t *txBatch) encode(p *packet) (ect bool) {
 	f := t.f
 	if p.v1 && !f.l2 {
 		// Open refuses v1 devices on an IP wire; nothing to route by.
 		f.ctrs.inc(cntTxErrors)
-		return
+		return false
 	}
 	if !p.v1 && p.src.IsV4() != p.dst.IsV4() {
 		f.ctrs.inc(cntTxErrors)
-		return
+		return false
 	}
 	v4 := p.dst.IsV4()
 	size := roce.DatagramSize(v4, p.op, int(p.n))
@@ -83,13 +86,14 @@ func (t *txBatch) encode(p *packet) {
 	}
 	if size > wire.MaxDatagram {
 		f.ctrs.inc(cntTxDropOversize)
-		return
+		return false
 	}
 	net := roce.NetFields{
 		Src: p.src, Dst: p.dst, TClass: p.tclass, HopLimit: p.hopLimit,
 		FlowLabel: p.flowLabel, SrcPort: p.srcPort,
 	}
-	if !p.v1 && !f.cc.Disabled && p.op != roce.CNP && net.TClass&roce.ECNMask == 0 {
+	ect = !p.v1 && !f.cc.Disabled && p.op != roce.CNP
+	if ect && net.TClass&roce.ECNMask == 0 {
 		net.TClass |= roce.ECNECT0 // ECN-capable: switches mark instead of dropping
 	}
 	if v4 && !p.v1 {
@@ -115,7 +119,7 @@ func (t *txBatch) encode(p *packet) {
 			// checks at completion time surface the error.
 			f.ctrs.inc(cntTxErrors)
 			slot.commit(wire.Datagram{})
-			return
+			return false
 		}
 	}
 	switch {
@@ -127,6 +131,7 @@ func (t *txBatch) encode(p *packet) {
 		roce.SealICRC(d, roce.IPv6HeaderSize)
 	}
 	slot.commit(wire.Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac, RoCEv1: p.v1})
+	return ect
 }
 
 // flush delivers in-process packets until none are left, sends the
