@@ -184,3 +184,40 @@ func peerCred(c net.Conn) (*unix.Ucred, error) {
 	}
 	return cred, gerr
 }
+
+// admit wraps a VM socket's listener (already filtered by the access
+// policy) so that, for a VM registered with its QEMU's uid, only that uid,
+// root and the daemon's own user are served: another QEMU of the socket
+// group cannot connect as this VM. Refusals are counted (refused_peers)
+// and logged, rate-limited.
+func (s *vmSession) admit(ln net.Listener) net.Listener {
+	if s.qemuUID == 0 {
+		return ln
+	}
+	return &identityListener{Listener: ln, s: s}
+}
+
+type identityListener struct {
+	net.Listener
+	s *vmSession
+}
+
+func (l *identityListener) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil {
+			return nil, err
+		}
+		cred, err := peerCred(c)
+		if err == nil && (cred.Uid == l.s.qemuUID || cred.Uid == 0 || int(cred.Uid) == os.Geteuid()) {
+			return c, nil
+		}
+		_ = c.Close()
+		l.s.d.access.refused.Add(1)
+		if err != nil {
+			l.s.lim.Warn("peer-identity", "connection refused: no peer credentials", "err", err)
+		} else {
+			l.s.lim.Warn("peer-identity", "connection refused: not this VM's QEMU", "uid", cred.Uid, "pid", cred.Pid, "qemu_uid", l.s.qemuUID)
+		}
+	}
+}

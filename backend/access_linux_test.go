@@ -127,3 +127,39 @@ func TestWorldWritableSocketDirRefused(t *testing.T) {
 	_, err = New(Config{SocketDir: sticky, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	require.ErrorIs(t, err, ErrInsecureSocketDir)
 }
+
+// TestVMIdentity: a VM registered with its QEMU's uid admits that uid on
+// its vfio-user and QMP sockets and drops another QEMU of the same socket
+// group (issue 23: any peer of the group could open any VM's socket and
+// take its GIDs while it was away); a VM registered without one still
+// admits the whole group.
+func TestVMIdentity(t *testing.T) {
+	needRootTools(t)
+	top, err := os.MkdirTemp("", "pvrdma-identity-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(top) })
+	require.NoError(t, os.Chmod(top, 0o755))
+	dir := filepath.Join(top, "pvrdma")
+	const otherQEMU = 4792 // another QEMU's user, in the socket group
+	logger, serving := servingLogger(slog.NewTextHandler(io.Discard, nil))
+	d, err := New(Config{SocketDir: dir, SocketGroup: strconv.Itoa(testGID), Logger: logger,
+		VMs: []VMRequest{{Name: "vm1", QEMUUID: nobodyUID}, {Name: "vm2"}}})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	waitServing(t, serving, done)
+
+	for _, sock := range []string{d.SocketPath("vm1"), d.QMPSocketPath("vm1")} {
+		assert.Equal(t, "open", dialAs(t, sock, nobodyUID, testGID, "", time.Second), "%s: the VM's QEMU", sock)
+		assert.Equal(t, "eof", dialAs(t, sock, otherQEMU, testGID, "", hangBound), "%s: another QEMU of the group", sock)
+	}
+	assert.Equal(t, "open", dialAs(t, d.SocketPath("vm2"), otherQEMU, testGID, "", time.Second), "no identity: the group")
+	assert.Eventually(t, func() bool { return d.Status().Counters["refused_peers"] >= 2 }, hangBound, 10*time.Millisecond)
+	for _, v := range d.Status().VMs {
+		if v.Name == "vm1" {
+			assert.EqualValues(t, nobodyUID, v.QEMUUID)
+		}
+	}
+}

@@ -102,7 +102,10 @@ type VMStatus struct {
 	// QMPConnected (a peer that is not, or not yet, the device's QEMU) or
 	// QMPVerified (the QEMU connected to the device).
 	QMPSocket string `json:"qmp_socket"`
-	QMP       string `json:"qmp"`
+	// QEMUUID is the only uid (besides root and the daemon's) the VM's
+	// sockets admit; 0: any peer of the socket group (VMRequest.QEMUUID).
+	QEMUUID uint32 `json:"qemu_uid,omitempty"`
+	QMP     string `json:"qmp"`
 	// MigrationsCancelled and SnapshotsCancelled count the migrations and
 	// snapshot jobs of the VM the daemon cancelled.
 	MigrationsCancelled uint64 `json:"migrations_cancelled"`
@@ -132,6 +135,12 @@ type VMRequest struct {
 	// RoCEMode is the VM's RoCE version, "v1" or "v2"; absent means the
 	// fabric's (serve --roce-mode).
 	RoCEMode string `json:"roce_mode,omitempty"`
+	// QEMUUID, if set, is the user ID the VM's QEMU runs as (libvirt's
+	// per-domain DAC label, or a user of its own): the VM's sockets then
+	// admit only peers with that uid (and root and the daemon's own
+	// user), so that no other QEMU of the socket group can connect as
+	// this VM. 0: any peer the socket group admits.
+	QEMUUID uint32 `json:"qemu_uid,omitempty"`
 }
 
 // Controller is what the control socket serves.

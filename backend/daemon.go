@@ -250,7 +250,7 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if req.MemBytes > 0 {
 		lockLimit = min(d.cfg.MaxLockedMemory, req.MemBytes+LockSlack)
 	}
-	s, err := startVM(d, req.Name, mac, pol, mode, vdev.NewBudget(lockLimit, d.locked))
+	s, err := startVM(d, req.Name, mac, pol, mode, vdev.NewBudget(lockLimit, d.locked), req.QEMUUID)
 	if err != nil {
 		return VMStatus{}, err
 	}

@@ -99,6 +99,12 @@ func (s VMSpec) LibvirtDomainXML(o LibvirtOptions) (string, error) {
 	}
 	w("  </memoryBacking>")
 	w("  <vcpu>%d</vcpu>", vcpus)
+	if s.QEMUUID != 0 {
+		w("  <!-- QEMU runs as a user of this VM's own, the only one (with root) its pvrdma-backend sockets admit -->")
+		w("  <seclabel type='static' model='dac' relabel='yes'>")
+		w("    <label>+%d:+%d</label>", s.QEMUUID, s.QEMUGID)
+		w("  </seclabel>")
+	}
 	w("  <os>")
 	w("    <type arch='x86_64' machine='q35'>hvm</type>")
 	w("  </os>")

@@ -202,3 +202,31 @@ func FuzzLibvirtHook(f *testing.F) {
 		}
 	})
 }
+
+// TestLibvirtDomainXMLIdentity: a VM with a QEMU uid of its own gets a
+// static DAC label, so libvirt runs its QEMU as that uid in the socket
+// group; `--vm NAME,uid=N` registers the same identity.
+func TestLibvirtDomainXMLIdentity(t *testing.T) {
+	spec := VMSpec{Name: "vm1", Slot: 6, MemBytes: 2 << 30, Netdev: "net0", Socket: "/run/pvrdma/vm1.sock", QEMUUID: 1001, QEMUGID: 998}
+	x, err := spec.LibvirtDomainXML(LibvirtOptions{})
+	require.NoError(t, err)
+	var d struct {
+		Seclabel struct {
+			Type  string `xml:"type,attr"`
+			Model string `xml:"model,attr"`
+			Label string `xml:"label"`
+		} `xml:"seclabel"`
+	}
+	require.NoError(t, xml.Unmarshal([]byte(x), &d), x)
+	require.Equal(t, "static", d.Seclabel.Type)
+	require.Equal(t, "dac", d.Seclabel.Model)
+	require.Equal(t, "+1001:+998", d.Seclabel.Label)
+
+	req, err := ParseVMFlag("vm1,uid=1001,mem=1G")
+	require.NoError(t, err)
+	require.EqualValues(t, 1001, req.QEMUUID)
+	for _, bad := range []string{"vm1,uid=0", "vm1,uid=-1", "vm1,uid=x", "vm1,uid=4294967296"} {
+		_, err := ParseVMFlag(bad)
+		require.Error(t, err, bad)
+	}
+}

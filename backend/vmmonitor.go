@@ -460,7 +460,7 @@ func (s *vmSession) listenMonitors() (net.Listener, error) {
 		_ = ln.Close()
 		return nil, err
 	}
-	return s.d.access.listener(ln, "qmp"), nil
+	return s.admit(s.d.access.listener(ln, "qmp")), nil
 }
 
 // closeMonitors ends every monitor connection and refuses new ones (the

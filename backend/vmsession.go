@@ -42,6 +42,9 @@ type vmSession struct {
 
 	refusals atomic.Uint64
 	locked   *vdev.Budget // the guest memory its QEMU may map and lock
+	// qemuUID, if not 0, is the only uid besides root and the daemon's
+	// own that the VM's sockets admit (VMRequest.QEMUUID).
+	qemuUID uint32
 
 	// The daemon's QMP monitors of the VM's QEMU (vmmonitor.go).
 	qmpSocket           string
@@ -78,8 +81,8 @@ type vmConn struct {
 	gids map[int]hostverbs.GIDEntry
 }
 
-func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode hostverbs.GIDType, locked *vdev.Budget) (*vmSession, error) {
-	s := &vmSession{d: d, name: name, mac: mac, mode: mode, socket: SocketPath(d.cfg.SocketDir, name),
+func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode hostverbs.GIDType, locked *vdev.Budget, qemuUID uint32) (*vmSession, error) {
+	s := &vmSession{d: d, name: name, mac: mac, mode: mode, socket: SocketPath(d.cfg.SocketDir, name), qemuUID: qemuUID,
 		qmpSocket: QMPSocketPath(d.cfg.SocketDir, name), qmpDone: make(chan struct{}), monitors: map[*vmMonitor]struct{}{},
 		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
 	s.lim = ratelog.New(s.log, 0)
@@ -106,7 +109,7 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode h
 	go s.serveMonitors(qln)
 	go func() {
 		defer close(s.done)
-		if err := srv.Serve(d.access.listener(ln, "vm")); err != nil && !errors.Is(err, vfiouser.ErrServerClosed) && !errors.Is(err, net.ErrClosed) {
+		if err := srv.Serve(s.admit(d.access.listener(ln, "vm"))); err != nil && !errors.Is(err, vfiouser.ErrServerClosed) && !errors.Is(err, net.ErrClosed) {
 			s.log.Error("vfio-user server stopped", "err", err)
 		}
 	}()
@@ -300,7 +303,7 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 func (s *vmSession) status() VMStatus {
 	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String(),
 		GIDAllow: FormatGIDAllow(s.policy.allow), RoCEMode: RoCEModeName(s.mode), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit(),
-		QMPSocket: s.qmpSocket, QMP: s.monitorState(), MigrationsCancelled: s.migrationsCancelled.Load(), SnapshotsCancelled: s.snapshotsCancelled.Load()}
+		QMPSocket: s.qmpSocket, QEMUUID: s.qemuUID, QMP: s.monitorState(), MigrationsCancelled: s.migrationsCancelled.Load(), SnapshotsCancelled: s.snapshotsCancelled.Load()}
 	for _, a := range s.d.owners.reserved(s.name) {
 		st.ReservedGIDs = append(st.ReservedGIDs, a.String())
 	}

@@ -84,6 +84,10 @@ type VMSpec struct {
 	// RoCEMode is the VM's RoCE version as registered ("v1" or "v2";
 	// empty: the daemon's default).
 	RoCEMode string
+	// QEMUUID and QEMUGID, if set, are the credentials the VM's QEMU runs
+	// with (VMRequest.QEMUUID); libvirt-xml gives the domain a static DAC
+	// label with them, so libvirt starts its QEMU so.
+	QEMUUID, QEMUGID uint32
 }
 
 // SocketPath returns the socket path of VM name in dir.
@@ -235,6 +239,12 @@ func ParseVMFlag(v string) (VMRequest, error) {
 				return VMRequest{}, fmt.Errorf("VM %s: roce=%q: want v1 or v2: %w", name, val, ErrBadRoCEMode)
 			}
 			req.RoCEMode = val
+		case ok && k == "uid":
+			n, err := strconv.ParseUint(val, 10, 32)
+			if err != nil || n == 0 {
+				return VMRequest{}, fmt.Errorf("VM %s: uid=%q: want the QEMU's user ID (not 0: root is always admitted)", name, val)
+			}
+			req.QEMUUID = uint32(n)
 		case ok && k == "mem":
 			n, err := ParseSize(val)
 			if err != nil || n == 0 {
@@ -242,7 +252,7 @@ func ParseVMFlag(v string) (VMRequest, error) {
 			}
 			req.MemBytes = n
 		default:
-			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX, mem=SIZE or roce=v1|v2: %w", name, o, ErrBadGIDPolicy)
+			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX, mem=SIZE, roce=v1|v2 or uid=N: %w", name, o, ErrBadGIDPolicy)
 		}
 	}
 	if _, err := ParseGIDAllow(req.GIDAllow...); err != nil {

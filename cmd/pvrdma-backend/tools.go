@@ -36,6 +36,8 @@ type vmFlags struct {
 	slot                              int
 	mem                               sizeFlag
 	qmp                               bool
+	qemuUID                           uint
+	qemuGroup                         string
 }
 
 func (v *vmFlags) register(fs *flag.FlagSet) {
@@ -48,6 +50,8 @@ func (v *vmFlags) register(fs *flag.FlagSet) {
 	fs.IntVar(&v.slot, "slot", 5, "PCI slot: vmxnet3 at <slot>.0, PVRDMA at <slot>.1")
 	v.mem = 1 << 30
 	fs.Var(&v.mem, "mem", "guest RAM size, backed by a shared memfd")
+	fs.UintVar(&v.qemuUID, "qemu-uid", 0, "the user ID the VM's QEMU runs as, if it has one of its own: the VM's sockets then admit only it (and root); libvirt-xml gives the domain that DAC label")
+	fs.StringVar(&v.qemuGroup, "qemu-group", "pvrdma", "with --qemu-uid: the group of the QEMU libvirt-xml's DAC label sets (the socket group)")
 	fs.BoolVar(&v.qmp, "qmp-monitor", true, "give the daemon a QMP monitor of its own on the VM (QEMU connects to <socket-dir>/<vm>.qmp): it cancels migrations and snapshots, which QEMU would complete without the device's state")
 }
 
@@ -59,6 +63,16 @@ func (v *vmFlags) spec() (backend.VMSpec, error) {
 		Socket: backend.SocketPath(v.socketDir, v.name)}
 	if v.qmp {
 		spec.QMPSocket = backend.QMPSocketPath(v.socketDir, v.name)
+	}
+	if v.qemuUID > 0 {
+		if v.qemuUID > 1<<32-1 {
+			return spec, fmt.Errorf("--qemu-uid %d: not a user ID", v.qemuUID)
+		}
+		gid, err := lookupGroup(v.qemuGroup)
+		if err != nil {
+			return spec, fmt.Errorf("--qemu-group %s: %w", v.qemuGroup, err)
+		}
+		spec.QEMUUID, spec.QEMUGID = uint32(v.qemuUID), uint32(gid)
 	}
 	if v.mac != "" {
 		mac, err := net.ParseMAC(v.mac)
@@ -96,7 +110,7 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 	}
 	c := backend.NewControlClient(controlPath(socketDir))
 	_, err := c.AddVM(ctx, backend.VMRequest{Name: spec.Name, MAC: mac.String(), GIDAllow: spec.GIDAllow, MemBytes: spec.MemBytes,
-		RoCEMode: spec.RoCEMode})
+		RoCEMode: spec.RoCEMode, QEMUUID: spec.QEMUUID})
 	if err == nil {
 		return nil
 	}
@@ -115,6 +129,10 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 		if vm.Name == spec.Name && spec.GIDAllow != nil && strings.Join(vm.GIDAllow, ",") != strings.Join(spec.GIDAllow, ",") {
 			return fmt.Errorf("VM %s is registered with --gid-allow %s, not %s: unregister it first",
 				spec.Name, strings.Join(vm.GIDAllow, ","), strings.Join(spec.GIDAllow, ","))
+		}
+		if vm.Name == spec.Name && vm.QEMUUID != spec.QEMUUID {
+			return fmt.Errorf("VM %s is registered for QEMU uid %d, not %d (--qemu-uid; 0: any QEMU of the socket group): unregister it first",
+				spec.Name, vm.QEMUUID, spec.QEMUUID)
 		}
 		if vm.Name == spec.Name && spec.RoCEMode != "" && vm.RoCEMode != spec.RoCEMode {
 			return fmt.Errorf("VM %s is registered as RoCE %s, not %s: unregister it first", spec.Name, vm.RoCEMode, spec.RoCEMode)
@@ -274,6 +292,9 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		if vm.MigrationsCancelled+vm.SnapshotsCancelled > 0 {
 			fmt.Fprintf(stdout, "%s: %d migrations and %d snapshot jobs cancelled (QEMU's vfio-user-pci would drop the device)\n",
 				vm.Name, vm.MigrationsCancelled, vm.SnapshotsCancelled)
+		}
+		if vm.QEMUUID == 0 {
+			fmt.Fprintf(stdout, "%s: any QEMU of the socket group may connect as this VM (no --qemu-uid)\n", vm.Name)
 		}
 		if vm.Connected && vm.QMP != backend.QMPVerified {
 			fmt.Fprintf(stdout, "%s: exposed: the daemon has no QMP monitor of this VM's QEMU (qemu-args --qmp-monitor): "+
