@@ -145,16 +145,7 @@ type credListener struct {
 }
 
 func (l *credListener) Accept() (net.Conn, error) {
-	for {
-		c, err := l.Listener.Accept()
-		if err != nil {
-			return nil, err
-		}
-		cred, err := peerCred(c)
-		if err == nil && l.p.allowed(cred) {
-			return c, nil
-		}
-		_ = c.Close()
+	return acceptAllowed(l.Listener, l.p.allowed, func(cred *unix.Ucred, err error) {
 		l.p.refused.Add(1)
 		if err != nil {
 			l.p.lim.Warn("peer-"+l.what, "connection refused: no peer credentials", "socket", l.what, "err", err)
@@ -162,6 +153,24 @@ func (l *credListener) Accept() (net.Conn, error) {
 			l.p.lim.Warn("peer-"+l.what, "connection refused: peer not allowed", "socket", l.what,
 				"uid", cred.Uid, "gid", cred.Gid, "pid", cred.Pid)
 		}
+	})
+}
+
+// acceptAllowed accepts from ln until a peer whose credentials allowed
+// admits; the others are closed at once and passed to refused (with the
+// error if their credentials could not be read).
+func acceptAllowed(ln net.Listener, allowed func(*unix.Ucred) bool, refused func(*unix.Ucred, error)) (net.Conn, error) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return nil, err
+		}
+		cred, err := peerCred(c)
+		if err == nil && allowed(cred) {
+			return c, nil
+		}
+		_ = c.Close()
+		refused(cred, err)
 	}
 }
 
@@ -203,21 +212,15 @@ type identityListener struct {
 }
 
 func (l *identityListener) Accept() (net.Conn, error) {
-	for {
-		c, err := l.Listener.Accept()
+	s := l.s
+	return acceptAllowed(l.Listener, func(cred *unix.Ucred) bool {
+		return cred.Uid == s.qemuUID || cred.Uid == 0 || int(cred.Uid) == os.Geteuid()
+	}, func(cred *unix.Ucred, err error) {
+		s.d.access.refused.Add(1)
 		if err != nil {
-			return nil, err
-		}
-		cred, err := peerCred(c)
-		if err == nil && (cred.Uid == l.s.qemuUID || cred.Uid == 0 || int(cred.Uid) == os.Geteuid()) {
-			return c, nil
-		}
-		_ = c.Close()
-		l.s.d.access.refused.Add(1)
-		if err != nil {
-			l.s.lim.Warn("peer-identity", "connection refused: no peer credentials", "err", err)
+			s.lim.Warn("peer-identity", "connection refused: no peer credentials", "err", err)
 		} else {
-			l.s.lim.Warn("peer-identity", "connection refused: not this VM's QEMU", "uid", cred.Uid, "pid", cred.Pid, "qemu_uid", l.s.qemuUID)
+			s.lim.Warn("peer-identity", "connection refused: not this VM's QEMU", "uid", cred.Uid, "pid", cred.Pid, "qemu_uid", s.qemuUID)
 		}
-	}
+	})
 }

@@ -275,7 +275,8 @@ func (d *Daemon) RemoveVM(name string) error {
 // hostHolds returns why a guest may not bind a because the host holds
 // it, or "": one of its interface addresses, the network or broadcast
 // address of one of its IPv4 subnets, or (IP mode) of a subnet routed on
-// the fabric netdev. Addresses the daemon added for guests' GIDs are not
+// the fabric netdev, or an address in use on the fabric (a neighbour, a
+// gateway, an answer to an ARP probe). Addresses the daemon added for guests' GIDs are not
 // the host's (their ownership is the GID reservations'). An error means
 // the host's addresses could not be listed; the bind is then refused.
 func (d *Daemon) hostHolds(a netip.Addr) (string, error) {
@@ -294,6 +295,16 @@ func (d *Daemon) hostHolds(a netip.Addr) (string, error) {
 		}
 		if _, ok := edges[a]; ok {
 			return "the network or broadcast address of a subnet on the fabric netdev", nil
+		}
+	}
+	if am != nil {
+		// Becoming a host address would take it from its holder for the
+		// whole host (neighbour_linux.go).
+		switch err := am.InUse(a); {
+		case errors.Is(err, ErrAddrInUse):
+			return err.Error(), nil
+		case err != nil:
+			return "", err
 		}
 	}
 	return "", nil

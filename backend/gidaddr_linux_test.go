@@ -1,6 +1,7 @@
 package backend
 
 import (
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -149,5 +150,104 @@ func TestGIDBindRateBoundsNetlink(t *testing.T) {
 		err = s.checkGID(c, hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr("10.79.255.255")), Type: hostverbs.GIDTypeRoCEv2})
 		assert.ErrorContains(t, err, "subnet on the fabric netdev")
 		assert.Equal(t, changes, d.fabric.addrs.Changes())
+	})
+}
+
+// TestGIDNeighbourRefused: in IP mode a guest may not bind the address of
+// a neighbour on the fabric (issue 23: a guest bound the fabric's
+// 10.80.0.254, which became a host address, and the host's route to that
+// neighbour moved to lo). The host at 10.80.0.1/24 on fab0; a neighbour at
+// 10.80.0.254 in another namespace, unknown to the host until the ARP
+// probe finds it; a route via 10.80.0.253 (a gateway nobody answers for)
+// and a neighbour entry for 10.80.0.252. Each is refused, the host's route
+// to 10.80.0.254 stays on fab0, and a free address is accepted.
+func TestGIDNeighbourRefused(t *testing.T) {
+	inNewNetns(t, func() {
+		hostNS, err := netns.Get()
+		if !assert.NoError(t, err) {
+			return
+		}
+		defer hostNS.Close()
+		peerNS, err := netns.New() // moves this thread into it
+		if !assert.NoError(t, err) {
+			return
+		}
+		defer peerNS.Close()
+		if !assert.NoError(t, netns.Set(hostNS)) {
+			return
+		}
+		veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}
+		if !assert.NoError(t, netlink.LinkAdd(veth)) {
+			return
+		}
+		peer, err := netlink.LinkByName("fab1")
+		require.NoError(t, err)
+		require.NoError(t, netlink.LinkSetNsFd(peer, int(peerNS)))
+		ph, err := netlink.NewHandleAt(peerNS)
+		require.NoError(t, err)
+		defer ph.Close()
+		peer, err = ph.LinkByName("fab1")
+		require.NoError(t, err)
+		pa, _ := netlink.ParseAddr("10.80.0.254/24")
+		require.NoError(t, ph.AddrAdd(peer, pa))
+		require.NoError(t, ph.LinkSetUp(peer))
+
+		link, err := netlink.LinkByName("fab0")
+		require.NoError(t, err)
+		ha, _ := netlink.ParseAddr("10.80.0.1/24")
+		require.NoError(t, netlink.AddrAdd(link, ha))
+		require.NoError(t, netlink.LinkSetUp(link))
+		_, dst, _ := net.ParseCIDR("10.90.0.0/24")
+		require.NoError(t, netlink.RouteAdd(&netlink.Route{LinkIndex: link.Attrs().Index, Dst: dst, Gw: net.ParseIP("10.80.0.253")}))
+		require.NoError(t, netlink.NeighAdd(&netlink.Neigh{LinkIndex: link.Attrs().Index, IP: net.ParseIP("10.80.0.252"),
+			HardwareAddr: net.HardwareAddr{2, 0, 0, 0, 0, 0x52}, State: netlink.NUD_REACHABLE}))
+		// The veth's carrier comes up with both ends: wait for it so the
+		// probe is not lost.
+		// (Polled on this thread: it is the one in the namespace.)
+		for deadline := time.Now().Add(hangBound); ; time.Sleep(10 * time.Millisecond) {
+			l, err := netlink.LinkByName("fab0")
+			if err == nil && l.Attrs().OperState == netlink.OperUp {
+				break
+			}
+			if !assert.True(t, time.Now().Before(deadline), "fab0 never came up: %v", err) {
+				return
+			}
+		}
+
+		d, err := New(Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"},
+			VMs: []VMRequest{{Name: "vm1"}}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		if !assert.NoError(t, err) {
+			return
+		}
+		defer d.close()
+		s := d.vms["vm1"]
+		c := &vmConn{gids: map[int]hostverbs.GIDEntry{}}
+		bind := func(a string) error {
+			return s.checkGID(c, hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr(a)), Type: hostverbs.GIDTypeRoCEv2})
+		}
+		for a, why := range map[string]string{
+			"10.80.0.254": "answered an ARP probe on fab0",
+			"10.80.0.253": "a gateway of the host's routes",
+			"10.80.0.252": "the host's neighbour on fab0",
+		} {
+			err := bind(a)
+			assert.ErrorIs(t, err, ErrGIDRefused, a)
+			assert.ErrorContains(t, err, why, a)
+		}
+		routeDev := func(a string) string {
+			rs, err := netlink.RouteGet(net.ParseIP(a))
+			if err != nil || len(rs) == 0 {
+				return fmt.Sprint(err)
+			}
+			l, err := netlink.LinkByIndex(rs[0].LinkIndex)
+			if err != nil {
+				return fmt.Sprint(err)
+			}
+			return l.Attrs().Name
+		}
+		assert.Equal(t, "fab0", routeDev("10.80.0.254"), "the host still reaches its neighbour on the fabric")
+		assert.Empty(t, d.fabric.addrs.Owned(), "nothing was added")
+
+		require.NoError(t, bind("10.80.0.77"), "a free address")
 	})
 }

@@ -147,6 +147,15 @@ func TestForgedCNPFlood(t *testing.T) {
 // QP's number, for a QP that has sent nothing ECN-capable (never sent,
 // or idle for a second) are dropped: its rate is untouched and
 // rx_cnp_unsolicited counts them.
+// writeOnce has the pair's QP a write 64 KiB to QP b and waits for its
+// completion: ECN-capable traffic to the peer, all of it acknowledged.
+func writeOnce(t *testing.T, p pair) {
+	t.Helper()
+	require.NoError(t, p.qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
+		SGL: sge(p.a, 0, 64<<10), RemoteAddr: p.b.iova, RKey: p.b.mr.RKey()}))
+	require.Equal(t, hostverbs.WCSuccess, p.a.ccq.wait(t, 10*time.Second).Status)
+}
+
 func TestUnsolicitedCNP(t *testing.T) {
 	t.Run("never sent", func(t *testing.T) {
 		clock := NewManualClock(time.Unix(1000, 0))
@@ -162,9 +171,7 @@ func TestUnsolicitedCNP(t *testing.T) {
 		clock := NewManualClock(time.Unix(1000, 0))
 		p, _ := newMemNetPair(t, defaultRC(), clock, 1)
 		fa := p.a.dev.(*device).f
-		require.NoError(t, p.qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
-			SGL: sge(p.a, 0, 64<<10), RemoteAddr: p.b.iova, RKey: p.b.mr.RKey()}))
-		require.Equal(t, hostverbs.WCSuccess, p.a.ccq.wait(t, 10*time.Second).Status)
+		writeOnce(t, p)
 		require.Less(t, fa.cc.CNPWindow, time.Second)
 		clock.Advance(time.Second)
 		inject(fa, clock, cnpFrom(p.b.gid, p.a.gid, p.qa.QPN()), 40, time.Microsecond)
@@ -176,9 +183,7 @@ func TestUnsolicitedCNP(t *testing.T) {
 		clock := NewManualClock(time.Unix(1000, 0))
 		p, _ := newMemNetPair(t, defaultRC(), clock, 1)
 		fa := p.a.dev.(*device).f
-		require.NoError(t, p.qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
-			SGL: sge(p.a, 0, 64<<10), RemoteAddr: p.b.iova, RKey: p.b.mr.RKey()}))
-		require.Equal(t, hostverbs.WCSuccess, p.a.ccq.wait(t, 10*time.Second).Status)
+		writeOnce(t, p)
 		other := hostverbs.GIDFromAddr(netip.MustParseAddr("10.0.0.9"))
 		inject(fa, clock, cnpFrom(other, p.a.gid, p.qa.QPN()), 40, 0)
 		_, cut := qpRate(fa, p.qa.QPN())
