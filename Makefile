@@ -5,9 +5,10 @@
 
 export PATH := /usr/local/go/bin:$(HOME)/go/bin:$(PATH)
 GO ?= go
-# Unit tests; then every package's VM tests (build tag vm), one package at a time since
-# the guests run under TCG on 2 cores, verbose so that the guests' output and the
-# BASELINE/TIMING figures are in the log.
+# `make unit`: every package's unit tests. `make vmtest`: every package with the vm tag,
+# one package at a time since the guests run under TCG on 2 cores, verbose so that the
+# guests' output and the BASELINE/TIMING figures are in the log. `make test`: both, each
+# test once (below).
 UNIT_TIMEOUT ?= 20m
 VM_TIMEOUT ?= 40m
 
@@ -47,13 +48,17 @@ unit:
 vmtest: image
 	$(GO) test -tags vm -count=1 -p 1 -v -timeout $(VM_TIMEOUT) ./...
 
-# The unit tests and then the VM tests, the VM tests even if a unit test failed; fails if
-# either did (each `go test ./...` runs every package and reports every failure). The
-# VM tests' sub-make takes deps and image as made (-o) rather than making them again.
+# Packages with VM tests (test files built with the vm tag), and the others. `make test`
+# runs each test once: the other packages' tests in parallel, then the VM packages with
+# the tag, one at a time (their unit tests with them), verbose; the VM tests run even if a
+# unit test failed, and it fails if either did (each `go test` runs every package it is
+# given and reports every failure).
+VM_PKGS = $(sort $(dir $(shell grep -rl --include='*_test.go' '^//go:build vm' .)))
+UNIT_PKGS = $(filter-out $(VM_PKGS),$(shell $(GO) list -f '{{.Dir}}/' ./... | sed 's|^$(CURDIR)/|./|'))
 test: deps image
 	@unit=0; vm=0; \
-	$(MAKE) unit || unit=$$?; \
-	$(MAKE) -o deps -o image vmtest || vm=$$?; \
+	$(GO) test -count=1 -timeout $(UNIT_TIMEOUT) $(UNIT_PKGS) || unit=$$?; \
+	$(GO) test -tags vm -count=1 -p 1 -v -timeout $(VM_TIMEOUT) $(VM_PKGS) || vm=$$?; \
 	if [ $$unit -ne 0 ] || [ $$vm -ne 0 ]; then \
 		echo "make test: unit tests $$([ $$unit -eq 0 ] && echo passed || echo FAILED), VM tests $$([ $$vm -eq 0 ] && echo passed || echo FAILED)" >&2; \
 		exit 1; \

@@ -31,7 +31,7 @@ func TestMigrationGuard(t *testing.T) {
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	steps := []step{
-		{"during", "ibv_rc_pingpong -d $dev -g $g -n 20000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 20000 -s 4096 -c $peer"},
+		{"during", "ibv_rc_pingpong -d $dev -g $g -n 10000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 10000 -s 4096 -c $peer"},
 		{"after", "ibv_rc_pingpong -d $dev -g $g -n 500 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 500 -s 4096 -c $peer"},
 	}
 	cfgs := []vm.Config{
@@ -48,7 +48,7 @@ func TestMigrationGuard(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return strings.Contains(vms[0].Output(), "=== during") && strings.Contains(vms[1].Output(), "=== during")
 	}, 5*time.Minute, 200*time.Millisecond, "the guests never started the ping-pong")
-	time.Sleep(time.Second) // into the ping-pong (20000 iterations take well over 10 s under TCG)
+	time.Sleep(time.Second) // into the ping-pong (10000 iterations take 6 s or more under TCG)
 
 	q, err := backend.DialQMP(ctx, vms[0].QMPPath(), 10*time.Second)
 	require.NoError(t, err)

@@ -32,6 +32,15 @@ type roceModeGuest struct {
 	refusedSync    string // the address that says the refused row's server listens
 }
 
+// refusedWait is how long (s) a refused row's client tries; refusedListen
+// how long its listener waits, from before the client starts until after
+// it has given up (the client waits up to 400 pings for the listener's
+// announcement).
+const (
+	refusedWait   = 25
+	refusedListen = 45
+)
+
 // roceModeScenario writes the guest's script. Each section is "=== name",
 // the tool's output and "rc=N".
 func roceModeScenario(g roceModeGuest) string {
@@ -67,20 +76,25 @@ echo rc=0
 		step(g.clientOK+"_rping", "pvt_retry 90 timeout 150 rping -c -a "+g.clientOKPeer+" -C 10 -v")
 		step(g.clientOK+"_ucmatose", "pvt_retry 90 timeout 150 ucmatose -s "+g.clientOKPeer)
 	}
-	// Both tools of a row at once (each attempt of a refused connection
-	// takes the CM's full retry budget, about a minute).
+	// Both tools of a row at once. A refused connection would take the
+	// CM's full retry budget (15 REQs about 4 s apart, a minute or more)
+	// before the tool gives up, and neither tool nor the guest's configfs
+	// can shorten it: the client is stopped after refusedWait instead. An
+	// allowed connection takes about a second here, so a client that has
+	// not connected by then never will; the daemon's
+	// drop_roce_version_mismatch counter shows why.
 	both := func(rping, ucmatose string) {
 		fmt.Fprintf(&b, "(%s >/tmp/r 2>&1; echo rc=$? >>/tmp/r) &\n", rping)
 		fmt.Fprintf(&b, "(%s >/tmp/u 2>&1; echo rc=$? >>/tmp/u) &\n", ucmatose)
 	}
 	if g.serveRefused != "" {
-		both("timeout 140 rping -s -a $self -C 10 -v", "timeout 140 ucmatose -b $self")
+		both(fmt.Sprintf("timeout %d rping -s -a $self -C 10 -v", refusedListen), fmt.Sprintf("timeout %d ucmatose -b $self", refusedListen))
 		fmt.Fprintf(&b, "sleep 2\nip addr add %s dev $nic\nwait\n", g.syncIP)
 		fmt.Fprintf(&b, "echo '=== %s_rping_server'\ncat /tmp/r\necho '=== %s_ucmatose_server'\ncat /tmp/u\n", g.serveRefused, g.serveRefused)
 	}
 	if g.clientRefused != "" {
 		fmt.Fprintf(&b, "t=0; until ping -c 1 -W 1 %s >/dev/null 2>&1 || [ $t -ge 400 ]; do t=$((t+1)); done\n", g.refusedSync)
-		both("timeout 150 rping -c -a "+g.refusedPeer+" -C 10 -v", "timeout 150 ucmatose -s "+g.refusedPeer)
+		both(fmt.Sprintf("timeout %d rping -c -a %s -C 10 -v", refusedWait, g.refusedPeer), fmt.Sprintf("timeout %d ucmatose -s %s", refusedWait, g.refusedPeer))
 		fmt.Fprintf(&b, "wait\necho '=== %s_rping'\ncat /tmp/r\necho '=== %s_ucmatose'\ncat /tmp/u\n", g.clientRefused, g.clientRefused)
 	}
 	b.WriteString("echo '=== end'\n")
@@ -163,7 +177,8 @@ func TestRoCEModeTable(t *testing.T) {
 			for _, tool := range []string{"rping", "ucmatose"} {
 				sec := g.serveRefused + "_" + tool + "_server"
 				// The listener saw no connection: it ran until its timeout
-				// killed it (busybox timeout: 128 + SIGTERM).
+				// killed it (busybox timeout: 128 + SIGTERM), after the
+				// client had given up.
 				assert.Equal(t, "143", rc(r.Output, sec), "%s %s:\n%s", g.name, sec, vm.Section(r.Output, sec))
 			}
 		}

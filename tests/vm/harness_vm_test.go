@@ -95,15 +95,15 @@ func TestHarnessTimeout(t *testing.T) {
 	ctx := context.Background()
 	nw, err := NewNetwork(t, NetworkConfig{})
 	require.NoError(t, err)
-	v, err := Start(ctx, t, img, nw, Config{Name: "hang", Modules: []string{}, Timeout: 45 * time.Second,
+	v, err := Start(ctx, t, img, nw, Config{Name: "hang", Modules: []string{}, Timeout: 30 * time.Second,
 		NICs:     []NIC{{Addr: "05.0", IP: "10.77.0.1/24"}},
 		Scenario: "echo hanging-now; sleep 3600"})
 	require.NoError(t, err)
 	start := time.Now()
 	_, err = v.Wait(ctx)
 	require.Error(t, err)
-	t.Logf("the hung guest's Wait returned in %v (its timeout: 45 s)", time.Since(start).Round(time.Millisecond))
-	require.Contains(t, err.Error(), "no result within 45s")
+	t.Logf("the hung guest's Wait returned in %v (its timeout: 30 s)", time.Since(start).Round(time.Millisecond))
+	require.Contains(t, err.Error(), "no result within 30s")
 	require.Contains(t, err.Error(), "hanging-now")
 	require.ErrorIs(t, unix.Kill(v.PID(), 0), unix.ESRCH, "QEMU is gone")
 	require.NoDirExists(t, v.Dir())
