@@ -12,7 +12,7 @@ GO ?= go
 UNIT_TIMEOUT ?= 20m
 VM_TIMEOUT ?= 40m
 
-.PHONY: all build bin deps image test unit vmtest demo bench bench-vm soak check clean-cache deb
+.PHONY: all build bin deps image test unit vmtest demo bench bench-vm bench-scale soak check clean-cache deb
 
 all: build
 
@@ -72,6 +72,12 @@ demo: deps image bin
 # same run (bare socket ping-pong, UDP blast and ping-pong, memcpy).
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 2s ./vfiouser ./vdev ./hostverbs/soft ./guestmem
+
+# One daemon, N VMs of the fake driver (real vfio-user connections, no QEMU), N = 2, 8,
+# 32, 128 (PVRDMA_SCALE_N=8,32 for others): aggregate WRITE throughput against N=8 in the
+# same run, Jain's fairness, a probe's doorbell-to-CQE latency, and what each VM costs.
+bench-scale:
+	$(GO) test -run '^$$' -bench Scale -benchtime 1x -timeout 30m ./tests/hostile
 
 # A longer soak than the test suite's 200 sessions: VM sessions in a row
 # (connect, traffic, disconnect), then goroutines, fds, locked memory and RSS

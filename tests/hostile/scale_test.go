@@ -1,0 +1,258 @@
+package hostile
+
+import (
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+)
+
+// BenchmarkScale (make bench-scale) drives one daemon with N VMs of the
+// fake driver, each a real vfio-user connection with its own guest-RAM
+// memfd, no QEMU. The VMs form N/2 pairs; each VM streams signaled 16 KiB
+// RDMA WRITEs into its partner's MR (scaleWindow in flight) for
+// scaleRun. Beside them a probe pair measures doorbell-to-CQE latency of
+// single 8 B WRITEs. For each N it reports the aggregate throughput,
+// Jain's fairness index over the VMs' throughputs, the probe's p50 and
+// p99, and what each VM costs the process (the daemon and the fake
+// drivers are one process: anonymous RSS, threads, the daemon's
+// goroutines, descriptors, locked memory), idle and busy; the last line
+// compares each N's aggregate with N=8's, measured in the same run.
+// Run it with -benchtime 1x (one measurement per N).
+func BenchmarkScale(b *testing.B) {
+	ns := []int{2, 8, 32, 128}
+	if s := os.Getenv("PVRDMA_SCALE_N"); s != "" { // e.g. PVRDMA_SCALE_N=8,32
+		ns = nil
+		for _, f := range strings.Split(s, ",") {
+			n, err := strconv.Atoi(f)
+			if err != nil || n < 2 || n%2 != 0 || n > 200 {
+				b.Fatalf("PVRDMA_SCALE_N: %q: want even VM counts of 2..200", f)
+			}
+			ns = append(ns, n)
+		}
+	}
+	aggregate := map[int]float64{}
+	for _, n := range ns {
+		b.Run(fmt.Sprintf("vms=%d", n), func(b *testing.B) {
+			for range b.N {
+				r := runScale(b, n)
+				vms := float64(n + 2) // the probe pair too
+				aggregate[n] = r.aggregateMBps
+				b.ReportMetric(r.aggregateMBps, "MB/s")
+				b.ReportMetric(r.jain, "jain")
+				b.ReportMetric(r.p50.Seconds()*1e6, "probe_p50_us")
+				b.ReportMetric(r.p99.Seconds()*1e6, "probe_p99_us")
+				b.ReportMetric(float64(r.idle.anonKiB)/1024/vms, "idle_rss_anon_MiB/vm")
+				b.ReportMetric(float64(r.busy.anonKiB)/1024/vms, "busy_rss_anon_MiB/vm")
+				b.ReportMetric(float64(r.idle.lockedKiB)/1024/vms, "locked_MiB/vm")
+				b.ReportMetric(float64(r.idle.goroutines)/vms, "idle_goroutines/vm")
+				b.ReportMetric(float64(r.busy.goroutines)/vms, "busy_goroutines/vm")
+				b.ReportMetric(float64(r.busy.threads)/vms, "busy_threads/vm")
+				b.ReportMetric(float64(r.idle.fds)/vms, "fds/vm")
+				b.Logf("vms=%d: %.0f MB/s aggregate, Jain %.3f, probe p50 %v p99 %v; per connected VM (%d, the probe pair included) idle: %.2f MiB anon RSS, %.1f MiB locked, "+
+					"%.1f daemon goroutines, %.1f fds (2 of them the fake driver's); busy: %.2f MiB anon RSS, %.1f goroutines, %.2f threads",
+					n, r.aggregateMBps, r.jain, r.p50, r.p99, n+2,
+					float64(r.idle.anonKiB)/1024/vms, float64(r.idle.lockedKiB)/1024/vms,
+					float64(r.idle.goroutines)/vms, float64(r.idle.fds)/vms,
+					float64(r.busy.anonKiB)/1024/vms, float64(r.busy.goroutines)/vms, float64(r.busy.threads)/vms)
+			}
+		})
+	}
+	if ref, ok := aggregate[8]; ok && ref > 0 {
+		var parts []string
+		for _, n := range ns {
+			parts = append(parts, fmt.Sprintf("vms=%d %.2fx", n, aggregate[n]/ref))
+		}
+		// On stdout: a parent benchmark's own log is not printed.
+		fmt.Printf("SCALE aggregate against vms=8 (same run): %s (goal: vms=128 >= 0.8x)\n", strings.Join(parts, ", "))
+	}
+}
+
+const (
+	scaleRun    = 3 * time.Second
+	scaleMsg    = 16 << 10 // bytes per WRITE
+	scaleWindow = 4        // WRITEs in flight per VM
+)
+
+type scaleResult struct {
+	aggregateMBps float64
+	jain          float64
+	p50, p99      time.Duration
+	idle, busy    scaleCost // increase over the daemon alone
+}
+
+type scaleCost struct {
+	anonKiB, lockedKiB       int64
+	goroutines, threads, fds int
+}
+
+func scaleSample(tb testing.TB) scaleCost {
+	r := measure(tb)
+	return scaleCost{anonKiB: procStatusKB(tb, "RssAnon"), lockedKiB: r.lockedKiB, goroutines: r.daemon,
+		threads: int(procStatusKB(tb, "Threads")), fds: r.fds}
+}
+
+func (c scaleCost) minus(o scaleCost) scaleCost {
+	return scaleCost{anonKiB: c.anonKiB - o.anonKiB, lockedKiB: c.lockedKiB - o.lockedKiB, goroutines: c.goroutines - o.goroutines,
+		threads: c.threads - o.threads, fds: c.fds - o.fds}
+}
+
+func runScale(b *testing.B, n int) scaleResult {
+	names := make([]string, n+2)
+	for i := range names {
+		names[i] = fmt.Sprintf("s%03d", i)
+	}
+	e := newEnvConfig(b, vdev.Limits{}, stderrLogger(), func(c *backend.Config) {
+		c.VMs = nil
+		for _, nm := range names {
+			c.VMs = append(c.VMs, backend.VMRequest{Name: nm, MemBytes: ramSize})
+		}
+	})
+	base := scaleSample(b)
+	eps := make([]*endpoint, len(names))
+	for i := 0; i < len(names); i += 2 {
+		eps[i], eps[i+1] = e.pairGIDs(names[i], names[i+1], byte(i+1), byte(i+2), 12, 7)
+	}
+	idle := scaleSample(b).minus(base)
+
+	var stop atomic.Bool
+	bytes := make([]atomic.Int64, n)
+	errs := make(chan error, n+1)
+	var wg sync.WaitGroup
+	for i := range n {
+		src, dst := eps[i], eps[i^1]
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := streamWrites(src, dst, &stop, &bytes[i]); err != nil {
+				errs <- fmt.Errorf("VM %s: %w", src.v.name, err)
+				stop.Store(true)
+			}
+		}()
+	}
+	var lat []time.Duration
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		var err error
+		lat, err = probeWrites(eps[n], eps[n+1], &stop)
+		if err != nil {
+			errs <- fmt.Errorf("probe: %w", err)
+			stop.Store(true)
+		}
+	}()
+	start := time.Now()
+	time.Sleep(scaleRun / 2)
+	busy := scaleSample(b).minus(base)
+	time.Sleep(scaleRun - time.Since(start))
+	stop.Store(true)
+	wg.Wait()
+	elapsed := time.Since(start)
+	close(errs)
+	for err := range errs {
+		b.Fatal(err)
+	}
+
+	r := scaleResult{idle: idle, busy: busy}
+	var sum, sumSq float64
+	for i := range bytes {
+		x := float64(bytes[i].Load())
+		sum += x
+		sumSq += x * x
+	}
+	r.aggregateMBps = sum / elapsed.Seconds() / 1e6
+	if sumSq > 0 {
+		r.jain = sum * sum / (float64(n) * sumSq)
+	}
+	if len(lat) > 0 {
+		slices.Sort(lat)
+		r.p50, r.p99 = lat[len(lat)/2], lat[len(lat)*99/100]
+	}
+	for _, p := range eps {
+		p.Close()
+	}
+	return r
+}
+
+// streamWrites keeps scaleWindow signaled WRITEs from src into dst's MR
+// in flight until stop, counting the bytes of each one that completes.
+func streamWrites(src, dst *endpoint, stop *atomic.Bool, done *atomic.Int64) error {
+	q, cq := src.qp, src.scq
+	inflight := 0
+	var wrid uint64
+	idle := time.Now()
+	for {
+		for !stop.Load() && inflight < scaleWindow {
+			wrid++
+			off := uint64(wrid%scaleWindow) * scaleMsg
+			q.writeSend(writeWQE(wrid, dst.mr.iova+off, dst.mr.rkey), src.mr.sge(off, scaleMsg))
+			if err := src.v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle); err != nil {
+				return err
+			}
+			inflight++
+		}
+		if inflight == 0 {
+			return nil
+		}
+		e, ok, err := cq.tryPoll()
+		switch {
+		case err != nil:
+			return err
+		case ok && e.Status != uint32(hostverbs.WCSuccess):
+			return fmt.Errorf("WRITE %d: status %d", e.WRID, e.Status)
+		case ok:
+			inflight--
+			done.Add(scaleMsg)
+			idle = time.Now()
+		case time.Since(idle) > irqTimeout:
+			return fmt.Errorf("no completion for %v", irqTimeout)
+		default:
+			// rdma-core's empty poll: a POLL doorbell, then yield.
+			if err := src.v.tryDoorbell(cq.uar, vdev.UARCQOffset, vdev.UARCQPoll|cq.handle); err != nil {
+				return err
+			}
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+}
+
+// probeWrites posts one 8 B WRITE at a time from src to dst until stop
+// and returns each doorbell-to-CQE time (the CQ spun on, no sleeping).
+func probeWrites(src, dst *endpoint, stop *atomic.Bool) ([]time.Duration, error) {
+	q, cq := src.qp, src.scq
+	var lat []time.Duration
+	for wrid := uint64(1); !stop.Load(); wrid++ {
+		q.writeSend(writeWQE(wrid, dst.mr.iova, dst.mr.rkey), src.mr.sge(0, 8))
+		t0 := time.Now()
+		if err := src.v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle); err != nil {
+			return lat, err
+		}
+		for {
+			e, ok, err := cq.tryPoll()
+			if err != nil {
+				return lat, err
+			}
+			if ok {
+				if e.Status != uint32(hostverbs.WCSuccess) {
+					return lat, fmt.Errorf("probe WRITE: status %d", e.Status)
+				}
+				lat = append(lat, time.Since(t0))
+				break
+			}
+			if time.Since(t0) > irqTimeout {
+				return lat, fmt.Errorf("probe: no completion for %v", irqTimeout)
+			}
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return lat, nil
+}
