@@ -96,3 +96,44 @@ func BenchmarkVMvsRxe(b *testing.B) {
 		row("ib_write_lat", "ib_write_lat 2 B (typical; lower wins)", "us", false, 0)
 	}
 }
+
+// guestPerfSteps are the guest workloads of BenchmarkGuestPerf.
+var guestPerfSteps = []step{
+	{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 1000 -s 4096", "ibv_rc_pingpong -d $dev -g $g -n 1000 -s 4096 $peer"},
+	{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536 $peer"},
+}
+
+// BenchmarkGuestPerf is two stock guests through pvrdma-backend and
+// nothing else, for judging a change on the device path in the guests
+// (scripts/bench-ab -T vm -p ./tests/e2e -b GuestPerf -t 1x -m pingpong_us
+// REV_A REV_B): TCG guests on this machine swing 1.8x between runs of the
+// same binary, so one run says nothing and alternating pairs do. It
+// reports the client's ibv_rc_pingpong -s 4096 time per iteration
+// (pingpong_us) and ib_write_bw 64 KiB average bandwidth (write_MB/s).
+func BenchmarkGuestPerf(b *testing.B) {
+	img := image(b)
+	for i := 0; i < b.N; i++ {
+		d := daemon(b, backend.Config{Logger: quietLogger()}, "gp1", "gp2")
+		ctx := context.Background()
+		nw, err := vm.NewNetwork(b, vm.NetworkConfig{})
+		require.NoError(b, err)
+		cfgs := []vm.Config{
+			pvrdmaGuest(d, "gp1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, guestPerfSteps)),
+			pvrdmaGuest(d, "gp2", "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, guestPerfSteps)),
+		}
+		for i := range cfgs {
+			cfgs[i].NoErrExit, cfgs[i].Timeout, cfgs[i].QuietConsole = true, 10*time.Minute, true
+		}
+		vms, err := vm.StartAll(ctx, b, img, nw, cfgs...)
+		require.NoError(b, err)
+		res, err := vm.WaitAll(ctx, vms...)
+		require.NoError(b, err)
+		out := res[1].Output // the client's view
+		pp, err := vm.ParsePingPong(vm.Section(out, "rc_pingpong"))
+		require.NoError(b, err, "%s", out)
+		bw, err := vm.ParsePerftestBW(vm.Section(out, "ib_write_bw"))
+		require.NoError(b, err, "%s", out)
+		b.ReportMetric(pp.UsecPerIter, "pingpong_us")
+		b.ReportMetric(bw[0].AvgMBps, "write_MB/s")
+	}
+}
