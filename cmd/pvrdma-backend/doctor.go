@@ -23,6 +23,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/ibverbs"
 )
 
@@ -184,8 +185,51 @@ func doctor(ctx context.Context, h hostEnv, o doctorOpts) []checkResult {
 	if o.createRXE == "" {
 		res = append(res, checkRXE(h))
 	}
-	res = append(res, checkKVM(h), checkLibvirtHook(h))
+	res = append(res, checkKVM(h), checkLibvirtHook(h), checkVMs(ctx, o.socketDir))
 	return res
+}
+
+// checkVMs asks the running daemon (if any) which connected VMs are
+// exposed: without a verified QMP monitor of their QEMU (a migration or
+// snapshot would drop the device unnoticed) or admitting any QEMU of the
+// socket group (no --qemu-uid). Every connected VM's device dies with the
+// daemon until the VM reboots: that is said once.
+func checkVMs(ctx context.Context, socketDir string) checkResult {
+	const name = "vms"
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	st, err := backend.NewControlClient(controlPath(socketDir)).Status(ctx)
+	if err != nil {
+		return ok(name, "no daemon answers on %s: nothing to check", controlPath(socketDir))
+	}
+	var connected []string
+	var exposed []string
+	for _, v := range st.VMs {
+		if !v.Connected {
+			continue
+		}
+		connected = append(connected, v.Name)
+		var why []string
+		if v.QMP != backend.QMPVerified {
+			why = append(why, "no QMP monitor of its QEMU (migrations and snapshots unguarded)")
+		}
+		if v.QEMUUID == 0 {
+			why = append(why, "any QEMU of the socket group may connect as it")
+		}
+		if len(why) > 0 {
+			exposed = append(exposed, v.Name+": "+strings.Join(why, ", "))
+		}
+	}
+	if len(connected) == 0 {
+		return ok(name, "the daemon serves %d VMs, none connected now", len(st.VMs))
+	}
+	if len(exposed) > 0 {
+		return warn(name, "start the VMs with the arguments qemu-args or libvirt-xml print (--qmp-monitor, --qemu-uid)",
+			"%d VMs connected; exposed: %s; a daemon stop or crash leaves every connected VM's device dead until it reboots",
+			len(connected), strings.Join(exposed, "; "))
+	}
+	return ok(name, "%d VMs connected, each with a verified QMP monitor and its own QEMU uid; a daemon stop or crash leaves their devices dead until they reboot",
+		len(connected))
 }
 
 var qemuVersionRE = regexp.MustCompile(`QEMU emulator version (\d+)\.(\d+)(?:\.(\d+))?`)

@@ -2,14 +2,18 @@ package main
 
 import (
 	"bytes"
+	"context"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser/vfiousertest"
 )
 
 // TestLibvirtHookVerb: `libvirt-hook` as libvirt runs it: refusal with the
@@ -70,4 +74,29 @@ func repoRoot(t *testing.T) string {
 	wd, err := os.Getwd()
 	require.NoError(t, err)
 	return filepath.Join(wd, "../..")
+}
+
+// TestCheckVMs: doctor's vms check with no daemon, and with a connected VM
+// that has no QMP monitor and no QEMU uid of its own: a warning naming it.
+func TestCheckVMs(t *testing.T) {
+	dir := t.TempDir()
+	r := checkVMs(context.Background(), dir)
+	require.Equal(t, statusOK, r.Status, r.Detail)
+	require.Contains(t, r.Detail, "no daemon")
+
+	runDaemon(t, backend.Config{SocketDir: dir, VMs: []backend.VMRequest{{Name: "vm1"}, {Name: "vm2"}}})
+	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(dir, "vm1.sock"), Net: "unix"})
+	require.NoError(t, err)
+	c := vfiousertest.NewClient(conn)
+	defer c.Close()
+	_, err = c.Negotiate(vfiousertest.QEMUCaps)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		r = checkVMs(context.Background(), dir)
+		return strings.Contains(r.Detail, "1 VMs connected")
+	}, 30*time.Second, 10*time.Millisecond)
+	require.Equal(t, statusWarn, r.Status)
+	require.Contains(t, r.Detail, "vm1: no QMP monitor of its QEMU")
+	require.Contains(t, r.Detail, "any QEMU of the socket group may connect as it")
+	require.NotContains(t, r.Detail, "vm2:", "not connected: not exposed")
 }
