@@ -1,6 +1,7 @@
 package vdev
 
 import (
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -535,6 +536,23 @@ func TestModifyQPValidation(t *testing.T) {
 	errReg, _ = q.modify(0x129181, QPAttr{State: 2, PathMTU: 9, DestQPNum: 5, AH: AHAttr{DGID: gidB, PortNum: 1}})
 	assert.NotZero(t, errReg, "path MTU 9")
 	q.toRTS(5, gidB, 0) // from INIT via its INIT->INIT... the helper starts with RESET->INIT
+}
+
+// TestControlledQKeyRefused: a guest's UD QP may not take a controlled
+// Q_Key (issue 23: with the GSI QP's Q_Key a UD QP reaches QP1 of any
+// host through the daemon's CAP_NET_RAW); an ordinary one is accepted.
+func TestControlledQKeyRefused(t *testing.T) {
+	u := newUserRC(t)
+	q := u.g.createQP(qpSpec{pd: u.pd, scq: u.scq, rcq: u.rcq, typ: hostverbs.QPTypeUD, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
+	const udInit = 0x71 // STATE | PKEY_INDEX | PORT | QKEY
+	for _, k := range []uint32{0x80010000, 0x80000000, 0xffffffff} {
+		errReg, h := q.modify(udInit, QPAttr{State: 1, PortNum: 1, QKey: k})
+		assert.NotZero(t, errReg, "%#x", k)
+		assert.EqualValues(t, syscall.EPERM, h.Err, "%#x", k)
+	}
+	q.mustModify(udInit, QPAttr{State: 1, PortNum: 1, QKey: 0x11111111})
+	errReg, _ := q.modify(0x40, QPAttr{QKey: 0x80010000}) // INIT->INIT, Q_Key alone
+	assert.NotZero(t, errReg)
 }
 
 func TestQueryQP(t *testing.T) {

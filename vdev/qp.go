@@ -239,6 +239,12 @@ func (d *Device) cmdModifyQP(req, resp []byte) error {
 	if err := d.checkQPAttr(a, mask); err != nil {
 		return fmt.Errorf("QP %d: %w", q.handle, err)
 	}
+	if mask&hostverbs.AttrQKey != 0 && a.QKey&ControlledQKey != 0 && q.typ != hostverbs.QPTypeGSI {
+		// As Linux refuses it to users without CAP_NET_RAW: with it a UD QP
+		// could send as the GSI QP (CM MADs to QP1 of any host); the
+		// daemon's own CAP_NET_RAW must not lend the guest that right.
+		return fmt.Errorf("QP %d: Q_Key %#x has the controlled bit (only the GSI QP may): %w", q.handle, a.QKey, syscall.EPERM)
+	}
 	attr := hostQPAttr(a)
 	if err := q.hv.Modify(&attr, mask); err != nil {
 		return fmt.Errorf("QP %d %v->%v: %w", q.handle, cur, next, err)
@@ -264,6 +270,11 @@ func (d *Device) cmdModifyQP(req, resp []byte) error {
 	}
 	return nil
 }
+
+// ControlledQKey is the Q_Key bit that marks a controlled Q_Key (IBA
+// 10.2.4; the GSI QP's is 0x80010000): a send work request whose Q_Key has
+// it uses the QP's own, and only privileged consumers may give a QP one.
+const ControlledQKey = 0x80000000
 
 // checkQPAttr validates what the device must understand itself: the port
 // and the source GID index of the address vector, which must name a GID
