@@ -18,7 +18,7 @@ func TestFileRange(t *testing.T) {
 	require.NoError(t, m.Add(spec))
 	require.NoError(t, m.Add(Bytes(0x12000, make([]byte, 0x1000), ProtRead|ProtWrite)))
 
-	gotFD, off, pin, err := m.FileRange(0x11000, 0x1000)
+	gotFD, off, pin, err := m.FileRange(0x11000, 0x1000, true)
 	require.NoError(t, err)
 	require.Equal(t, fd, gotFD)
 	require.Equal(t, int64(0x2000), off, "the region's file offset plus the page's")
@@ -33,12 +33,25 @@ func TestFileRange(t *testing.T) {
 	pin.Release()
 	<-removed
 
-	_, _, _, err = m.FileRange(0x12000, 0x1000)
+	_, _, _, err = m.FileRange(0x12000, 0x1000, false)
 	require.ErrorIs(t, err, ErrNoFile, "a region without a file")
-	_, _, _, err = m.FileRange(0x20000, 0x1000)
+	_, _, _, err = m.FileRange(0x20000, 0x1000, false)
 	require.ErrorIs(t, err, ErrUnmapped)
-	_, _, _, err = m.FileRange(0x12800, 0x1000)
+	_, _, _, err = m.FileRange(0x12800, 0x1000, false)
 	require.Error(t, err, "past the region's end")
-	_, _, _, err = m.FileRange(^GPA(0), 2)
+	_, _, _, err = m.FileRange(^GPA(0), 2, false)
 	require.ErrorIs(t, err, ErrRange)
+
+	// A region the client mapped read-only gives its file for reading only.
+	rofd, err := unix.MemfdCreate("fr-ro", unix.MFD_CLOEXEC)
+	require.NoError(t, err)
+	require.NoError(t, unix.Ftruncate(rofd, 0x1000))
+	ro, err := MapFD(0x30000, 0x1000, ProtRead, rofd, 0)
+	require.NoError(t, err)
+	require.NoError(t, m.Add(ro))
+	_, _, _, err = m.FileRange(0x30000, 0x1000, true)
+	require.ErrorIs(t, err, ErrReadOnly)
+	_, _, pin, err = m.FileRange(0x30000, 0x1000, false)
+	require.NoError(t, err)
+	pin.Release()
 }

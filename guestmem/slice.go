@@ -67,8 +67,9 @@ var ErrNoFile = errors.New("guest region has no backing file")
 // Release: a provider that maps the same pages again (an ibverbs MR alias)
 // must map them before releasing the pin. The range must lie inside one
 // region that has a file (ErrNotContiguous, ErrUnmapped or ErrNoFile
-// otherwise).
-func (m *Memory) FileRange(gpa GPA, n uint64) (fd int, offset int64, pin Pin, err error) {
+// otherwise) and, for write, that the client mapped writable (ErrReadOnly):
+// a mapping made from the file must not allow more than the client's map.
+func (m *Memory) FileRange(gpa GPA, n uint64, write bool) (fd int, offset int64, pin Pin, err error) {
 	if _, ok := gpa.Add(n); !ok {
 		return -1, 0, Pin{}, fmt.Errorf("file range %v+%#x: %w", gpa, n, ErrRange)
 	}
@@ -82,6 +83,10 @@ func (m *Memory) FileRange(gpa GPA, n uint64) (fd int, offset int64, pin Pin, er
 		err = ErrNotContiguous
 	case r.FD < 0 || r.Data == nil:
 		err = ErrNoFile
+	case write && r.Prot&ProtWrite == 0:
+		err = ErrReadOnly
+	case !write && r.Prot&ProtRead == 0:
+		err = ErrUnmapped
 	}
 	if err != nil {
 		r.exit()

@@ -197,7 +197,10 @@ func (p *PD) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
 		d.p.releaseRuns(d, runs)
 		d.mu.Unlock()
 	}
-	alias, length, err := aliasPages(d.guestMemory(), pl.Pages)
+	// The host device may write the MR's pages only if the guest may, and
+	// only if the client mapped them writable: the alias allows no more.
+	write := attr.Access&(hostverbs.AccessLocalWrite|hostverbs.AccessRemoteWrite|hostverbs.AccessRemoteAtomic) != 0
+	alias, length, err := aliasPages(d.guestMemory(), pl.Pages, write)
 	if err != nil {
 		undo()
 		return nil, fmt.Errorf("reg mr: %w", err)
@@ -233,14 +236,21 @@ func pageRuns(pages []guestmem.GPA) int {
 // the file take one mmap. The guest memory regions are pinned while mapping
 // (their descriptors must not close under us); the mapping then holds the
 // file itself.
-func aliasPages(m *guestmem.Memory, pages []guestmem.GPA) (unsafe.Pointer, uintptr, error) {
+//
+// The alias is writable only for write, and then only from regions the
+// client mapped writable (guestmem.ErrReadOnly).
+func aliasPages(m *guestmem.Memory, pages []guestmem.GPA, write bool) (unsafe.Pointer, uintptr, error) {
+	prot := unix.PROT_READ
+	if write {
+		prot |= unix.PROT_WRITE
+	}
 	length := uintptr(len(pages)) * guestmem.PageSize
 	base, err := unix.MmapPtr(-1, 0, nil, length, unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
 	if err != nil {
 		return nil, 0, fmt.Errorf("reserve %d bytes for the MR alias: %w", length, err)
 	}
 	for i := 0; i < len(pages); {
-		fd, off, pin, err := m.FileRange(pages[i], guestmem.PageSize)
+		fd, off, pin, err := m.FileRange(pages[i], guestmem.PageSize, write)
 		if err != nil {
 			_ = unix.MunmapPtr(base, length)
 			return nil, 0, fmt.Errorf("MR page %d (%v): %w", i, pages[i], err)
@@ -248,7 +258,7 @@ func aliasPages(m *guestmem.Memory, pages []guestmem.GPA) (unsafe.Pointer, uintp
 		// Extend the run while the next page follows in the same region.
 		n := 1
 		for i+n < len(pages) && pages[i+n] == pages[i]+guestmem.GPA(n*guestmem.PageSize) {
-			fd2, off2, pin2, err := m.FileRange(pages[i+n], guestmem.PageSize)
+			fd2, off2, pin2, err := m.FileRange(pages[i+n], guestmem.PageSize, write)
 			if err != nil {
 				break
 			}
@@ -260,7 +270,7 @@ func aliasPages(m *guestmem.Memory, pages []guestmem.GPA) (unsafe.Pointer, uintp
 			n++
 		}
 		at := unsafe.Add(base, uintptr(i)*guestmem.PageSize)
-		_, err = unix.MmapPtr(fd, off, at, uintptr(n)*guestmem.PageSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_FIXED)
+		_, err = unix.MmapPtr(fd, off, at, uintptr(n)*guestmem.PageSize, prot, unix.MAP_SHARED|unix.MAP_FIXED)
 		pin.Release()
 		if err != nil {
 			_ = unix.MunmapPtr(base, length)
