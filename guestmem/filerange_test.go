@@ -55,3 +55,41 @@ func TestFileRange(t *testing.T) {
 	require.NoError(t, err)
 	pin.Release()
 }
+
+// TestHold: a held region cannot be removed (ErrHeld) until the hold is
+// released; RemoveAll ignores holds; a region being removed cannot be held.
+func TestHold(t *testing.T) {
+	m := New()
+	add := func(base GPA) {
+		fd, err := unix.MemfdCreate("hold", unix.MFD_CLOEXEC)
+		require.NoError(t, err)
+		require.NoError(t, unix.Ftruncate(fd, 0x1000))
+		spec, err := MapFD(base, 0x1000, ProtRead|ProtWrite, fd, 0)
+		require.NoError(t, err)
+		require.NoError(t, m.Add(spec))
+	}
+	add(0x10000)
+	_, _, pin, err := m.FileRange(0x10000, 0x1000, true)
+	require.NoError(t, err)
+	h, err := pin.Hold()
+	require.NoError(t, err)
+	_, err = m.Remove(0x10000, 0x1000)
+	require.ErrorIs(t, err, ErrHeld)
+	require.Len(t, m.Regions(), 1, "still mapped")
+	h.Release()
+	h.Release() // twice: nothing
+	_, err = m.Remove(0x10000, 0x1000)
+	require.NoError(t, err)
+
+	add(0x20000)
+	_, _, pin, err = m.FileRange(0x20000, 0x1000, true)
+	require.NoError(t, err)
+	h, err = pin.Hold()
+	require.NoError(t, err)
+	require.NoError(t, m.RemoveAll(), "a disconnect takes everything")
+	h.Release()
+
+	var none Pin
+	_, err = none.Hold()
+	require.Error(t, err)
+}

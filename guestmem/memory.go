@@ -54,6 +54,9 @@ var (
 	ErrOverlap = errors.New("region overlaps an existing mapping")
 	// ErrNoRegion: a removal did not match a region exactly.
 	ErrNoRegion = errors.New("no region with that exact address and size")
+	// ErrHeld: a region cannot be removed while a long-lived user holds it
+	// (Pin.Hold: pages a host device has registered).
+	ErrHeld = errors.New("guest region is held by a registered memory region")
 	// ErrAlign: an atomic access was not naturally aligned.
 	ErrAlign = errors.New("misaligned atomic access")
 	// ErrRange: the length or address arithmetic overflowed.
@@ -104,8 +107,9 @@ type region struct {
 	RegionSpec
 	inflight atomic.Int64
 	dead     atomic.Bool
-	mu       sync.Mutex // guards drained's waiters
+	mu       sync.Mutex // guards drained's waiters, holds and Remove's dead
 	drained  *sync.Cond
+	holders  int // long-lived users (Hold); Remove refuses while > 0
 }
 
 // enter registers an access; false means the region is being removed.
@@ -216,6 +220,15 @@ func (m *Memory) Remove(base GPA, size uint64) (RegionSpec, error) {
 		return RegionSpec{}, fmt.Errorf("remove %v+%#x: %w", base, size, ErrNoRegion)
 	}
 	r := old[i]
+	r.mu.Lock()
+	if r.holders > 0 {
+		n := r.holders
+		r.mu.Unlock()
+		m.mu.Unlock()
+		return RegionSpec{}, fmt.Errorf("remove %v+%#x: %d holds: %w", base, size, n, ErrHeld)
+	}
+	r.dead.Store(true) // no new hold from here on
+	r.mu.Unlock()
 	next := make([]*region, 0, len(old)-1)
 	next = append(next, old[:i]...)
 	next = append(next, old[i+1:]...)

@@ -22,6 +22,40 @@ func (p *Pin) Release() {
 	}
 }
 
+// Hold turns the pin into a long-lived hold on its region and releases
+// the pin: until the Hold is released, Remove refuses the region
+// (ErrHeld), so its pages stay the client's as long as a host device uses
+// them (an ibverbs MR registered over a mapping of the region's file).
+// RemoveAll (disconnect, reset) ignores holds: the holder's objects go
+// with the connection. It fails if the region is being removed.
+func (p *Pin) Hold() (Hold, error) {
+	r := p.r
+	if r == nil {
+		return Hold{}, fmt.Errorf("hold: %w", ErrUnmapped)
+	}
+	defer p.Release()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.dead.Load() {
+		return Hold{}, fmt.Errorf("hold %v+%#x: %w", r.Base, r.Size, ErrUnmapped)
+	}
+	r.holders++
+	return Hold{r: r}, nil
+}
+
+// Hold keeps a region from being removed (Pin.Hold).
+type Hold struct{ r *region }
+
+// Release ends the hold; calling it again does nothing.
+func (h *Hold) Release() {
+	if h.r != nil {
+		h.r.mu.Lock()
+		h.r.holders--
+		h.r.mu.Unlock()
+		h.r = nil
+	}
+}
+
 // Slice returns the host mapping of [gpa, gpa+n) for access in place
 // (zero-copy I/O from or into guest memory), and a Pin that keeps the
 // region mapped until Release. The range must lie inside one mapped region

@@ -52,6 +52,8 @@ func Errno(err error) syscall.Errno {
 		return syscall.EFAULT
 	case errors.Is(err, guestmem.ErrReadOnly):
 		return syscall.EPERM
+	case errors.Is(err, guestmem.ErrHeld):
+		return syscall.EBUSY
 	case errors.Is(err, ErrTimeout):
 		return syscall.ETIMEDOUT
 	case errors.Is(err, ErrDisconnected):

@@ -34,7 +34,7 @@ func TestAliasPagesHonoursReadOnly(t *testing.T) {
 	add(0x200000, guestmem.ProtRead|guestmem.ProtWrite)
 	t.Cleanup(func() { _ = m.RemoveAll() })
 
-	_, _, err := aliasPages(m, []guestmem.GPA{0x100000, 0x101000}, true)
+	_, _, _, err := aliasPages(m, []guestmem.GPA{0x100000, 0x101000}, true)
 	require.ErrorIs(t, err, guestmem.ErrReadOnly)
 
 	perms := func(p unsafe.Pointer) string {
@@ -49,12 +49,22 @@ func TestAliasPagesHonoursReadOnly(t *testing.T) {
 		t.Fatalf("alias %p not in /proc/self/maps", p)
 		return ""
 	}
-	ro, n, err := aliasPages(m, []guestmem.GPA{0x100000, 0x101000}, false)
+	ro, n, holds, err := aliasPages(m, []guestmem.GPA{0x100000, 0x101000}, false)
 	require.NoError(t, err)
 	require.Equal(t, "r--s", perms(ro))
 	require.NoError(t, unix.MunmapPtr(ro, n))
-	rw, n, err := aliasPages(m, []guestmem.GPA{0x200000}, true)
+	releaseHolds(holds)
+	rw, n, holds, err := aliasPages(m, []guestmem.GPA{0x200000}, true)
 	require.NoError(t, err)
 	require.Equal(t, "rw-s", perms(rw))
+
+	// While the MR lives its region cannot be unmapped (issue 23: after
+	// DMA_UNMAP the pages stayed pinned by the host device while the lock
+	// budget went back); once it is deregistered, it can.
+	_, err = m.Remove(0x200000, 2*guestmem.PageSize)
+	require.ErrorIs(t, err, guestmem.ErrHeld)
 	require.NoError(t, unix.MunmapPtr(rw, n))
+	releaseHolds(holds)
+	_, err = m.Remove(0x200000, 2*guestmem.PageSize)
+	require.NoError(t, err)
 }

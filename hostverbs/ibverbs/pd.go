@@ -151,6 +151,7 @@ type MR struct {
 	length uintptr
 	bytes  uint64
 	runs   int
+	holds  []guestmem.Hold // the guest regions it aliases: kept until Dereg
 	dead   bool
 }
 
@@ -200,7 +201,7 @@ func (p *PD) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
 	// The host device may write the MR's pages only if the guest may, and
 	// only if the client mapped them writable: the alias allows no more.
 	write := attr.Access&(hostverbs.AccessLocalWrite|hostverbs.AccessRemoteWrite|hostverbs.AccessRemoteAtomic) != 0
-	alias, length, err := aliasPages(d.guestMemory(), pl.Pages, write)
+	alias, length, holds, err := aliasPages(d.guestMemory(), pl.Pages, write)
 	if err != nil {
 		undo()
 		return nil, fmt.Errorf("reg mr: %w", err)
@@ -209,10 +210,11 @@ func (p *PD) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
 	mr, err := C.pv_reg_mr(d.p.lib.l, p.pd, addr, C.size_t(pl.Length), C.uint64_t(pl.IOVA), C.uint(attr.Access))
 	if mr == nil {
 		_ = unix.MunmapPtr(alias, length)
+		releaseHolds(holds)
 		undo()
 		return nil, fmt.Errorf("reg mr %#x+%#x: %w", pl.IOVA, pl.Length, hostErr(err))
 	}
-	m := &MR{p: p, mr: mr, alias: alias, length: length, bytes: pl.Length, runs: runs}
+	m := &MR{p: p, mr: mr, alias: alias, length: length, bytes: pl.Length, runs: runs, holds: holds}
 	d.mu.Lock()
 	p.mrs[m] = struct{}{}
 	d.mu.Unlock()
@@ -239,7 +241,7 @@ func pageRuns(pages []guestmem.GPA) int {
 //
 // The alias is writable only for write, and then only from regions the
 // client mapped writable (guestmem.ErrReadOnly).
-func aliasPages(m *guestmem.Memory, pages []guestmem.GPA, write bool) (unsafe.Pointer, uintptr, error) {
+func aliasPages(m *guestmem.Memory, pages []guestmem.GPA, write bool) (unsafe.Pointer, uintptr, []guestmem.Hold, error) {
 	prot := unix.PROT_READ
 	if write {
 		prot |= unix.PROT_WRITE
@@ -247,13 +249,18 @@ func aliasPages(m *guestmem.Memory, pages []guestmem.GPA, write bool) (unsafe.Po
 	length := uintptr(len(pages)) * guestmem.PageSize
 	base, err := unix.MmapPtr(-1, 0, nil, length, unix.PROT_NONE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
 	if err != nil {
-		return nil, 0, fmt.Errorf("reserve %d bytes for the MR alias: %w", length, err)
+		return nil, 0, nil, fmt.Errorf("reserve %d bytes for the MR alias: %w", length, err)
+	}
+	var holds []guestmem.Hold
+	fail := func(err error) (unsafe.Pointer, uintptr, []guestmem.Hold, error) {
+		_ = unix.MunmapPtr(base, length)
+		releaseHolds(holds)
+		return nil, 0, nil, err
 	}
 	for i := 0; i < len(pages); {
 		fd, off, pin, err := m.FileRange(pages[i], guestmem.PageSize, write)
 		if err != nil {
-			_ = unix.MunmapPtr(base, length)
-			return nil, 0, fmt.Errorf("MR page %d (%v): %w", i, pages[i], err)
+			return fail(fmt.Errorf("MR page %d (%v): %w", i, pages[i], err))
 		}
 		// Extend the run while the next page follows in the same region.
 		n := 1
@@ -271,14 +278,27 @@ func aliasPages(m *guestmem.Memory, pages []guestmem.GPA, write bool) (unsafe.Po
 		}
 		at := unsafe.Add(base, uintptr(i)*guestmem.PageSize)
 		_, err = unix.MmapPtr(fd, off, at, uintptr(n)*guestmem.PageSize, prot, unix.MAP_SHARED|unix.MAP_FIXED)
-		pin.Release()
 		if err != nil {
-			_ = unix.MunmapPtr(base, length)
-			return nil, 0, fmt.Errorf("map MR pages %d-%d: %w", i, i+n-1, err)
+			pin.Release()
+			return fail(fmt.Errorf("map MR pages %d-%d: %w", i, i+n-1, err))
 		}
+		// The region stays the client's while the MR lives: its DMA_UNMAP
+		// is refused (EBUSY) rather than leaving pages pinned by the host
+		// device after the client gave them back.
+		h, err := pin.Hold()
+		if err != nil {
+			return fail(fmt.Errorf("MR pages %d-%d: %w", i, i+n-1, err))
+		}
+		holds = append(holds, h)
 		i += n
 	}
-	return base, length, nil
+	return base, length, holds, nil
+}
+
+func releaseHolds(hs []guestmem.Hold) {
+	for i := range hs {
+		hs[i].Release()
+	}
 }
 
 // dmaKeyBase marks the placeholder keys of DMA MRs: above any lkey a host
@@ -337,5 +357,6 @@ func (m *MR) Dereg() error {
 	if err := unix.MunmapPtr(m.alias, m.length); err != nil {
 		errs = append(errs, fmt.Errorf("unmap MR alias: %w", err))
 	}
+	releaseHolds(m.holds)
 	return errors.Join(errs...)
 }
