@@ -323,25 +323,39 @@ func (p *Provider) startAsync() error {
 	return nil
 }
 
+// asyncEvents resolves each event's object to its owner while the event
+// is not yet acknowledged (the object cannot be destroyed, nor its address
+// reused by another VM's object, until then), acknowledges it, and only
+// then delivers it: the owner's handler may take locks a destroyer holds
+// while ibv_destroy_* waits for the acknowledgement.
 func (p *Provider) asyncEvents(raw syscall.RawConn) {
 	defer close(p.asyncDone)
+	ev := (*C.struct_ibv_async_event)(C.calloc(1, C.size_t(unsafe.Sizeof(C.struct_ibv_async_event{}))))
+	defer C.free(unsafe.Pointer(ev))
 	serve(raw, &p.asyncStop, p.log, "asynchronous events", func() bool {
 		var typ, port C.int
 		var obj C.uintptr_t
-		if C.pv_get_async_event(p.lib.l, p.ctx, &typ, &obj, &port) <= 0 {
+		if C.pv_get_async_event(p.lib.l, p.ctx, ev, &typ, &obj, &port) <= 0 {
 			return false
 		}
-		p.dispatch(hostverbs.EventType(typ), uintptr(obj), uint8(port))
+		var t asyncTarget
+		found := false
+		if obj != 0 {
+			p.objMu.Lock()
+			t, found = p.objs[uintptr(obj)]
+			p.objMu.Unlock()
+		}
+		C.pv_ack_async_event(p.lib.l, ev)
+		p.dispatch(hostverbs.EventType(typ), obj != 0, t, found, uint8(port))
 		return true
 	})
 }
 
-func (p *Provider) dispatch(typ hostverbs.EventType, obj uintptr, port uint8) {
-	if obj != 0 {
-		p.objMu.Lock()
-		t, ok := p.objs[obj]
-		p.objMu.Unlock()
-		if ok && t.d.cfg.Events != nil {
+// dispatch delivers an event: about an object (forObject), to its owner
+// if it was still tracked; else a port or device event, to every device.
+func (p *Provider) dispatch(typ hostverbs.EventType, forObject bool, t asyncTarget, found bool, port uint8) {
+	if forObject {
+		if found && t.d.cfg.Events != nil {
 			t.d.cfg.Events(hostverbs.AsyncEvent{Type: typ, Context: t.context, QPN: t.qpn})
 		}
 		return

@@ -213,12 +213,15 @@ void pv_set_gid(struct ibv_ah_attr *a, const uint8_t *gid) { memcpy(a->grh.dgid.
 int pv_async_fd(struct ibv_context *c) { return c->async_fd; }
 
 // pv_get_async_event takes one asynchronous event from the context's
-// (non-blocking) event descriptor and acknowledges it: 1 with its type,
-// the object it concerns (QP, CQ or SRQ pointer; 0 for port and device
-// events) and the port; 0 if none is pending; -1 on error.
-int pv_get_async_event(pv_lib *l, struct ibv_context *c, int *type, uintptr_t *obj, int *port) {
+// (non-blocking) event descriptor into *ev without acknowledging it: 1 with
+// its type, the object it concerns (QP, CQ or SRQ pointer; 0 for port and
+// device events) and the port; 0 if none is pending; -1 on error. Until
+// pv_ack_async_event the object cannot be destroyed (ibv_destroy_* waits
+// for the acknowledgement), so its pointer names it and no other.
+int pv_get_async_event(pv_lib *l, struct ibv_context *c, struct ibv_async_event *evp, int *type, uintptr_t *obj, int *port) {
 	struct ibv_async_event ev;
 	if (l->get_async_event(c, &ev) != 0) return errno == EAGAIN ? 0 : -1;
+	*evp = ev;
 	*type = ev.event_type;
 	*obj = 0;
 	*port = 0;
@@ -242,9 +245,10 @@ int pv_get_async_event(pv_lib *l, struct ibv_context *c, int *type, uintptr_t *o
 	default:
 		break;
 	}
-	l->ack_async_event(&ev);
 	return 1;
 }
+
+void pv_ack_async_event(pv_lib *l, struct ibv_async_event *ev) { l->ack_async_event(ev); }
 
 // pv_spin spins for ns nanoseconds without a system call: the relay's
 // benchmark compares a cgo call of a given length with the same work in Go

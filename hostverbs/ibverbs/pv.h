@@ -83,7 +83,8 @@ uint32_t pv_mr_lkey(struct ibv_mr *mr);
 uint32_t pv_mr_rkey(struct ibv_mr *mr);
 void pv_set_gid(struct ibv_ah_attr *a, const uint8_t *gid);
 int pv_async_fd(struct ibv_context *c);
-int pv_get_async_event(pv_lib *l, struct ibv_context *c, int *type, uintptr_t *obj, int *port);
+int pv_get_async_event(pv_lib *l, struct ibv_context *c, struct ibv_async_event *ev, int *type, uintptr_t *obj, int *port);
+void pv_ack_async_event(pv_lib *l, struct ibv_async_event *ev);
 void pv_spin(long ns);
 
 #endif
