@@ -75,9 +75,11 @@ bench:
 
 # One daemon, N VMs of the fake driver (real vfio-user connections, no QEMU), N = 2, 8,
 # 32, 128 (PVRDMA_SCALE_N=8,32 for others): aggregate WRITE throughput against N=8 in the
-# same run, Jain's fairness, a probe's doorbell-to-CQE latency, and what each VM costs.
+# same run, Jain's fairness, a probe's doorbell-to-CQE latency, and what each VM costs;
+# then one VM creating and destroying as many CQs, QPs and MRs as its device allows (up
+# to 16k, 16k, 64k): the creation rate of the first and last 1024, memory per object.
 bench-scale:
-	$(GO) test -run '^$$' -bench Scale -benchtime 1x -timeout 30m ./tests/hostile
+	$(GO) test -run '^$$' -bench 'Scale|Objects' -benchtime 1x -timeout 30m ./tests/hostile
 
 # A longer soak than the test suite's 200 sessions: VM sessions in a row
 # (connect, traffic, disconnect), then goroutines, fds, locked memory and RSS

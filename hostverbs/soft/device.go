@@ -51,7 +51,7 @@ type device struct {
 	closed bool
 	gids   [gidTableLen]hostverbs.GIDEntry
 	keys   keyTable
-	qps    atomic.Pointer[map[uint32]*qp]
+	qps    qpMap
 	all    map[*qp]struct{}
 	cqs    map[*cq]struct{}
 	srqs   map[*srq]struct{}
@@ -118,8 +118,6 @@ func newDevice(f *Fabric, cfg hostverbs.DeviceConfig) *device {
 		d.attr.GIDType = hostverbs.GIDTypeRoCEv1
 	}
 	d.keys = newKeyTable(d.attr.MaxMR)
-	empty := map[uint32]*qp{}
-	d.qps.Store(&empty)
 	return d
 }
 
@@ -281,8 +279,7 @@ func (d *device) Close() error {
 		}
 		d.gids[i] = hostverbs.GIDEntry{}
 	}
-	empty := map[uint32]*qp{}
-	d.qps.Store(&empty)
+	d.qps.clear()
 	for i := range d.keys.slots {
 		d.keys.slots[i].Store(nil)
 	}
@@ -308,45 +305,29 @@ func (d *device) event(t hostverbs.EventType, ctx uint64, qpn uint32) {
 }
 
 // lookupQP returns the QP with number qpn, or nil.
-func (d *device) lookupQP(qpn uint32) *qp { return (*d.qps.Load())[qpn] }
+func (d *device) lookupQP(qpn uint32) *qp { return d.qps.load(qpn) }
 
 // allocQPNLocked returns an unused QPN: user QPs count up from 16 and wrap,
 // so a destroyed QP's number is not reused soon.
 func (d *device) allocQPNLocked() uint32 {
-	m := *d.qps.Load()
 	for {
 		n := d.nextQP
 		d.nextQP++
 		if d.nextQP >= qpnSpace {
 			d.nextQP = firstUserQPN
 		}
-		if _, used := m[n]; !used {
+		if d.qps.load(n) == nil {
 			return n
 		}
 	}
 }
 
 func (d *device) publishQPLocked(q *qp) {
-	old := *d.qps.Load()
-	next := make(map[uint32]*qp, len(old)+1)
-	for k, v := range old {
-		next[k] = v
-	}
-	next[q.qpn] = q
-	d.qps.Store(&next)
+	d.qps.store(q.qpn, q)
 	d.all[q] = struct{}{}
 }
 
 func (d *device) unpublishQPLocked(q *qp) {
-	old := *d.qps.Load()
-	if old[q.qpn] == q {
-		next := make(map[uint32]*qp, len(old))
-		for k, v := range old {
-			if v != q {
-				next[k] = v
-			}
-		}
-		d.qps.Store(&next)
-	}
+	d.qps.deleteIf(q.qpn, q)
 	delete(d.all, q)
 }

@@ -70,6 +70,15 @@ type vm struct {
 
 	served    bool // the daemon made a device for this connection
 	closeOnce sync.Once
+	ramBytes  uint64 // guest RAM; 0 means ramSize
+}
+
+// ramLen is the VM's guest RAM size.
+func (v *vm) ramLen() uint64 {
+	if v.ramBytes != 0 {
+		return v.ramBytes
+	}
+	return ramSize
 }
 
 // dial connects to VM name's socket and negotiates, as QEMU does at
@@ -131,10 +140,10 @@ func (e *env) boot(name string) *vm {
 // mapRAM creates the guest's RAM and DMA-maps it at GPA 0.
 func (v *vm) mapRAM() {
 	v.t.Helper()
-	fd, mem, err := guestRAM(ramSize)
+	fd, mem, err := guestRAM(int(v.ramLen()))
 	require.NoError(v.t, err)
 	v.ramFD, v.ram = fd, mem
-	require.NoError(v.t, v.c.DMAMap(0, ramSize, vfiouser.DMAFlagRead|vfiouser.DMAFlagWrite, fd, 0))
+	require.NoError(v.t, v.c.DMAMap(0, v.ramLen(), vfiouser.DMAFlagRead|vfiouser.DMAFlagWrite, fd, 0))
 }
 
 // guestRAM is QEMU's memory-backend-memfd with share=on and its default
@@ -264,7 +273,7 @@ func (v *vm) pages(n int) []uint64 {
 	v.t.Helper()
 	out := make([]uint64, n)
 	for i := range out {
-		require.LessOrEqual(v.t, v.next+4096, uint64(ramSize), "guest RAM exhausted")
+		require.LessOrEqual(v.t, v.next+4096, v.ramLen(), "guest RAM exhausted")
 		out[i] = v.next
 		clear(v.ram[v.next : v.next+4096])
 		v.next += 4096
