@@ -90,6 +90,19 @@ func TestAddrManagerAddsRefcountsAndRemoves(t *testing.T) {
 	})
 }
 
+// ipModeVM is a daemon in IP mode on fab0 (in the caller's namespace)
+// with VM vm1 registered, and a connection of vm1 to drive its GID hooks
+// directly; nil (and a test error) if the daemon could not start.
+func ipModeVM(t *testing.T) (*Daemon, *vmSession, *vmConn) {
+	t.Helper()
+	d, err := New(Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"},
+		VMs: []VMRequest{{Name: "vm1"}}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if !assert.NoError(t, err) {
+		return nil, nil, nil
+	}
+	return d, d.vms["vm1"], &vmConn{gids: map[int]hostverbs.GIDEntry{}}
+}
+
 // TestGIDBindRateBoundsNetlink: in IP mode every GID a guest binds becomes
 // a host address. A guest binding and unbinding in a tight loop (here its
 // session's hooks, driven directly) changes the host's addresses at most
@@ -102,14 +115,11 @@ func TestGIDBindRateBoundsNetlink(t *testing.T) {
 			t.Errorf("veth: %v", err)
 			return
 		}
-		d, err := New(Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"},
-			VMs: []VMRequest{{Name: "vm1"}}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-		if !assert.NoError(t, err) {
+		d, s, c := ipModeVM(t)
+		if d == nil {
 			return
 		}
 		defer d.close()
-		s := d.vms["vm1"]
-		c := &vmConn{gids: map[int]hostverbs.GIDEntry{}}
 		start := time.Now()
 		accepted := 0
 		for i := range 2000 {
@@ -214,14 +224,11 @@ func TestGIDNeighbourRefused(t *testing.T) {
 			}
 		}
 
-		d, err := New(Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"},
-			VMs: []VMRequest{{Name: "vm1"}}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
-		if !assert.NoError(t, err) {
+		d, s, c := ipModeVM(t)
+		if d == nil {
 			return
 		}
 		defer d.close()
-		s := d.vms["vm1"]
-		c := &vmConn{gids: map[int]hostverbs.GIDEntry{}}
 		bind := func(a string) error {
 			return s.checkGID(c, hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr(a)), Type: hostverbs.GIDTypeRoCEv2})
 		}
