@@ -193,7 +193,7 @@ func (d *Daemon) close() {
 	}
 	if len(exposed) > 0 {
 		sort.Strings(exposed)
-		d.log.Warn("stopping with connected VMs: their QEMUs see EOF, and each device stays dead until its VM reboots "+
+		d.log.Warn("stopping with connected VMs: their QEMUs see EOF, and each device stays dead until its QEMU is restarted "+
 			"(QEMU's vfio-user client does not reconnect; a QEMU with a request in flight may abort)", "vms", exposed)
 	}
 	for _, s := range vms {

@@ -193,7 +193,7 @@ func doctor(ctx context.Context, h hostEnv, o doctorOpts) []checkResult {
 // exposed: without a verified QMP monitor of their QEMU (a migration or
 // snapshot would drop the device unnoticed) or admitting any QEMU of the
 // socket group (no --qemu-uid). Every connected VM's device dies with the
-// daemon until the VM reboots: that is said once.
+// daemon until its QEMU is restarted: that is said once.
 func checkVMs(ctx context.Context, socketDir string) checkResult {
 	const name = "vms"
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -225,10 +225,10 @@ func checkVMs(ctx context.Context, socketDir string) checkResult {
 	}
 	if len(exposed) > 0 {
 		return warn(name, "start the VMs with the arguments qemu-args or libvirt-xml print (--qmp-monitor, --qemu-uid)",
-			"%d VMs connected; exposed: %s; a daemon stop or crash leaves every connected VM's device dead until it reboots",
+			"%d VMs connected; exposed: %s; a daemon stop or crash leaves every connected VM's device dead until its QEMU is restarted",
 			len(connected), strings.Join(exposed, "; "))
 	}
-	return ok(name, "%d VMs connected, each with a verified QMP monitor and its own QEMU uid; a daemon stop or crash leaves their devices dead until they reboot",
+	return ok(name, "%d VMs connected, each with a verified QMP monitor and its own QEMU uid; a daemon stop or crash leaves their devices dead until their QEMUs are restarted",
 		len(connected))
 }
 
