@@ -25,6 +25,7 @@ import (
 // kernel rxe. Every byte A receives is checked, and after A's
 // VM disconnects `rdma resource show` counts none of its objects.
 func TestRelayOverRxe(t *testing.T) {
+	t.Parallel() // beside TestRoCEModeTable, which mostly waits
 	img := image(t)
 	bin := filepath.Join(t.TempDir(), "hostile.test")
 	build := exec.Command("go", "test", "-c", "-o", bin, "./tests/hostile")

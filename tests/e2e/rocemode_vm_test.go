@@ -116,6 +116,10 @@ echo rc=0
 // Each guest also runs the guide's configfs procedure: default_roce_mode
 // shows the device's one mode and the other is refused.
 func TestRoCEModeTable(t *testing.T) {
+	// Most of its minute is spent waiting for the refused rows: it runs
+	// beside TestRelayOverRxe (each test has its own network namespace,
+	// bridge, taps and daemon).
+	t.Parallel()
 	img := image(t)
 	d := daemon(t, backend.Config{VMs: []backend.VMRequest{
 		{Name: "r1a", RoCEMode: "v1"}, {Name: "r1b", RoCEMode: "v1"},
