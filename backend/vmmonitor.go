@@ -70,6 +70,10 @@ var migrationActive = map[string]bool{
 	"postcopy-active": true, "postcopy-paused": true, "postcopy-recover-setup": true, "postcopy-recover": true,
 }
 
+// migrationEnded lists the statuses after which a new migration may
+// start ("none": none ever did).
+var migrationEnded = map[string]bool{"none": true, "completed": true, "failed": true, "cancelled": true}
+
 // snapshotJobs are the job types that save or load a VM's state.
 var snapshotJobs = map[string]bool{"snapshot-save": true, "snapshot-load": true}
 
@@ -110,6 +114,11 @@ type vmMonitor struct {
 	events chan qmp.Event
 	resync atomic.Bool // events were dropped
 	ready  atomic.Bool // past the handshake
+	// cancelling is set once the guard cancelled the migration under way
+	// and cleared when a migration ends: events of the same migration that
+	// were already queued (setup, then active) are cancelled again but
+	// counted and logged once. Only the guard goroutine uses it.
+	cancelling bool
 }
 
 // serveMonitors accepts QMP connections on ln until it is closed.
@@ -156,10 +165,12 @@ func (s *vmSession) serveMonitors(ln net.Listener) {
 // run serves one monitor to its end.
 func (m *vmMonitor) run() {
 	defer func() {
-		_ = m.c.Close()
+		// Out of the VM's monitors before the peer sees the close: a peer
+		// that reconnects at once must find its place free.
 		m.s.mu.Lock()
 		delete(m.s.monitors, m)
 		m.s.mu.Unlock()
+		_ = m.c.Close()
 	}()
 	m.sc = bufio.NewScanner(m.c)
 	m.sc.Buffer(make([]byte, 4096), qmpMaxLine)
@@ -232,8 +243,7 @@ func (m *vmMonitor) read() {
 		var msg qmpMessage
 		if err := json.Unmarshal(m.sc.Bytes(), &msg); err != nil {
 			m.s.lim.Warn("qmp-bad", "QMP monitor: bad message; closing it", "err", err)
-			_ = m.c.Close()
-			return
+			return // the guard stops, and run closes the connection
 		}
 		switch {
 		case msg.Event != "":
@@ -372,6 +382,9 @@ func (m *vmMonitor) checkMigration(ctx context.Context, status string) {
 		status = q.Status
 	}
 	if !migrationActive[status] {
+		if migrationEnded[status] {
+			m.cancelling = false
+		}
 		return
 	}
 	_, err := m.command(ctx, "migrate_cancel", nil)
@@ -379,6 +392,10 @@ func (m *vmMonitor) checkMigration(ctx context.Context, status string) {
 		m.log.Error("migration of a VM with a PVRDMA device could not be cancelled", "status", status, "err", err)
 		return
 	}
+	if m.cancelling {
+		return // the migration already cancelled, seen again in a queued event
+	}
+	m.cancelling = true
 	m.s.migrationsCancelled.Add(1)
 	m.log.Warn("migration cancelled: QEMU's vfio-user-pci does not migrate the PVRDMA device "+
 		"(its state and the guest memory it writes would be lost); the VM keeps running here",

@@ -102,9 +102,14 @@ func TestQMPMonitorGuard(t *testing.T) {
 	p.expect("query-jobs", `[{"id": "s1", "type": "snapshot-save", "status": "running"}, {"id": "b1", "type": "backup", "status": "running"}]`)
 	p.expect("job-cancel", `{}`)
 
+	p.send(`{"event": "MIGRATION", "data": {"status": "cancelled"}, "timestamp": {"seconds": 1, "microseconds": 1}}`)
+	// A second migration; its "active" event was queued before the
+	// cancel took effect: cancelled again, counted once.
 	p.send(`{"event": "MIGRATION", "data": {"status": "setup"}, "timestamp": {"seconds": 1, "microseconds": 2}}`)
 	p.expect("migrate_cancel", `{}`)
-	p.send(`{"event": "MIGRATION", "data": {"status": "cancelled"}, "timestamp": {"seconds": 1, "microseconds": 3}}`)
+	p.send(`{"event": "MIGRATION", "data": {"status": "active"}, "timestamp": {"seconds": 1, "microseconds": 3}}`)
+	p.expect("migrate_cancel", `{}`)
+	p.send(`{"event": "MIGRATION", "data": {"status": "cancelled"}, "timestamp": {"seconds": 1, "microseconds": 4}}`)
 	p.send(`{"event": "JOB_STATUS_CHANGE", "data": {"id": "b2", "status": "running"}, "timestamp": {"seconds": 1, "microseconds": 4}}`)
 	p.expect("query-jobs", `[{"id": "b2", "type": "backup", "status": "running"}]`)
 
