@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"sort"
 	"sync"
 	"time"
@@ -61,6 +62,20 @@ type Config struct {
 	// AllowUIDs and AllowGIDs are peers admitted on every socket besides
 	// root, the daemon's own user and the socket group (SO_PEERCRED).
 	AllowUIDs, AllowGIDs []uint32
+	// StateDir holds what a restarted daemon needs to take its VMs back
+	// (continuity.go); "" means <SocketDir>/state.
+	StateDir string
+	// FDStore, if set, keeps each VM's connection and descriptors beyond
+	// the process (systemd's file descriptor store): a restart or crash of
+	// the daemon then costs a VM a pause, not its device.
+	FDStore *FDStore
+	// Inherited are the descriptors the service manager handed back at
+	// start (LISTEN_FDS, by LISTEN_FDNAMES): the connections of VMs a
+	// previous process served.
+	Inherited map[string]*os.File
+	// OnReady, if set, is called once the daemon serves (VMs resumed,
+	// control socket listening).
+	OnReady func()
 	// Logger; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -74,6 +89,7 @@ type Daemon struct {
 	budget *vdev.Budget // shared by every VM's device
 	locked *vdev.Budget // guest memory mapped and locked, all VMs
 	access *accessPolicy
+	keep   *keeping
 	// owners reserves GIDs to VMs from their first bind until they are
 	// unregistered.
 	owners *gidOwners
@@ -131,11 +147,18 @@ func New(cfg Config) (*Daemon, error) {
 		}
 		cfg.GIDAllow = def
 	}
+	if cfg.StateDir == "" {
+		cfg.StateDir = filepath.Join(cfg.SocketDir, "state")
+	}
+	keep, err := newKeeping(cfg.StateDir, cfg.FDStore, cfg.Inherited, cfg.Logger)
+	if err != nil {
+		return nil, err
+	}
 	fab, err := newFabric(cfg.Fabric, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
-	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{},
+	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{}, keep: keep,
 		budget: vdev.NewBudget(cfg.MemoryBudget, nil), locked: vdev.NewBudget(cfg.MaxLockedMemory, nil), owners: newGIDOwners(), hostAddrs: hostAddrs, access: access}
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
@@ -143,7 +166,54 @@ func New(cfg Config) (*Daemon, error) {
 			return nil, err
 		}
 	}
+	d.restore()
 	return d, nil
+}
+
+// restore registers the VMs a previous process had (their kept
+// registrations) and resumes the connections it left in the store.
+func (d *Daemon) restore() {
+	reqs, err := d.keep.savedVMs()
+	if err != nil {
+		d.log.Warn("cannot read the kept state: VMs registered before are not registered again", "dir", d.keep.dir, "err", err)
+	}
+	registered := 0
+	for _, req := range reqs {
+		d.mu.Lock()
+		_, ok := d.vms[req.Name]
+		d.mu.Unlock()
+		if ok {
+			continue
+		}
+		if _, err := d.AddVM(req); err != nil {
+			d.log.Warn("cannot register a VM a previous daemon had", "vm", req.Name, "err", err)
+			continue
+		}
+		registered++
+	}
+	d.mu.Lock()
+	sessions := make([]*vmSession, 0, len(d.vms))
+	for _, s := range d.vms {
+		sessions = append(sessions, s)
+	}
+	d.mu.Unlock()
+	resumed := 0
+	for _, s := range sessions {
+		r, err := d.keep.loadResumable(s.name)
+		if err != nil {
+			d.log.Error("cannot resume the VM's connection: its QEMU sees it close", "vm", s.name, "err", err)
+			s.forgetStored(nil)
+			continue
+		}
+		if r != nil {
+			s.resume(r)
+			resumed++
+		}
+	}
+	d.keep.dropInherited()
+	if registered > 0 || resumed > 0 {
+		d.log.Info("took over from a previous daemon", "registered", registered, "connections_resumed", resumed)
+	}
 }
 
 // Run serves the control socket until ctx ends, then shuts everything down:
@@ -159,7 +229,11 @@ func (d *Daemon) Run(ctx context.Context) error {
 	srv := &http.Server{Handler: ControlHandler(d), ReadHeaderTimeout: 5 * time.Second}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
-	d.log.Info("serving", "socket_dir", d.cfg.SocketDir, "fabric", d.fabric.status().Mode, "vms", len(d.cfg.VMs))
+	d.log.Info("serving", "socket_dir", d.cfg.SocketDir, "fabric", d.fabric.status().Mode, "vms", len(d.cfg.VMs),
+		"fd_store", d.keep.store != nil)
+	if d.cfg.OnReady != nil {
+		d.cfg.OnReady()
+	}
 	select {
 	case <-ctx.Done():
 	case err = <-errc:
@@ -190,6 +264,20 @@ func (d *Daemon) close() {
 		if s.qemuConnected() {
 			exposed = append(exposed, s.name)
 		}
+	}
+	if d.keep.store != nil {
+		// The service manager holds every connection: leave them to it,
+		// with their state, for the next daemon.
+		for _, s := range vms {
+			s.leaveToStore()
+		}
+		if len(exposed) > 0 {
+			sort.Strings(exposed)
+			d.log.Info("leaving connected VMs to systemd's fd store: the next daemon takes them back", "vms", exposed)
+		}
+		exposed = nil
+	} else {
+		_ = os.RemoveAll(d.keep.dir)
 	}
 	if len(exposed) > 0 {
 		sort.Strings(exposed)
@@ -255,6 +343,7 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 		return VMStatus{}, err
 	}
 	d.vms[req.Name] = s
+	d.keep.saveVM(req)
 	return s.status(), nil
 }
 
@@ -269,6 +358,7 @@ func (d *Daemon) RemoveVM(name string) error {
 	}
 	s.stop()
 	d.owners.release(name)
+	d.keep.forgetVM(name)
 	return nil
 }
 

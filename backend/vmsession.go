@@ -54,6 +54,7 @@ type vmSession struct {
 	snapshotsCancelled  atomic.Uint64
 
 	mu          sync.Mutex
+	pending     *resumable              // a kept connection being resumed (continuity.go)
 	conn        *vmConn                 // the connected QEMU, if any
 	connGone    chan struct{}           // closed when conn's teardown ends
 	lastRefused [2]string               // GID and reason of the latest refused bind
@@ -76,6 +77,10 @@ type vmConn struct {
 	dev   *vdev.Device
 	fn    *pcidev.Function
 	irq   *fnIRQ
+	host  *vfiouser.Host
+	// keeper keeps the connection beyond the process (nil: no store).
+	keeper  *connKeeper
+	resumed bool
 
 	gmu  sync.Mutex
 	gids map[int]hostverbs.GIDEntry
@@ -154,7 +159,15 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 			return nil, fmt.Errorf("VM %s already has a connected QEMU (since %s)", s.name, old.since.Format(time.RFC3339))
 		}
 	}
-	c := &vmConn{since: time.Now(), pid: h.PeerPID, mem: h.Memory, gids: map[int]hostverbs.GIDEntry{}}
+	var pending *resumable
+	if h.Resumed {
+		pending, s.pending = s.pending, nil
+	}
+	c := &vmConn{since: time.Now(), pid: h.PeerPID, mem: h.Memory, gids: map[int]hostverbs.GIDEntry{}, host: h, resumed: pending != nil}
+	if s.d.keep.store != nil {
+		c.keeper = &connKeeper{k: s.d.keep, vm: s.name}
+		h.Keeper = c.keeper
+	}
 	var mac [6]byte
 	copy(mac[:], s.mac)
 	var events eventRelay
@@ -177,18 +190,74 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		return nil, fmt.Errorf("VM %s: %w", s.name, err)
 	}
 	events.set(dev)
-	fn, err := pcidev.New(h, pciConfig(dev, func() error { return s.disconnected(c) }))
+	pcfg := pciConfig(dev, func() error { return s.disconnected(c) })
+	var fn *pcidev.Function
+	if c.keeper != nil {
+		pcfg.StateChanged = func() { c.keeper.savePCI(fn.SaveState()) }
+	}
+	fn, err = pcidev.New(h, pcfg)
 	if err != nil {
 		irq.stop()
 		dev.Close()
 		verbs.Close()
 		return nil, fmt.Errorf("VM %s: %w", s.name, err)
 	}
+	if pending != nil && len(pending.pci) > 0 {
+		if err := fn.RestoreState(pending.pci); err != nil {
+			s.log.Error("the kept PCI state does not load: the guest's device starts from power-on state", "err", err)
+		}
+	}
 	irq.fn.Store(fn)
 	c.verbs, c.dev, c.fn, c.irq = verbs, dev, fn, irq
 	s.conn, s.connGone = c, make(chan struct{})
-	s.lim.Info("connect", "QEMU connected", "conn", h.Name)
+	if pending != nil {
+		s.log.Info("QEMU connection resumed from the previous daemon", "conn", h.Name, "qemu_pid", h.PeerPID)
+	} else {
+		s.lim.Info("connect", "QEMU connected", "conn", h.Name)
+	}
 	return fn, nil
+}
+
+// resume serves a connection a previous daemon left in the store.
+func (s *vmSession) resume(r *resumable) {
+	s.mu.Lock()
+	s.pending = r
+	s.mu.Unlock()
+	names := append(r.session.FileNames(), vfiouser.ConnName)
+	go func() {
+		err := s.srv.Resume(r.conn, s.socket, &r.session, r.files)
+		s.mu.Lock()
+		failed := s.pending == r // the device was never made
+		s.pending = nil
+		s.mu.Unlock()
+		if failed && !errors.Is(err, vfiouser.ErrServerClosed) {
+			s.log.Error("cannot resume the VM's connection: its QEMU sees it close", "err", err)
+			s.forgetStored(names)
+		}
+	}()
+}
+
+// forgetStored removes a VM's descriptors from the store and its
+// connection's state (a connection that cannot be resumed).
+func (s *vmSession) forgetStored(names []string) {
+	if st := s.d.keep.store; st != nil {
+		for _, n := range names {
+			_ = st.Remove(s.name + "." + n)
+		}
+	}
+	s.d.keep.forgetConn(s.name)
+}
+
+// leaveToStore detaches the VM's connection from the daemon before it
+// stops: the store keeps the connection and the state files stay.
+func (s *vmSession) leaveToStore() {
+	s.mu.Lock()
+	c := s.conn
+	s.mu.Unlock()
+	if c != nil && c.keeper != nil {
+		c.keeper.leaving.Store(true)
+		c.host.StopKeeping()
+	}
 }
 
 // disconnected tears down a connection's device stack (pcidev Close
@@ -213,6 +282,9 @@ func (s *vmSession) disconnected(c *vmConn) error {
 		close(s.connGone)
 	}
 	s.mu.Unlock()
+	if c.keeper != nil && !c.keeper.leaving.Load() {
+		s.d.keep.forgetConn(s.name)
+	}
 	s.lim.Info("disconnect", "QEMU disconnected", "stats", fmt.Sprintf("%+v", c.dev.Stats()))
 	return err
 }

@@ -96,6 +96,10 @@ type Config struct {
 	Reset func(reason vfiouser.ResetReason)
 	// Close is called when the connection ends, after the last access.
 	Close func() error
+	// StateChanged, if set, is called after the client changed state that
+	// SaveState captures (config space, the MSI-X table), outside the
+	// function's lock: a daemon that must survive its own restart saves it.
+	StateChanged func()
 	// INTxLevel reports whether the device still asserts its interrupt
 	// (for PVRDMA: the ICR register is non-zero). The function polls it
 	// when the client unmasks INTx or the guest re-enables it, and

@@ -177,6 +177,9 @@ func (f *Function) writeConfig(off int, p []byte) {
 	if newCmd != oldCmd || newCtrl != oldCtrl {
 		f.deliverPending()
 	}
+	if f.cfg.StateChanged != nil {
+		f.cfg.StateChanged()
+	}
 }
 
 // accessBAR serves a BAR access: decode gating, then the MSI-X table and
@@ -209,6 +212,9 @@ func (f *Function) accessBAR(i int, off uint64, p []byte, write bool) error {
 				n++
 			}
 			f.mu.Unlock()
+			if write && f.cfg.StateChanged != nil {
+				f.cfg.StateChanged()
+			}
 			off, p = off+uint64(n), p[n:]
 			continue
 		}

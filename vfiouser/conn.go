@@ -40,11 +40,17 @@ type conn struct {
 
 	wmu sync.Mutex // one message at a time on the socket
 
-	dev   Device
-	desc  Description
-	mem   *guestmem.Memory
-	irqs  *IRQs
-	calls callTable
+	dev  Device
+	host *Host
+	desc Description
+	// keep is what the connection gave its Keeper (nil: none); keepOff
+	// is set when the daemon lets go of the connection on purpose and the
+	// keeper must keep everything (Host.StopKeeping).
+	keep    *keepState
+	keepOff atomic.Bool
+	mem     *guestmem.Memory
+	irqs    *IRQs
+	calls   callTable
 
 	// Negotiated state, owned by the serve goroutine.
 	negotiated bool
@@ -368,6 +374,7 @@ func (c *conn) close() {
 // for accesses in flight), close descriptors that never reached a handler.
 func (c *conn) teardown() {
 	c.close()
+	c.keepGone()
 	c.calls.failAll(ErrDisconnected)
 	if c.dev != nil {
 		if err := c.dev.Reset(ResetDisconnect); err != nil {

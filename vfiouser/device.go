@@ -174,6 +174,15 @@ type Host struct {
 	// PeerPID is the client's process ID as the kernel gave it when the
 	// socket connected (SO_PEERCRED); 0 if unknown (not a unix socket).
 	PeerPID int32
+	// Resumed is set when the connection was taken over from another
+	// process (Server.Resume): guest memory is mapped already, and the
+	// device must take up the state the guest left it in.
+	Resumed bool
+	// Keeper, if the factory sets it, is told about the connection's
+	// descriptors and session from then on (see Keeper).
+	Keeper Keeper
+
+	conn *conn
 }
 
 // NewDeviceFunc makes the device for one connection. ctx is canceled when

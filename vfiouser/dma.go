@@ -33,8 +33,9 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 	if end := d.Address + d.Size; end < d.Address {
 		return 0, fmt.Errorf("DMA_MAP %#x+%#x overflows: %w", d.Address, d.Size, ErrInvalid)
 	}
-	if c.dmaMaps >= c.cfg.MaxDMAMaps {
-		return 0, fmt.Errorf("DMA_MAP: %d mappings already (max_dma_maps): %w", c.dmaMaps, ErrInvalid)
+	fd := -1
+	if len(m.fds) == 1 {
+		fd = m.fds[0]
 	}
 	var prot guestmem.Prot
 	if d.Flags&DMAFlagRead != 0 {
@@ -43,24 +44,42 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 	if d.Flags&DMAFlagWrite != 0 {
 		prot |= guestmem.ProtWrite
 	}
-	base := guestmem.GPA(d.Address)
+	if err := c.mapRegion(d.Address, d.Size, d.Offset, prot, fd); err != nil {
+		return 0, err
+	}
+	if fd >= 0 {
+		m.fds[0] = -1 // owned by the region now; its Release closes it
+		c.keepMapped(guestmem.GPA(d.Address), fd)
+	}
+	c.keepSaved()
+	return 0, nil
+}
+
+// mapRegion maps [addr, addr+size) of guest memory: from fd at offset (fd
+// >= 0; the region owns fd once this succeeds), or as a range reached by
+// DMA messages. The device is told.
+func (c *conn) mapRegion(addr, size, offset uint64, prot guestmem.Prot, fd int) error {
+	if c.dmaMaps >= c.cfg.MaxDMAMaps {
+		return fmt.Errorf("DMA_MAP: %d mappings already (max_dma_maps): %w", c.dmaMaps, ErrInvalid)
+	}
+	base := guestmem.GPA(addr)
 	var spec guestmem.RegionSpec
-	if len(m.fds) == 1 {
-		if d.Offset > 1<<62 {
-			return 0, fmt.Errorf("DMA_MAP offset %#x: %w", d.Offset, ErrInvalid)
+	if fd >= 0 {
+		if offset > 1<<62 {
+			return fmt.Errorf("DMA_MAP offset %#x: %w", offset, ErrInvalid)
 		}
-		id, err := c.checkMemFD(m.fds[0], d.Offset, d.Size)
+		id, err := c.checkMemFD(fd, offset, size)
 		if err != nil {
-			return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
+			return fmt.Errorf("DMA_MAP %#x+%#x: %w", addr, size, err)
 		}
-		span := fileSpan{d.Offset, d.Offset + d.Size}
+		span := fileSpan{offset, offset + size}
 		if err := c.claimFile(id, span); err != nil {
-			return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
+			return fmt.Errorf("DMA_MAP %#x+%#x: %w", addr, size, err)
 		}
-		spec, err = guestmem.MapFD(base, d.Size, prot, m.fds[0], int64(d.Offset))
+		spec, err = guestmem.MapFD(base, size, prot, fd, int64(offset))
 		if err != nil {
 			c.releaseFile(id, span)
-			return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
+			return fmt.Errorf("DMA_MAP %#x+%#x: %w", addr, size, err)
 		}
 		unmap := spec.Release
 		spec.Release = func() error {
@@ -68,24 +87,23 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 			c.releaseFile(id, span)
 			return err
 		}
-		m.fds[0] = -1 // owned by spec now; Release closes it
 	} else {
-		spec = guestmem.RegionSpec{Base: base, Size: d.Size, Prot: prot, FD: -1}
+		spec = guestmem.RegionSpec{Base: base, Size: size, Prot: prot, FD: -1}
 		if c.desc.RequireSharedMemory && prot&guestmem.ProtWrite != 0 && !c.warnedRAM {
 			c.warnedRAM = true
 			c.log.Warn("client mapped writable guest memory without a file descriptor; the device cannot reach it",
-				"addr", fmt.Sprintf("%#x", d.Address), "size", d.Size, "fix", guestmem.ErrNotShared.Error())
+				"addr", fmt.Sprintf("%#x", addr), "size", size, "fix", guestmem.ErrNotShared.Error())
 		}
 	}
 	if err := c.mem.Add(spec); err != nil {
 		if spec.Release != nil {
 			_ = spec.Release()
 		}
-		return 0, fmt.Errorf("DMA_MAP %#x+%#x: %w", d.Address, d.Size, err)
+		return fmt.Errorf("DMA_MAP %#x+%#x: %w", addr, size, err)
 	}
 	c.dmaMaps++
 	if c.trace {
-		c.log.Debug("DMA_MAP", "addr", fmt.Sprintf("%#x", d.Address), "size", d.Size, "flags", d.Flags,
+		c.log.Debug("DMA_MAP", "addr", fmt.Sprintf("%#x", addr), "size", size, "prot", prot,
 			"fd", spec.FD >= 0, "locked_bytes", c.mem.LockedBytes())
 	}
 	if n, ok := c.dev.(DMANotifier); ok {
@@ -93,7 +111,7 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 		s.Data, s.Release = nil, nil
 		n.DMAMapped(s)
 	}
-	return 0, nil
+	return nil
 }
 
 // checkMemFD refuses a file too short for the mapping (touching pages past
@@ -189,6 +207,7 @@ func (c *conn) handleDMAUnmap(m *ownedMsg) (int, error) {
 			return 0, fmt.Errorf("DMA_UNMAP %#x+%#x: %w", u.Address, u.Size, err)
 		}
 		c.dmaMaps--
+		c.keepUnmapped(guestmem.GPA(u.Address))
 		if n, ok := c.dev.(DMANotifier); ok {
 			n.DMAUnmapped(guestmem.GPA(u.Address), u.Size)
 		}
@@ -201,6 +220,9 @@ func (c *conn) handleDMAUnmap(m *ownedMsg) (int, error) {
 			return 0, fmt.Errorf("DMA_UNMAP all: %w", err)
 		}
 		c.dmaMaps = 0
+		for _, r := range regions {
+			c.keepUnmapped(r.Base)
+		}
 		if n, ok := c.dev.(DMANotifier); ok {
 			for _, r := range regions {
 				n.DMAUnmapped(r.Base, r.Size)
@@ -214,6 +236,7 @@ func (c *conn) handleDMAUnmap(m *ownedMsg) (int, error) {
 	if c.trace {
 		c.log.Debug("DMA_UNMAP", "addr", fmt.Sprintf("%#x", u.Address), "size", u.Size, "locked_bytes", c.mem.LockedBytes())
 	}
+	c.keepSaved()
 	p := c.payload(DMAUnmapSize)
 	u.Argsz = DMAUnmapSize
 	u.Encode(p)

@@ -57,6 +57,8 @@ func (c *conn) handleSetIRQs(m *ownedMsg) (int, error) {
 			return fail("count 0 is only 'disable all'")
 		}
 		c.irqs.deassign(index, 0, desc.Count)
+		c.keepIRQs(index, 0, desc.Count, false)
+		c.keepSaved()
 		c.notifyIRQ(index, 0, desc.Count, IRQDeassigned)
 		return 0, nil
 	}
@@ -97,6 +99,7 @@ func (c *conn) handleSetIRQs(m *ownedMsg) (int, error) {
 		if masked {
 			ev = IRQMasked
 		}
+		c.keepSaved()
 		c.notifyIRQ(index, s.Start, s.Count, ev)
 		return 0, err
 	}
@@ -105,6 +108,8 @@ func (c *conn) handleSetIRQs(m *ownedMsg) (int, error) {
 	case IRQSetDataEventfd:
 		if len(m.fds) == 0 {
 			c.irqs.deassign(index, s.Start, s.Count)
+			c.keepIRQs(index, s.Start, s.Count, false)
+			c.keepSaved()
 			c.notifyIRQ(index, s.Start, s.Count, IRQDeassigned)
 			return 0, nil
 		}
@@ -120,6 +125,8 @@ func (c *conn) handleSetIRQs(m *ownedMsg) (int, error) {
 		if c.trace {
 			c.log.Debug("interrupts assigned", "index", index, "start", s.Start, "count", s.Count)
 		}
+		c.keepIRQs(index, s.Start, uint32(len(m.fds)), true)
+		c.keepSaved()
 		c.notifyIRQ(index, s.Start, s.Count, IRQAssigned)
 		return 0, nil
 	default:

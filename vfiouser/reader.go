@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -30,6 +31,18 @@ type reader struct {
 	batches []fdBatch
 	scratch []int
 	err     error // sticky: EOF, transport failure or an unparseable header
+	// exact, if set, consumes the stream one whole message at a time: the
+	// header is peeked and the message read with a bound of its own size,
+	// so the socket never holds part of a message we took. Another process
+	// holding a copy of the socket (a daemon restarted after a crash) then
+	// starts at a message boundary. It costs a second syscall per message.
+	exact peeker
+}
+
+// peeker is a transport that can look at the next bytes without taking
+// them.
+type peeker interface {
+	peek(p []byte) (int, error)
 }
 
 type fdBatch struct {
@@ -68,10 +81,18 @@ func (rd *reader) next(m *rawMsg) error {
 	if rd.err != nil {
 		return rd.err
 	}
-	if err := rd.fill(HeaderSize); err != nil {
-		return err
+	var h Header
+	if rd.exact != nil && rd.w == rd.r {
+		var err error
+		if h, err = rd.peekHeader(); err != nil {
+			return err
+		}
+	} else {
+		if err := rd.fill(HeaderSize); err != nil {
+			return err
+		}
+		h = DecodeHeader(rd.buf[rd.r:])
 	}
-	h := DecodeHeader(rd.buf[rd.r:])
 	switch {
 	case h.Size < HeaderSize:
 		rd.err = &headerError{h, fmt.Errorf("size %d below the header size: %w", h.Size, ErrInvalid)}
@@ -114,7 +135,11 @@ func (rd *reader) fill(need int) error {
 			}
 			rd.r = 0
 		}
-		n, fds, trunc, err := rd.t.read(rd.buf[rd.w:], rd.scratch[:0])
+		p := rd.buf[rd.w:]
+		if rd.exact != nil {
+			p = rd.buf[rd.w : rd.r+need] // never past the message
+		}
+		n, fds, trunc, err := rd.t.read(p, rd.scratch[:0])
 		rd.w += n
 		if len(fds) > 0 || trunc {
 			rd.batches = append(rd.batches, fdBatch{
@@ -133,6 +158,30 @@ func (rd *reader) fill(need int) error {
 		return err
 	}
 	return nil
+}
+
+// peekHeader waits until a whole header is in the socket and decodes it
+// without taking it. A client sends a message with one sendmsg, so a
+// partial header is rare: it is polled for.
+func (rd *reader) peekHeader() (Header, error) {
+	var hb [HeaderSize]byte
+	for tries := 0; ; tries++ {
+		n, err := rd.exact.peek(hb[:])
+		if err != nil {
+			if !isTimeout(err) {
+				rd.err = err
+			}
+			return Header{}, err
+		}
+		if n == HeaderSize {
+			return DecodeHeader(hb[:]), nil
+		}
+		if tries > 5000 {
+			rd.err = fmt.Errorf("a partial message header stayed %d bytes for 5 s: %w", n, io.ErrUnexpectedEOF)
+			return Header{}, rd.err
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // closeFDs closes every descriptor received but not yet attributed (a

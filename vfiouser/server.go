@@ -244,11 +244,16 @@ func (s *Server) isClosing() bool {
 // serveTransport runs one connection on t to its end; pid is the
 // client's process (0: unknown).
 func (s *Server) serveTransport(t transport, name string, pid int32) error {
-	c, err := s.newConn(t, name, pid)
+	c, err := s.newConn(t, name, pid, nil)
 	if err != nil {
 		_ = t.close()
 		return err
 	}
+	return s.run(c)
+}
+
+// run serves a built connection to its end.
+func (s *Server) run(c *conn) error {
 	s.mu.Lock()
 	if s.closing {
 		s.mu.Unlock()
@@ -266,15 +271,16 @@ func (s *Server) serveTransport(t transport, name string, pid int32) error {
 	}()
 
 	c.log.Info("vfio-user client connected")
-	err = c.serve()
+	err := c.serve()
 	c.teardown()
 	c.log.Info("vfio-user client disconnected", "err", err, "messages", c.stats.messages.Load(),
 		"errors", c.stats.errors.Load(), "posted", c.stats.posted.Load())
 	return err
 }
 
-// newConn builds a connection and its device.
-func (s *Server) newConn(t transport, name string, pid int32) (*conn, error) {
+// newConn builds a connection and its device. before, if set, runs before
+// the device is made (a resumed connection maps guest memory there).
+func (s *Server) newConn(t transport, name string, pid int32, before func(*conn) error) (*conn, error) {
 	id := s.seq.Add(1)
 	name = fmt.Sprintf("%s#%d", name, id)
 	log := s.log.With("vfio_user", name)
@@ -297,21 +303,38 @@ func (s *Server) newConn(t transport, name string, pid int32) (*conn, error) {
 	c.lim = ratelog.New(log, 0)
 	c.mem = guestmem.New(guestmem.WithRemote(c))
 	c.irqs = &IRQs{}
-	h := &Host{Name: name, Memory: c.mem, IRQs: c.irqs, Logger: log, PeerPID: pid}
-	dev, err := s.cfg.NewDevice(ctx, h)
+	c.host = &Host{Name: name, Memory: c.mem, IRQs: c.irqs, Logger: log, PeerPID: pid, Resumed: before != nil, conn: c}
+	if before != nil {
+		if err := before(c); err != nil {
+			_ = c.mem.RemoveAll()
+			cancel()
+			return nil, fmt.Errorf("vfio-user %s: %w", name, err)
+		}
+	}
+	dev, err := s.cfg.NewDevice(ctx, c.host)
 	if err != nil {
+		_ = c.mem.RemoveAll()
 		cancel()
 		return nil, fmt.Errorf("vfio-user %s: create device: %w", name, err)
 	}
 	desc := dev.Describe()
 	if err := desc.validate(); err != nil {
 		_ = dev.Close()
+		_ = c.mem.RemoveAll()
 		cancel()
 		return nil, fmt.Errorf("vfio-user %s: device description: %w", name, err)
 	}
 	c.dev, c.desc = dev, desc
 	c.irqs.configure(desc.IRQs)
 	c.mem.RequireShared(desc.RequireSharedMemory)
+	if c.host.Keeper != nil {
+		// A kept connection is read one whole message at a time, so
+		// whoever holds it next starts at a message boundary.
+		if p, ok := t.(peeker); ok {
+			c.rd.exact = p
+		}
+		c.keepConn()
+	}
 	return c, nil
 }
 

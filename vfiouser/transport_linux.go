@@ -32,6 +32,8 @@ type unixTransport struct {
 	n      int
 	errno  syscall.Errno
 	readFn func(fd uintptr) bool
+	peekFn func(fd uintptr) bool
+	peekP  []byte
 }
 
 func newUnixTransport(c *net.UnixConn) (*unixTransport, error) {
@@ -41,6 +43,7 @@ func newUnixTransport(c *net.UnixConn) (*unixTransport, error) {
 	}
 	t := &unixTransport{c: c, rc: rc}
 	t.readFn = t.recvmsg
+	t.peekFn = t.recvPeek
 	return t, nil
 }
 
@@ -58,6 +61,40 @@ func (t *unixTransport) recvmsg(fd uintptr) bool {
 		t.n, t.errno = int(n), e
 		return true
 	}
+}
+
+// recvPeek runs inside RawConn.Read: it copies the next bytes into peekP
+// without taking them (and without descriptors: they stay with the bytes).
+func (t *unixTransport) recvPeek(fd uintptr) bool {
+	for {
+		n, _, e := unix.Syscall6(unix.SYS_RECVFROM, fd, uintptr(unsafe.Pointer(&t.peekP[0])), uintptr(len(t.peekP)),
+			unix.MSG_PEEK, 0, 0)
+		switch e {
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			return false
+		}
+		t.n, t.errno = int(n), e
+		return true
+	}
+}
+
+// peek copies the next len(p) bytes of the stream, or fewer if fewer are
+// there, leaving them in the socket. At the end of the stream it returns
+// 0, io.EOF.
+func (t *unixTransport) peek(p []byte) (int, error) {
+	t.peekP = p
+	if err := t.rc.Read(t.peekFn); err != nil {
+		return 0, err
+	}
+	if t.errno != 0 {
+		return 0, fmt.Errorf("recv peek: %w", t.errno)
+	}
+	if t.n == 0 {
+		return 0, io.EOF
+	}
+	return t.n, nil
 }
 
 func (t *unixTransport) read(p []byte, fds []int) (int, []int, bool, error) {
@@ -122,6 +159,13 @@ func (t *unixTransport) write(p []byte, fds []int) error {
 		_, err = t.c.Write(p[n:])
 	}
 	return err
+}
+
+// sysfd is the socket's descriptor (for a keeper to duplicate).
+func (t *unixTransport) sysfd() int {
+	fd := -1
+	_ = t.rc.Control(func(s uintptr) { fd = int(s) })
+	return fd
 }
 
 func (t *unixTransport) setReadDeadline(d time.Time) error { return t.c.SetReadDeadline(d) }

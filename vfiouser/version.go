@@ -124,6 +124,7 @@ func (c *conn) handleVersion(m *ownedMsg) (int, error) {
 	}
 	c.peer = pc
 	c.negotiated = true
+	c.keepSaved()
 
 	// Our capabilities, a subset of what the client proposed (write_multiple
 	// only if it offered it). QEMU rejects max_msg_fds above 16, a

@@ -7,9 +7,12 @@ import (
 	"io"
 	"log/slog"
 	"net/netip"
+	"os"
 	"strconv"
 	"strings"
 
+	"github.com/coreos/go-systemd/v22/activation"
+	"github.com/coreos/go-systemd/v22/daemon"
 	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
@@ -177,7 +180,37 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	// Sockets and files are created private and opened up deliberately
 	// (backend: the socket group's sockets 0660, the control socket 0600).
 	unix.Umask(0o077)
+	// Run by systemd (Type=notify): keep VMs' connections in its file
+	// descriptor store and take back those a previous process left there.
+	var store *backend.FDStore
+	var inherited map[string]*os.File
+	if ns := os.Getenv("NOTIFY_SOCKET"); ns != "" {
+		if store, err = backend.OpenFDStore(ns); err != nil {
+			return fmt.Errorf("systemd's file descriptor store: %w", err)
+		}
+		defer store.Close()
+		inherited = map[string]*os.File{}
+		for name, files := range activation.FilesWithNames() {
+			for i, f := range files {
+				if i > 0 {
+					_ = f.Close() // one descriptor per name is ours
+					continue
+				}
+				inherited[name] = f
+			}
+		}
+		if len(inherited) > 0 {
+			log.Info("descriptors handed back by systemd", "count", len(inherited))
+		}
+	}
 	d, err := backend.New(backend.Config{
+		FDStore:   store,
+		Inherited: inherited,
+		OnReady: func() {
+			if store != nil {
+				_, _ = daemon.SdNotify(false, daemon.SdNotifyReady)
+			}
+		},
 		GIDAllow:  allow,
 		SocketDir: *socketDir,
 		Fabric: backend.FabricConfig{Netdev: *netdev, RawWire: *ipWire == "raw", Bridge: *bridge, DefaultTOS: uint8(*tos), RoCEMode: mode,
@@ -196,7 +229,11 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if err != nil {
 		return err
 	}
-	return d.Run(ctx)
+	err = d.Run(ctx)
+	if store != nil {
+		_, _ = daemon.SdNotify(false, daemon.SdNotifyStopping)
+	}
+	return err
 }
 
 // setMemlock sets RLIMIT_MEMLOCK to the daemon's locked-memory cap (finite:

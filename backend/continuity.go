@@ -1,0 +1,296 @@
+package backend
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
+)
+
+// Continuity: what lets a VM's device outlive the daemon's process.
+//
+// QEMU's vfio-user client never reconnects, so the unit of continuity is
+// the connected socket: while some process holds a copy, QEMU sees nothing
+// but a pause. Run by systemd, the daemon gives systemd's file descriptor
+// store (FDStore) a copy of each VM's connection, of the files guest memory
+// is mapped from and of the interrupt eventfds, as they arrive, before
+// QEMU gets the reply to the message that brought them. Beside them, in
+// the state directory (a tmpfs: /run/pvrdma/state under the unit), it
+// keeps per VM its registration, the vfio-user session, the PCI function's
+// state and the device's journal. A daemon started again (after a crash,
+// systemctl restart or an upgrade) registers the VMs again, takes the
+// connections back from LISTEN_FDS and resumes each one: guest memory is
+// mapped again from the same files, interrupts fire through the same
+// eventfds, the device is rebuilt from its journal.
+//
+// Layout of the state directory: <dir>/<vm>/vm.json (the VMRequest),
+// session.json (vfiouser.Session), pci.state (pcidev), device.journal
+// (vdev). Descriptors are stored as "<vm>.<name>", name being a vfiouser
+// descriptor name (ConnName, a file or an interrupt: none has a '.').
+
+// stateFiles of a VM.
+const (
+	stateVM      = "vm.json"
+	stateSession = "session.json"
+	statePCI     = "pci.state"
+	stateJournal = "device.journal"
+)
+
+// keeping is the daemon's side of continuity: the state directory and,
+// under systemd, the descriptor store.
+type keeping struct {
+	dir   string
+	store *FDStore // nil: connections end with the process
+	log   *slog.Logger
+
+	mu        sync.Mutex
+	inherited map[string]*os.File // handed back by the service manager, not yet taken
+}
+
+func newKeeping(dir string, store *FDStore, inherited map[string]*os.File, log *slog.Logger) (*keeping, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("state directory: %w", err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("state directory: %w", err)
+	}
+	return &keeping{dir: dir, store: store, log: log, inherited: inherited}, nil
+}
+
+func (k *keeping) vmDir(vm string) string { return filepath.Join(k.dir, vm) }
+
+// writeAtomic replaces a VM's state file: a crash leaves the old or the
+// new one, never a mix.
+func (k *keeping) writeAtomic(vm, name string, data []byte) error {
+	dir := k.vmDir(vm)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	tmp := filepath.Join(dir, "."+name+".tmp")
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, filepath.Join(dir, name))
+}
+
+func (k *keeping) read(vm, name string) ([]byte, error) {
+	return os.ReadFile(filepath.Join(k.vmDir(vm), name))
+}
+
+// saveVM records a registration, so that a restarted daemon registers the
+// VM again (its QEMU may be connected, or may connect later).
+func (k *keeping) saveVM(req VMRequest) {
+	b, err := json.Marshal(req)
+	if err == nil {
+		err = k.writeAtomic(req.Name, stateVM, b)
+	}
+	if err != nil {
+		k.log.Warn("cannot record the VM's registration: a restarted daemon will not know it", "vm", req.Name, "err", err)
+	}
+}
+
+// forgetVM removes everything kept of an unregistered VM.
+func (k *keeping) forgetVM(vm string) {
+	_ = os.RemoveAll(k.vmDir(vm))
+}
+
+// forgetConn removes the state of a VM's connection once its QEMU left.
+func (k *keeping) forgetConn(vm string) {
+	for _, n := range []string{stateSession, statePCI, stateJournal} {
+		_ = os.Remove(filepath.Join(k.vmDir(vm), n))
+	}
+}
+
+// savedVMs lists the registrations kept, by name.
+func (k *keeping) savedVMs() ([]VMRequest, error) {
+	ents, err := os.ReadDir(k.dir)
+	if err != nil {
+		return nil, err
+	}
+	var reqs []VMRequest
+	for _, e := range ents {
+		if !e.IsDir() || CheckVMName(e.Name()) != nil {
+			continue
+		}
+		b, err := k.read(e.Name(), stateVM)
+		if err != nil {
+			continue
+		}
+		var req VMRequest
+		if err := json.Unmarshal(b, &req); err != nil || req.Name != e.Name() {
+			k.log.Warn("ignoring a kept registration that does not parse", "vm", e.Name(), "err", err)
+			continue
+		}
+		reqs = append(reqs, req)
+	}
+	sort.Slice(reqs, func(i, j int) bool { return reqs[i].Name < reqs[j].Name })
+	return reqs, nil
+}
+
+// takeInherited removes and returns the inherited descriptors of vm, by
+// vfiouser name.
+func (k *keeping) takeInherited(vm string) map[string]*os.File {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	var out map[string]*os.File
+	for full, f := range k.inherited {
+		i := strings.LastIndexByte(full, '.')
+		if i <= 0 || full[:i] != vm {
+			continue
+		}
+		if out == nil {
+			out = map[string]*os.File{}
+		}
+		out[full[i+1:]] = f
+		delete(k.inherited, full)
+	}
+	return out
+}
+
+// dropInherited closes the inherited descriptors nobody took (VMs no
+// longer registered, leftovers) and removes them from the store.
+func (k *keeping) dropInherited() {
+	k.mu.Lock()
+	left := k.inherited
+	k.inherited = nil
+	k.mu.Unlock()
+	for name, f := range left {
+		_ = f.Close()
+		if k.store != nil {
+			_ = k.store.Remove(name)
+		}
+		k.log.Info("dropped a kept descriptor no VM claims", "name", name)
+	}
+}
+
+// connKeeper keeps one VM connection's descriptors in the store and its
+// session in the state directory (vfiouser.Keeper).
+type connKeeper struct {
+	k  *keeping
+	vm string
+	// leaving is set when the daemon stops and leaves the connection to
+	// the store: nothing is forgotten from then on.
+	leaving atomic.Bool
+	warned  atomic.Bool
+}
+
+func (c *connKeeper) Keep(name string, fd int) error {
+	if c.leaving.Load() || c.k.store == nil {
+		return nil
+	}
+	return c.k.store.Store(c.vm+"."+name, fd)
+}
+
+func (c *connKeeper) Forget(name string) {
+	if c.leaving.Load() || c.k.store == nil {
+		return
+	}
+	if err := c.k.store.Remove(c.vm + "." + name); err != nil {
+		c.k.log.Warn("fd store", "vm", c.vm, "err", err)
+	}
+}
+
+func (c *connKeeper) Saved(s *vfiouser.Session) {
+	if c.leaving.Load() {
+		return
+	}
+	b, err := json.Marshal(s)
+	if err == nil {
+		err = c.k.writeAtomic(c.vm, stateSession, b)
+	}
+	if err != nil && !c.warned.Swap(true) {
+		c.k.log.Warn("cannot save the VM's vfio-user session: a restart will cut its connection", "vm", c.vm, "err", err)
+	}
+}
+
+// savePCI records the PCI function's state (config space, MSI-X).
+func (c *connKeeper) savePCI(b []byte) {
+	if c.leaving.Load() {
+		return
+	}
+	if err := c.k.writeAtomic(c.vm, statePCI, b); err != nil && !c.warned.Swap(true) {
+		c.k.log.Warn("cannot save the VM's PCI state: a restart will cut its connection", "vm", c.vm, "err", err)
+	}
+}
+
+// resumable is what a restarted daemon found of a VM's connection.
+type resumable struct {
+	conn    *net.UnixConn
+	session vfiouser.Session
+	files   map[string]int
+	pci     []byte
+	journal []byte
+}
+
+// loadResumable gathers a VM's kept connection: its descriptors (taken
+// from the inherited set) and its state files. It returns nil, nil when
+// there is nothing to resume.
+func (k *keeping) loadResumable(vm string) (*resumable, error) {
+	fds := k.takeInherited(vm)
+	if len(fds) == 0 {
+		k.forgetConn(vm)
+		return nil, nil
+	}
+	closeAll := func() {
+		for _, f := range fds {
+			_ = f.Close()
+		}
+	}
+	cf, ok := fds[vfiouser.ConnName]
+	if !ok {
+		closeAll()
+		return nil, errors.New("its connection was not kept (only its files)")
+	}
+	var r resumable
+	b, err := k.read(vm, stateSession)
+	if err == nil {
+		err = json.Unmarshal(b, &r.session)
+	}
+	if err != nil {
+		closeAll()
+		return nil, fmt.Errorf("session: %w", err)
+	}
+	if r.pci, err = k.read(vm, statePCI); err != nil && !errors.Is(err, os.ErrNotExist) {
+		closeAll()
+		return nil, fmt.Errorf("PCI state: %w", err)
+	}
+	if r.journal, err = k.read(vm, stateJournal); err != nil && !errors.Is(err, os.ErrNotExist) {
+		closeAll()
+		return nil, fmt.Errorf("device journal: %w", err)
+	}
+	nc, err := net.FileConn(cf)
+	_ = cf.Close()
+	delete(fds, vfiouser.ConnName)
+	if err != nil {
+		closeAll()
+		return nil, fmt.Errorf("connection: %w", err)
+	}
+	uc, ok := nc.(*net.UnixConn)
+	if !ok {
+		_ = nc.Close()
+		closeAll()
+		return nil, fmt.Errorf("connection is a %T, not a unix socket", nc)
+	}
+	r.conn = uc
+	r.files = map[string]int{}
+	for name, f := range fds {
+		fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+		_ = f.Close()
+		if err != nil {
+			continue
+		}
+		r.files[name] = fd
+	}
+	return &r, nil
+}

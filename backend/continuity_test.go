@@ -1,0 +1,231 @@
+package backend
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser/vfiousertest"
+)
+
+// notifyReceiver reads sd_notify datagrams the way the service manager
+// does and keeps what FDSTORE gives it: it checks the daemon's side of the
+// protocol (message format, SCM_RIGHTS, names, removals). The system test
+// with systemd itself is tests/packaging's TestCrashKeepsVMs.
+type notifyReceiver struct {
+	path string
+	conn *net.UnixConn
+
+	mu      sync.Mutex
+	fds     map[string]int
+	removed []string
+	other   []string
+}
+
+func newNotifyReceiver(t *testing.T) *notifyReceiver {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "notify")
+	c, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: path, Net: "unixgram"})
+	require.NoError(t, err)
+	r := &notifyReceiver{path: path, conn: c, fds: map[string]int{}}
+	go r.loop()
+	t.Cleanup(func() {
+		c.Close()
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		for _, fd := range r.fds {
+			unix.Close(fd)
+		}
+	})
+	return r
+}
+
+func (r *notifyReceiver) loop() {
+	buf := make([]byte, 4096)
+	oob := make([]byte, unix.CmsgSpace(4*16))
+	for {
+		n, oobn, _, _, err := r.conn.ReadMsgUnix(buf, oob)
+		if err != nil {
+			return
+		}
+		var fds []int
+		if msgs, err := unix.ParseSocketControlMessage(oob[:oobn]); err == nil {
+			for i := range msgs {
+				if f, err := unix.ParseUnixRights(&msgs[i]); err == nil {
+					fds = append(fds, f...)
+				}
+			}
+		}
+		kv := map[string]string{}
+		for _, line := range strings.Split(string(buf[:n]), "\n") {
+			if k, v, ok := strings.Cut(line, "="); ok {
+				kv[k] = v
+			}
+		}
+		r.mu.Lock()
+		switch {
+		case kv["FDSTORE"] == "1" && len(fds) == 1:
+			if old, ok := r.fds[kv["FDNAME"]]; ok {
+				unix.Close(old)
+			}
+			r.fds[kv["FDNAME"]] = fds[0]
+		case kv["FDSTOREREMOVE"] == "1":
+			if fd, ok := r.fds[kv["FDNAME"]]; ok {
+				unix.Close(fd)
+				delete(r.fds, kv["FDNAME"])
+			}
+			r.removed = append(r.removed, kv["FDNAME"])
+		default:
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			r.other = append(r.other, string(buf[:n]))
+		}
+		r.mu.Unlock()
+	}
+}
+
+// handBack returns duplicates of the stored descriptors, as LISTEN_FDS
+// gives them to the next process.
+func (r *notifyReceiver) handBack(t *testing.T) map[string]*os.File {
+	t.Helper()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := map[string]*os.File{}
+	for name, fd := range r.fds {
+		d, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+		require.NoError(t, err)
+		out[name] = os.NewFile(uintptr(d), name)
+	}
+	return out
+}
+
+func (r *notifyReceiver) names() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var n []string
+	for k := range r.fds {
+		n = append(n, k)
+	}
+	return n
+}
+
+// runKeptDaemon runs a daemon with the store until stop is called.
+func runKeptDaemon(t *testing.T, dir string, r *notifyReceiver, inherited map[string]*os.File, vms ...VMRequest) (*Daemon, func()) {
+	t.Helper()
+	store, err := OpenFDStore(r.path)
+	require.NoError(t, err)
+	logger, serving := servingLogger(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	d, err := New(Config{SocketDir: dir, VMs: vms, Logger: logger, FDStore: store, Inherited: inherited})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	waitServing(t, serving, done)
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			cancel()
+			require.NoError(t, <-done)
+			store.Close()
+		})
+	}
+	t.Cleanup(stop)
+	return d, stop
+}
+
+// TestRestartKeepsConnection: a daemon with a descriptor store gives it a
+// VM's connection, guest memory file and interrupt eventfds as they arrive;
+// stopped, it leaves them there; the QEMU (here the test's client) sees no
+// end of stream; the next daemon, handed the descriptors back, registers
+// the VM again (it was registered through the control socket), resumes the
+// connection with its PCI state, and serves the same guest memory. When
+// the client leaves, its descriptors leave the store and its state goes.
+func TestRestartKeepsConnection(t *testing.T) {
+	r := newNotifyReceiver(t)
+	dir := t.TempDir()
+	_, stop1 := runKeptDaemon(t, dir, r, nil)
+	ctl := NewControlClient(filepath.Join(dir, "control.sock"))
+	_, err := ctl.AddVM(context.Background(), VMRequest{Name: "kv1", MemBytes: 64 << 20})
+	require.NoError(t, err)
+
+	c := dialVM(t, filepath.Join(dir, "kv1.sock"))
+	defer c.Close()
+	fd, _, err := vfiousertest.Memfd(64 << 20)
+	require.NoError(t, err)
+	require.NoError(t, c.DMAMap(0, 64<<20, vfiouser.DMAFlagRead|vfiouser.DMAFlagWrite, fd, 0))
+	unix.Close(fd)
+	ev, err := vfiousertest.Eventfd()
+	require.NoError(t, err)
+	defer unix.Close(ev)
+	require.NoError(t, c.SetIRQs(vfiouser.IRQMSIX, vfiouser.IRQSetDataEventfd|vfiouser.IRQSetActionTrigger, 0, 1, nil, ev))
+	require.NoError(t, c.Write32(vfiouser.RegionConfig, 4, 0x0006)) // memory decode + bus master
+	ver, err := c.Read32(1, 0)
+	require.NoError(t, err)
+	require.Equal(t, uint32(20), ver)
+	require.Eventually(t, func() bool { return len(r.names()) == 3 }, 5*time.Second, 5*time.Millisecond, "stored: %v", r.names())
+	names := r.names()
+	assert.ElementsMatch(t, []string{"kv1.conn", "kv1.i2-0"}, filterOut(names, "kv1.m"), names)
+	assert.Len(t, names, 3, "the connection, the memory file and one eventfd: %v", names)
+	for _, f := range []string{"vm.json", "session.json", "pci.state"} {
+		assert.FileExists(t, filepath.Join(dir, "state", "kv1", f))
+	}
+
+	stop1()
+	require.NoError(t, c.ExpectSilence(200*time.Millisecond), "the store holds the connection: no end of stream")
+
+	d2, _ := runKeptDaemon(t, dir, r, r.handBack(t))
+	require.Eventually(t, func() bool {
+		st := d2.Status()
+		return len(st.VMs) == 1 && st.VMs[0].Connected
+	}, 10*time.Second, 10*time.Millisecond, "the VM is registered again and its connection resumed")
+	cmd, err := c.Read32(vfiouser.RegionConfig, 4)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(0x0006), cmd&0xffff, "the command register the guest wrote survived")
+	ver, err = c.Read32(1, 0)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(20), ver, "BAR1 decodes: the resumed device answers")
+	assert.Equal(t, uint64(64<<20), d2.Status().VMs[0].LockedBytes, "guest memory mapped again from the kept file")
+
+	c.Close()
+	require.Eventually(t, func() bool { return len(r.names()) == 0 }, 10*time.Second, 10*time.Millisecond,
+		"the client left: its descriptors leave the store (%v)", r.names())
+	assert.NoFileExists(t, filepath.Join(dir, "state", "kv1", "session.json"))
+	assert.FileExists(t, filepath.Join(dir, "state", "kv1", "vm.json"), "the VM stays registered")
+}
+
+func filterOut(names []string, prefix string) []string {
+	var out []string
+	for _, n := range names {
+		if !strings.HasPrefix(n, prefix) {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// TestFDStoreNames: names the protocol cannot carry are refused before
+// anything is sent.
+func TestFDStoreNames(t *testing.T) {
+	r := newNotifyReceiver(t)
+	s, err := OpenFDStore(r.path)
+	require.NoError(t, err)
+	defer s.Close()
+	for _, bad := range []string{"", "a:b", "a b", "a\nFDSTOREREMOVE=1", strings.Repeat("x", 256)} {
+		assert.Error(t, s.Store(bad, 0), "%q", bad)
+		assert.Error(t, s.Remove(bad), "%q", bad)
+	}
+	_, err = OpenFDStore("")
+	assert.Error(t, err)
+}
