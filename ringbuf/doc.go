@@ -11,6 +11,16 @@
 // memory with atomic stores; indices the guest owns are loaded once per use
 // with an atomic load, masked and validated, and never written.
 //
+// A Consumer separates reading from releasing: its posted cursor (Next,
+// Take) runs ahead of cons_head, which moves only when the caller releases
+// elements (Release). A queue whose work completes in order releases an
+// element when its completion is written, so the ring in guest memory is
+// the durable record of the work outstanding: everything between cons_head
+// and prod_tail was posted by the guest and has not completed. A device
+// rebuilt over a running guest (after a crash) starts from that record
+// with AdoptConsumer and AdoptProducer instead of NewConsumer and
+// NewProducer, which reset the device's index to 0.
+//
 // Layouts follow the PVRDMA ABI (Linux drivers/infiniband/hw/vmw_pvrdma,
 // pvrdma_ring.h and pvrdma_dev_api.h): struct pvrdma_ring {prod_tail,
 // cons_head} is 8 bytes; indices run over [0, 2*n) where n is the element

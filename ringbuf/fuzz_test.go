@@ -71,7 +71,7 @@ func FuzzRing(f *testing.F) {
 		lo, hi := uint64(guestmem.PageSize), uint64(guestmem.PageSize)+uint64(g.Len())*uint64(stride)
 		for i := 0; i+4 < len(ops); i += 5 {
 			v := binary.LittleEndian.Uint32(ops[i+1:])
-			switch ops[i] % 6 {
+			switch ops[i] % 8 {
 			case 0: // guest writes its producer index
 				binary.LittleEndian.PutUint32(raw[0:], v)
 			case 1: // guest writes its consumer index
@@ -107,8 +107,29 @@ func FuzzRing(f *testing.F) {
 					t.Fatal(err)
 				}
 			case 5:
-				if !g.Valid(c.HeadIndex()) || !g.Valid(p.TailIndex()) {
-					t.Fatalf("device index invalid: %#x %#x", c.HeadIndex(), p.TailIndex())
+				if !g.Valid(c.HeadIndex()) || !g.Valid(p.TailIndex()) || !g.Valid(c.NextIndex()) {
+					t.Fatalf("device index invalid: %#x %#x %#x", c.HeadIndex(), p.TailIndex(), c.NextIndex())
+				}
+				if c.Outstanding() > g.Len() {
+					t.Fatalf("%d outstanding in a ring of %d", c.Outstanding(), g.Len())
+				}
+			case 6: // take without releasing
+				if n, err := c.Pending(); err == nil && n > 0 {
+					if h := uint64(c.Next()); h < lo || h >= hi {
+						t.Fatalf("consumer element %#x outside [%#x,%#x)", h, lo, hi)
+					}
+					if err := c.Take(); err != nil {
+						t.Fatal(err)
+					}
+				}
+			case 7: // release to an arbitrary index: monotonic, never past the posted cursor
+				before, out := c.HeadIndex(), c.Outstanding()
+				if err := c.Release(v); err == nil {
+					if moved := g.Used(before, c.HeadIndex()); moved > out {
+						t.Fatalf("released %d of %d outstanding", moved, out)
+					}
+				} else if c.HeadIndex() != before {
+					t.Fatalf("failed release moved cons_head")
 				}
 			}
 		}

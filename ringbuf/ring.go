@@ -134,6 +134,17 @@ type deviceIndex struct {
 	val uint32
 }
 
+// adopt takes the index's value from guest memory, where a previous
+// device left it, and validates it like an index the guest owns.
+func (di *deviceIndex) adopt(m *guestmem.Memory, g Geometry) (uint32, error) {
+	v, err := guestIndex{gpa: di.gpa}.load(m, g)
+	if err != nil {
+		return 0, fmt.Errorf("adopt: %w", err)
+	}
+	di.val = v
+	return v, nil
+}
+
 func (di *deviceIndex) store(m *guestmem.Memory, v uint32) error {
 	di.val = v
 	if err := m.StoreUint32(di.gpa, v); err != nil {
@@ -145,32 +156,68 @@ func (di *deviceIndex) store(m *guestmem.Memory, v uint32) error {
 // Consumer is a ring the guest produces and the device consumes (send,
 // receive and shared receive queues). It owns cons_head. A Consumer is not
 // safe for concurrent use.
+//
+// It keeps two cursors. The posted cursor, in Go memory only, is the next
+// element to read and hand on (Next, Take); cons_head, mirrored to guest
+// memory, is where the guest may reuse slots from, and moves only when the
+// caller releases elements (Release). Between them lie the elements taken
+// but not released: work handed on that has not completed. A ring whose
+// elements complete in order releases up to an element when it completes,
+// so that guest memory always shows, between cons_head and prod_tail,
+// every element posted that has not completed; one whose elements may
+// complete out of order (a shared receive queue) releases at once with
+// Advance.
 type Consumer struct {
-	mem  *guestmem.Memory
-	geo  Geometry
-	area Area
-	tail guestIndex
-	head deviceIndex
+	mem    *guestmem.Memory
+	geo    Geometry
+	area   Area
+	tail   guestIndex
+	head   deviceIndex // cons_head: everything before it is released
+	posted uint32      // the next element to take
 }
 
 // NewConsumer returns the consumer side of the ring whose struct
 // pvrdma_ring is at state, and sets cons_head to 0. The area must hold the
 // geometry's elements.
 func NewConsumer(m *guestmem.Memory, state guestmem.GPA, g Geometry, a Area) (*Consumer, error) {
-	if a.Len() < g.Len() {
-		return nil, fmt.Errorf("ring of %d elements in an area of %d: %w", g.Len(), a.Len(), ErrGeometry)
+	c, err := newConsumer(m, state, g, a)
+	if err != nil {
+		return nil, err
 	}
-	c := &Consumer{mem: m, geo: g, area: a,
-		tail: guestIndex{gpa: state + offProdTail}, head: deviceIndex{gpa: state + offConsHead}}
-	if err := c.head.store(m, 0); err != nil {
+	if err := c.Reset(); err != nil {
 		return nil, err
 	}
 	return c, nil
 }
 
+// AdoptConsumer is NewConsumer for a ring that already holds work: a
+// device rebuilt over a running guest (a journal replay after a crash)
+// takes cons_head from guest memory instead of resetting it, and starts
+// its posted cursor there, so that the elements between cons_head and
+// prod_tail, which no completion released, are read and posted again. An
+// index the ring's arithmetic cannot produce is an ErrIndex.
+func AdoptConsumer(m *guestmem.Memory, state guestmem.GPA, g Geometry, a Area) (*Consumer, error) {
+	c, err := newConsumer(m, state, g, a)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.Adopt(); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+func newConsumer(m *guestmem.Memory, state guestmem.GPA, g Geometry, a Area) (*Consumer, error) {
+	if a.Len() < g.Len() {
+		return nil, fmt.Errorf("ring of %d elements in an area of %d: %w", g.Len(), a.Len(), ErrGeometry)
+	}
+	return &Consumer{mem: m, geo: g, area: a,
+		tail: guestIndex{gpa: state + offProdTail}, head: deviceIndex{gpa: state + offConsHead}}, nil
+}
+
 // Pending loads the guest's prod_tail once and returns how many elements
-// wait to be consumed. An invalid tail, or one more than a ring ahead of
-// the head, is an ErrIndex.
+// wait to be taken (prod_tail - posted). An invalid tail, one more than a
+// ring ahead of cons_head, or one behind the posted cursor is an ErrIndex.
 func (c *Consumer) Pending() (uint32, error) {
 	t, err := c.tail.load(c.mem, c.geo)
 	if err != nil {
@@ -181,21 +228,109 @@ func (c *Consumer) Pending() (uint32, error) {
 		return 0, fmt.Errorf("prod_tail %#x is %d ahead of cons_head %#x (ring of %d): %w",
 			t, used, c.head.val, c.geo.Len(), ErrIndex)
 	}
-	return used, nil
+	taken := c.Outstanding()
+	if used < taken {
+		return 0, fmt.Errorf("prod_tail %#x is behind the %d elements taken from cons_head %#x: %w",
+			t, taken, c.head.val, ErrIndex)
+	}
+	return used - taken, nil
 }
 
-// Head returns the address of the element at cons_head.
+// Next returns the address of the element at the posted cursor: the next
+// one to take.
+func (c *Consumer) Next() guestmem.GPA { return c.area.Elem(c.geo.Slot(c.posted)) }
+
+// NextIndex returns the posted cursor.
+func (c *Consumer) NextIndex() uint32 { return c.posted }
+
+// Take moves the posted cursor past the element at Next, leaving it
+// unreleased. The caller checks Pending first; taking a ring's worth more
+// than cons_head is an ErrFull.
+func (c *Consumer) Take() error {
+	if c.Outstanding() >= c.geo.Len() {
+		return fmt.Errorf("take beyond a ring of %d from cons_head %#x: %w", c.geo.Len(), c.head.val, ErrFull)
+	}
+	c.posted = c.geo.Inc(c.posted)
+	return nil
+}
+
+// Untake gives back the element the last Take took, which could not be
+// handed on (a full provider queue): it is the next one again. It fails
+// with ErrIndex when no element is taken.
+func (c *Consumer) Untake() error {
+	if c.posted == c.head.val {
+		return fmt.Errorf("untake at cons_head %#x with nothing taken: %w", c.head.val, ErrIndex)
+	}
+	c.posted = (c.posted - 1) & (2*c.geo.n - 1)
+	return nil
+}
+
+// Outstanding returns how many elements are taken and not released.
+func (c *Consumer) Outstanding() uint32 { return c.geo.Used(c.head.val, c.posted) }
+
+// Release moves cons_head forward to upTo (the index after the last
+// element released) and stores it in guest memory. Release is monotonic:
+// an upTo at or behind cons_head changes nothing. One beyond the posted
+// cursor, or not an index of the ring, is an ErrIndex and changes nothing.
+func (c *Consumer) Release(upTo uint32) error {
+	if !c.geo.Valid(upTo) {
+		return fmt.Errorf("release to %#x (ring of %d): %w", upTo, c.geo.slots, ErrIndex)
+	}
+	ahead := c.geo.Used(c.head.val, upTo)
+	switch {
+	case ahead == 0:
+		return nil
+	case ahead <= c.Outstanding():
+		return c.head.store(c.mem, upTo)
+	case ahead >= c.geo.Len():
+		return nil // behind cons_head: released already
+	}
+	return fmt.Errorf("release to %#x past the posted cursor %#x (cons_head %#x): %w",
+		upTo, c.posted, c.head.val, ErrIndex)
+}
+
+// Advance takes the element at Next and releases everything taken: the
+// behaviour of a ring whose elements are done once handed on (or may
+// complete out of order, so that none can be held back).
+func (c *Consumer) Advance() error {
+	if err := c.Take(); err != nil {
+		return err
+	}
+	return c.Release(c.posted)
+}
+
+// Head returns the address of the element at cons_head: the oldest one not
+// released.
 func (c *Consumer) Head() guestmem.GPA { return c.area.Elem(c.geo.Slot(c.head.val)) }
 
 // HeadIndex returns cons_head.
 func (c *Consumer) HeadIndex() uint32 { return c.head.val }
 
-// Advance consumes the element at cons_head.
-func (c *Consumer) Advance() error { return c.head.store(c.mem, c.geo.Inc(c.head.val)) }
+// Elem returns the address of the element at index idx (any value is
+// safe; only its slot counts).
+func (c *Consumer) Elem(idx uint32) guestmem.GPA { return c.area.Elem(c.geo.Slot(idx)) }
 
-// Reset sets cons_head back to 0, as the guest does to both indices when
-// it resets the queue.
-func (c *Consumer) Reset() error { return c.head.store(c.mem, 0) }
+// Geometry returns the ring's index arithmetic.
+func (c *Consumer) Geometry() Geometry { return c.geo }
+
+// Reset sets cons_head and the posted cursor back to 0, as the guest does
+// to both indices when it resets the queue.
+func (c *Consumer) Reset() error {
+	c.posted = 0
+	return c.head.store(c.mem, 0)
+}
+
+// Adopt loads cons_head from guest memory, validates it and restarts the
+// posted cursor there, forgetting what was taken: what a rebuilt device
+// does where a new one would Reset (see AdoptConsumer).
+func (c *Consumer) Adopt() error {
+	v, err := c.head.adopt(c.mem, c.geo)
+	if err != nil {
+		return err
+	}
+	c.posted = v
+	return nil
+}
 
 // Stride is the element size.
 func (c *Consumer) Stride() uint32 { return c.area.Stride() }
@@ -217,15 +352,38 @@ type Producer struct {
 // NewProducer returns the producer side of the ring whose struct
 // pvrdma_ring is at state, and sets prod_tail to 0.
 func NewProducer(m *guestmem.Memory, state guestmem.GPA, g Geometry, a Area) (*Producer, error) {
-	if a.Len() < g.Len() {
-		return nil, fmt.Errorf("ring of %d elements in an area of %d: %w", g.Len(), a.Len(), ErrGeometry)
+	p, err := newProducer(m, state, g, a)
+	if err != nil {
+		return nil, err
 	}
-	p := &Producer{mem: m, geo: g, area: a,
-		head: guestIndex{gpa: state + offConsHead}, tail: deviceIndex{gpa: state + offProdTail}}
 	if err := p.tail.store(m, 0); err != nil {
 		return nil, err
 	}
 	return p, nil
+}
+
+// AdoptProducer is NewProducer for a ring that already holds elements: a
+// device rebuilt over a running guest (a journal replay after a crash)
+// takes prod_tail from guest memory instead of resetting it, so that the
+// guest's unconsumed elements stay and new ones follow them. An index the
+// ring's arithmetic cannot produce is an ErrIndex.
+func AdoptProducer(m *guestmem.Memory, state guestmem.GPA, g Geometry, a Area) (*Producer, error) {
+	p, err := newProducer(m, state, g, a)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := p.tail.adopt(m, g); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+func newProducer(m *guestmem.Memory, state guestmem.GPA, g Geometry, a Area) (*Producer, error) {
+	if a.Len() < g.Len() {
+		return nil, fmt.Errorf("ring of %d elements in an area of %d: %w", g.Len(), a.Len(), ErrGeometry)
+	}
+	return &Producer{mem: m, geo: g, area: a,
+		head: guestIndex{gpa: state + offConsHead}, tail: deviceIndex{gpa: state + offProdTail}}, nil
 }
 
 // Reserve loads the guest's cons_head once and returns the address of the
@@ -280,4 +438,21 @@ func (p *Producer) Resize(g Geometry, stride uint32) error {
 	}
 	p.geo, p.area = g, a
 	return p.tail.store(p.mem, 0)
+}
+
+// ResizeAdopt is Resize for a device rebuilt over a running guest (see
+// AdoptProducer): the resize happened long ago, so the ring need not be
+// empty and prod_tail is taken from guest memory, validated against g.
+// On an error the ring is unchanged.
+func (p *Producer) ResizeAdopt(g Geometry, stride uint32) error {
+	a, err := NewArea(p.area.pages, p.area.base, stride, g.Len())
+	if err != nil {
+		return err
+	}
+	tail := p.tail
+	if _, err := tail.adopt(p.mem, g); err != nil {
+		return err
+	}
+	p.geo, p.area, p.tail = g, a, tail
+	return nil
 }

@@ -3,6 +3,7 @@ package ringbuf
 import (
 	"encoding/binary"
 	"errors"
+	"math/rand"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -216,4 +217,223 @@ func TestUnmappedRingState(t *testing.T) {
 	// Misaligned state cannot be loaded atomically.
 	_, err = NewConsumer(m, stateGPA+2, g, a)
 	assert.True(t, errors.Is(err, guestmem.ErrAlign))
+}
+
+func newTestConsumer(t *testing.T, slots uint32) (*Consumer, Geometry, []byte) {
+	t.Helper()
+	m, raw := newRingMem(t)
+	g, err := NewGeometry(slots)
+	require.NoError(t, err)
+	a, err := NewArea([]guestmem.GPA{elemBase}, 0, 32, g.Len())
+	require.NoError(t, err)
+	c, err := NewConsumer(m, stateGPA, g, a)
+	require.NoError(t, err)
+	return c, g, raw
+}
+
+func consHead(raw []byte) uint32   { return binary.LittleEndian.Uint32(raw[stateGPA+4:]) }
+func setTail(raw []byte, v uint32) { binary.LittleEndian.PutUint32(raw[stateGPA:], v) }
+
+func TestConsumerPostedCursor(t *testing.T) {
+	c, g, raw := newTestConsumer(t, 4)
+	setTail(raw, 3)
+	n, err := c.Pending()
+	require.NoError(t, err)
+	require.EqualValues(t, 3, n)
+
+	// Taking moves the posted cursor only: guest memory keeps cons_head.
+	for i := uint32(0); i < 3; i++ {
+		require.Equal(t, guestmem.GPA(elemBase+32*i), c.Next())
+		require.Equal(t, i, c.NextIndex())
+		require.NoError(t, c.Take())
+	}
+	assert.EqualValues(t, 0, consHead(raw), "nothing released")
+	assert.EqualValues(t, 0, c.HeadIndex())
+	assert.Equal(t, guestmem.GPA(elemBase), c.Head(), "the oldest unreleased element")
+	assert.EqualValues(t, 3, c.Outstanding())
+	n, err = c.Pending()
+	require.NoError(t, err)
+	assert.Zero(t, n, "pending counts from the posted cursor")
+
+	// Release is monotonic and bounded by the posted cursor.
+	require.NoError(t, c.Release(2))
+	assert.EqualValues(t, 2, consHead(raw))
+	assert.EqualValues(t, 1, c.Outstanding())
+	require.NoError(t, c.Release(1), "behind cons_head: already released")
+	require.NoError(t, c.Release(2), "at cons_head")
+	assert.EqualValues(t, 2, consHead(raw))
+	assert.ErrorIs(t, c.Release(4), ErrIndex, "past the posted cursor")
+	assert.ErrorIs(t, c.Release(8), ErrIndex, "not an index")
+	assert.EqualValues(t, 2, consHead(raw))
+
+	// Untake gives the last element back; not past cons_head.
+	require.NoError(t, c.Untake())
+	assert.EqualValues(t, 2, c.NextIndex())
+	assert.ErrorIs(t, c.Untake(), ErrIndex)
+	n, err = c.Pending()
+	require.NoError(t, err)
+	assert.EqualValues(t, 1, n)
+
+	// Fill the ring: the guest may have a whole ring outstanding, no more.
+	setTail(raw, g.Inc(g.Inc(g.Inc(g.Inc(2))))) // 6: four ahead of cons_head
+	n, err = c.Pending()
+	require.NoError(t, err)
+	require.EqualValues(t, 4, n)
+	for i := 0; i < 4; i++ {
+		require.NoError(t, c.Take())
+	}
+	assert.ErrorIs(t, c.Take(), ErrFull)
+	require.NoError(t, c.Release(6))
+	assert.EqualValues(t, 6, consHead(raw))
+
+	// A guest moving prod_tail behind what was taken is caught.
+	require.NoError(t, c.Release(6))
+	setTail(raw, 7)
+	_, err = c.Pending()
+	require.NoError(t, err)
+	require.NoError(t, c.Take())
+	setTail(raw, 6)
+	_, err = c.Pending()
+	assert.ErrorIs(t, err, ErrIndex, "prod_tail behind the posted cursor")
+
+	// Advance is take-and-release, across the wrap.
+	c2, g2, raw2 := newTestConsumer(t, 4)
+	for i := 0; i < 11; i++ {
+		setTail(raw2, g2.Inc(c2.NextIndex()))
+		require.NoError(t, c2.Advance())
+		require.Equal(t, c2.NextIndex(), consHead(raw2))
+		require.Zero(t, c2.Outstanding())
+	}
+	assert.Equal(t, c2.Elem(c2.HeadIndex()), c2.Head())
+	assert.Equal(t, g2, c2.Geometry())
+
+	require.NoError(t, c.Reset())
+	assert.Zero(t, consHead(raw))
+	assert.Zero(t, c.NextIndex())
+}
+
+// TestConsumerModel runs random takes, untakes and releases against a
+// plain model of the two cursors, across many wraps of a ring whose count
+// is not a power of two.
+func TestConsumerModel(t *testing.T) {
+	for _, slots := range []uint32{1, 4, 12, 16} {
+		c, g, raw := newTestConsumer(t, slots)
+		rng := rand.New(rand.NewSource(int64(slots)))
+		head, posted, tail := uint32(0), uint32(0), uint32(0)
+		used := func(a, b uint32) uint32 { return g.Used(a, b) }
+		for step := 0; step < 20000; step++ {
+			switch rng.Intn(4) {
+			case 0: // the guest produces, if there is room
+				if used(head, tail) < g.Len() {
+					tail = g.Inc(tail)
+					setTail(raw, tail)
+				}
+			case 1:
+				n, err := c.Pending()
+				require.NoError(t, err)
+				require.Equal(t, used(posted, tail), n)
+				if n > 0 {
+					require.NoError(t, c.Take())
+					posted = g.Inc(posted)
+				}
+			case 2:
+				if rng.Intn(4) == 0 && posted != head {
+					require.NoError(t, c.Untake())
+					posted = (posted - 1) & (2*g.Len() - 1)
+				}
+			case 3:
+				k := uint32(rng.Intn(int(used(head, posted)) + 1))
+				to := head
+				for i := uint32(0); i < k; i++ {
+					to = g.Inc(to)
+				}
+				require.NoError(t, c.Release(to))
+				head = to
+			}
+			require.Equal(t, head, consHead(raw), "step %d", step)
+			require.Equal(t, head, c.HeadIndex())
+			require.Equal(t, posted, c.NextIndex())
+			require.Equal(t, used(head, posted), c.Outstanding())
+		}
+	}
+}
+
+func TestAdoptConsumer(t *testing.T) {
+	m, raw := newRingMem(t)
+	g, _ := NewGeometry(8)
+	a, _ := NewArea([]guestmem.GPA{elemBase}, 0, 32, 8)
+	binary.LittleEndian.PutUint32(raw[stateGPA+4:], 13) // cons_head left by the previous device
+	setTail(raw, 1)                                     // the guest posted 4 more, across the wrap
+	c, err := AdoptConsumer(m, stateGPA, g, a)
+	require.NoError(t, err)
+	assert.EqualValues(t, 13, consHead(raw), "guest memory untouched")
+	assert.EqualValues(t, 13, c.HeadIndex())
+	assert.EqualValues(t, 13, c.NextIndex(), "re-post from cons_head")
+	assert.Equal(t, guestmem.GPA(elemBase+5*32), c.Next())
+	n, err := c.Pending()
+	require.NoError(t, err)
+	assert.EqualValues(t, 4, n)
+
+	// A device reset in adopt mode reloads it.
+	require.NoError(t, c.Take())
+	binary.LittleEndian.PutUint32(raw[stateGPA+4:], 2)
+	require.NoError(t, c.Adopt())
+	assert.EqualValues(t, 2, c.HeadIndex())
+	assert.EqualValues(t, 2, c.NextIndex())
+
+	for _, bad := range []uint32{16, 0xffffffff, 1 << 31} {
+		binary.LittleEndian.PutUint32(raw[stateGPA+4:], bad)
+		_, err = AdoptConsumer(m, stateGPA, g, a)
+		assert.ErrorIs(t, err, ErrIndex, "cons_head %#x", bad)
+		assert.ErrorIs(t, c.Adopt(), ErrIndex)
+	}
+	_, err = AdoptConsumer(m, 0x100000, g, a)
+	assert.ErrorIs(t, err, guestmem.ErrUnmapped)
+	small, _ := NewArea([]guestmem.GPA{elemBase}, 0, 32, 4)
+	_, err = AdoptConsumer(m, stateGPA, g, small)
+	assert.ErrorIs(t, err, ErrGeometry)
+}
+
+func TestAdoptProducer(t *testing.T) {
+	m, raw := newRingMem(t)
+	g, _ := NewGeometry(3072) // non-power-of-two count: indices below 2048
+	pages := []guestmem.GPA{stateGPA, elemBase, 0x3000, 0x4000}
+	a, _ := NewArea(pages, guestmem.PageSize, 4, g.Len())
+	binary.LittleEndian.PutUint32(raw[stateGPA:], 2000)   // prod_tail
+	binary.LittleEndian.PutUint32(raw[stateGPA+4:], 1990) // the guest has 10 to consume
+	p, err := AdoptProducer(m, stateGPA, g, a)
+	require.NoError(t, err)
+	assert.EqualValues(t, 2000, p.TailIndex())
+	gpa, err := p.Reserve()
+	require.NoError(t, err)
+	assert.Equal(t, guestmem.GPA(elemBase+4*(2000&1023)), gpa)
+	require.NoError(t, p.Commit())
+	assert.EqualValues(t, 2001, binary.LittleEndian.Uint32(raw[stateGPA:]))
+
+	for _, bad := range []uint32{2048, 4096, 0xffffffff} {
+		binary.LittleEndian.PutUint32(raw[stateGPA:], bad)
+		_, err = AdoptProducer(m, stateGPA, g, a)
+		assert.ErrorIs(t, err, ErrIndex, "prod_tail %#x", bad)
+	}
+	_, err = AdoptProducer(m, 0x100000, g, a)
+	assert.ErrorIs(t, err, guestmem.ErrUnmapped)
+
+	// A resize replayed over a ring in use keeps the guest's prod_tail.
+	g8, _ := NewGeometry(8)
+	a8, _ := NewArea(pages, guestmem.PageSize, 64, 8)
+	binary.LittleEndian.PutUint32(raw[stateGPA:], 3)
+	binary.LittleEndian.PutUint32(raw[stateGPA+4:], 0)
+	p, err = AdoptProducer(m, stateGPA, g8, a8)
+	require.NoError(t, err)
+	g16, _ := NewGeometry(16)
+	binary.LittleEndian.PutUint32(raw[stateGPA:], 20)
+	require.NoError(t, p.ResizeAdopt(g16, 64))
+	assert.EqualValues(t, 20, p.TailIndex())
+	assert.EqualValues(t, 16, p.Len())
+	binary.LittleEndian.PutUint32(raw[stateGPA:], 40)
+	g32, _ := NewGeometry(32)
+	assert.ErrorIs(t, p.ResizeAdopt(g16, 64), ErrIndex, "40 is no index of a 16-ring")
+	assert.EqualValues(t, 20, p.TailIndex(), "unchanged on an error")
+	assert.EqualValues(t, 16, p.Len())
+	assert.ErrorIs(t, p.ResizeAdopt(g32, 4096), ErrPageCount)
 }

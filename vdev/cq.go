@@ -31,6 +31,8 @@ type cq struct {
 	cost   uint64 // bytes charged to the VM's budget
 	refs   int    // QPs using it; guarded by Device.mu
 
+	// mu guards the CQ ring and, for the QPs whose send or receive queue
+	// completes here, that queue's workQueue.
 	mu         sync.Mutex
 	ring       *ringbuf.Producer
 	armed      uint8
@@ -38,6 +40,13 @@ type cq struct {
 	overflowed bool
 	cqe        CQE
 	buf        [CQESize]byte
+	wc         hostverbs.WorkCompletion // scratch: a provider completion translated, or one the device makes
+	// notifyDue and errDue are what the CQEs written under mu call for
+	// once it is released (see unlock).
+	notifyDue, errDue bool
+	// beforeCommit, if set (tests only), runs in put between the WQE's
+	// release and the CQE's publication.
+	beforeCommit func()
 }
 
 // cqRingPages is how many pages a CQ ring of n CQEs needs: the ring-state
@@ -72,7 +81,11 @@ func (d *Device) cmdCreateCQ(req, resp []byte) error {
 	if err != nil {
 		return err
 	}
-	ring, err := ringbuf.NewProducer(d.mem, pages[0]+ringStateRx, geo, area)
+	newRing := ringbuf.NewProducer
+	if d.adopt {
+		newRing = ringbuf.AdoptProducer
+	}
+	ring, err := newRing(d.mem, pages[0]+ringStateRx, geo, area)
 	if err != nil {
 		return fmt.Errorf("CQ ring state: %w", err)
 	}
@@ -119,7 +132,11 @@ func (d *Device) cmdResizeCQ(req, resp []byte) error {
 	if err := c.hv.Resize(int(r.CQE)); err != nil {
 		return fmt.Errorf("resize provider CQ: %w", err)
 	}
-	if err := c.ring.Resize(geo, CQESize); err != nil {
+	resize := c.ring.Resize
+	if d.adopt {
+		resize = c.ring.ResizeAdopt // replayed: the ring has been in use since
+	}
+	if err := resize(geo, CQESize); err != nil {
 		if errors.Is(err, ringbuf.ErrFull) {
 			return fmt.Errorf("resize CQ %d: %w", r.CQHandle, syscall.EBUSY)
 		}
@@ -181,12 +198,14 @@ func (c *cq) arm(level uint8) {
 	c.mu.Unlock()
 }
 
-// Complete writes one work completion into the guest's CQ ring. It is the
-// provider CQ's handler (any goroutine, never blocking) and the path of
-// completions the device generates itself (errors and flushes). The QP is
+// Complete is the provider CQ's handler (any goroutine, never blocking):
+// it writes a provider work completion into the guest's CQ ring. The QP is
 // resolved from the completion's context under the CQ lock, so nothing is
 // written for a QP once DestroyQP has returned: the drivers would not find
-// it (rdma-core then never advances past the CQE).
+// it (rdma-core then never advances past the CQE). The WRID is the one the
+// device posted with (workQueue.providerWRID) and becomes the guest's
+// wr_id again; completions the device cannot place (a stale epoch, a WQE
+// the provider does not hold) are dropped and counted as stale.
 func (c *cq) Complete(wc *hostverbs.WorkCompletion) {
 	d := c.dev
 	c.mu.Lock()
@@ -196,20 +215,85 @@ func (c *cq) Complete(wc *hostverbs.WorkCompletion) {
 		d.stats.staleCompletions.Add(1)
 		return
 	}
+	w, idx, ok := q.route(c, wc)
+	switch {
+	case !ok:
+		d.stats.staleCompletions.Add(1)
+		d.lim.Debug("wc-unknown", "pvrdma: completion for no WQE the provider holds", "qp", q.handle, "wr_id", wc.WRID)
+	case w == nil:
+		c.put(q, wc, nil, 0) // an SRQ receive: the guest's wr_id, its ring released at post
+	default:
+		w.complete(q, idx, wc)
+	}
+	c.unlock()
+}
+
+// route returns the queue a provider completion that arrived on c belongs
+// to and the ring index of its WQE, or a nil queue for a receive from the
+// QP's SRQ, or false if it names no WQE the provider holds. c.mu held.
+func (q *qp) route(c *cq, wc *hostverbs.WorkCompletion) (*workQueue, uint32, bool) {
+	if q.srq != nil && c == q.rcq {
+		// SRQ receives carry the guest's own wr_id (the SRQ ring is released
+		// at post: its WQEs complete out of order). On a CQ the QP shares
+		// for both queues a success tells a receive by its opcode, an error
+		// (whose opcode providers need not set) by its WRID not being one
+		// the device gave a send the provider holds.
+		if c != q.scq {
+			return nil, 0, true
+		}
+		if wc.Status == hostverbs.WCSuccess {
+			if wc.Opcode&hostverbs.WCRecv != 0 {
+				return nil, 0, true
+			}
+		} else if _, ok := q.sq.owns(wc.WRID); !ok {
+			return nil, 0, true
+		}
+	}
+	w := q.sq
+	if wc.WRID&wridRecv != 0 {
+		w = q.rq
+	}
+	if w == nil || w.cq != c {
+		return nil, 0, false
+	}
+	idx, ok := w.owns(wc.WRID)
+	return w, idx, ok
+}
+
+// putSlot writes the CQE of a WQE the device completed itself (s), after
+// releasing the ring to upTo. c.mu held.
+func (c *cq) putSlot(q *qp, w *workQueue, s *wqSlot, upTo uint32) {
+	c.wc = hostverbs.WorkCompletion{WRID: s.wrid, Status: s.status, Opcode: s.op, QPN: q.hv.QPN(),
+		QPContext: q.context(), Port: portNum}
+	c.put(q, &c.wc, w, upTo)
+}
+
+// put writes wc as the guest's next CQE. The WQE it completes is released
+// first: w's cons_head moves to upTo before prod_tail publishes the CQE,
+// so the guest never sees a completion whose ring slot is still taken
+// (libpvrdma checks ring space against cons_head), and a crash between the
+// two stores loses the completion rather than writing it twice. A CQE
+// that cannot be written (a full or corrupted CQ: IBA's CQ overflow; the
+// CQ then takes no more and the guest gets a CQ error event, never a
+// block) is dropped, and its WQE released all the same. w is nil for SRQ
+// receives. c.mu held.
+func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32) {
+	d := c.dev
 	if c.overflowed {
-		c.mu.Unlock()
+		if w != nil {
+			w.release(q, upTo)
+		}
 		d.stats.cqOverflows.Add(1)
 		return
 	}
 	gpa, err := c.ring.Reserve()
 	if err != nil {
-		// Full or corrupted ring: IBA's CQ overflow. The CQ stops taking
-		// completions and the guest gets a CQ error event; never block.
-		c.overflowed = true
-		c.mu.Unlock()
+		c.overflowed, c.errDue = true, true
+		if w != nil {
+			w.release(q, upTo)
+		}
 		d.stats.cqOverflows.Add(1)
 		d.lim.Debug("cq-overflow", "pvrdma: CQ overflow", "cq", c.handle, "err", err)
-		d.pushEvent(uint32(hostverbs.EventCQErr), c.handle)
 		return
 	}
 	e := &c.cqe
@@ -223,31 +307,46 @@ func (c *cq) Complete(wc *hostverbs.WorkCompletion) {
 		e.PortNum = portNum
 	}
 	e.Encode(c.buf[:])
-	if err = d.mem.WriteAt(c.buf[:], gpa); err == nil {
+	err = d.mem.WriteAt(c.buf[:], gpa)
+	if w != nil {
+		w.release(q, upTo)
+	}
+	if c.beforeCommit != nil {
+		c.beforeCommit()
+	}
+	if err == nil {
 		err = c.ring.Commit()
 	}
-	notify := false
-	if err == nil {
-		switch {
-		case c.armed == armNext:
-			notify = true
-		case c.armed == armSolicited:
-			notify = wc.Solicited || wc.Status != hostverbs.WCSuccess
-		}
-		if notify {
-			c.armed = armNone
-		}
-	}
-	c.mu.Unlock()
 	if err != nil {
 		d.stats.cqOverflows.Add(1)
 		return
 	}
 	d.stats.completions.Add(1)
+	switch {
+	case c.armed == armNext:
+		c.notifyDue = true
+	case c.armed == armSolicited:
+		c.notifyDue = c.notifyDue || wc.Solicited || wc.Status != hostverbs.WCSuccess
+	}
+	if c.notifyDue {
+		c.armed = armNone
+	}
 	if q.typ == hostverbs.QPTypeRC && wc.Status != hostverbs.WCSuccess && wc.Status != hostverbs.WCWRFlushErr {
 		q.state.Store(uint32(hostverbs.QPStateErr)) // an RC completion error moves the QP to ERR
 	}
+}
+
+// unlock releases c.mu, then raises what the CQEs written under it call
+// for: the CQ error event of an overflow and the CQ notification of an
+// armed CQ (the event and notification rings have locks of their own).
+func (c *cq) unlock() {
+	notify, cqErr := c.notifyDue, c.errDue
+	c.notifyDue, c.errDue = false, false
+	c.mu.Unlock()
+	if cqErr {
+		c.dev.pushEvent(uint32(hostverbs.EventCQErr), c.handle)
+	}
 	if notify {
-		d.pushCQNotify(c.handle)
+		c.dev.pushCQNotify(c.handle)
 	}
 }

@@ -170,15 +170,16 @@ func TestCVE_2018_20216_RingIndices(t *testing.T) {
 	// with a CQ error, never written out of bounds.
 	g.put32(u.rcq.pages[0]+12, 0x12345678)
 	q3 := u.newQP(t)
-	u.fq.complete(true, hostverbs.WorkCompletion{WRID: 1})
+	q3.postRecv(1, u.sge(0, 8))
+	u.fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv})
 	assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventCQErr), Info: u.rcq.handle}}, g.events())
-	_ = q3
 	// The device's own indices are not taken from guest memory.
 	q4 := u.newQP(t)
 	g.put32(q4.sqState()+4, 9) // guest scribbles over cons_head
 	q4.postSend(wqe(hostverbs.WRSend, 1, 0), u.sge(0, 1))
 	sends, _ := u.fq.take()
 	assert.Len(t, sends, 1)
+	u.fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
 	assert.EqualValues(t, 1, q4.sqConsumed())
 }
 

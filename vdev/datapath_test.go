@@ -81,7 +81,7 @@ func TestSendTranslationRC(t *testing.T) {
 	require.Len(t, sends, 6)
 	s := sends[0]
 	assert.Equal(t, hostverbs.WRSendWithImm, s.Opcode)
-	assert.EqualValues(t, 1, s.WRID)
+	assert.Equal(t, q.providerWRID(false, 0), s.WRID, "the provider gets the ring index, not the guest's wr_id")
 	assert.Equal(t, hostverbs.SendSignaled|hostverbs.SendSolicited, s.Flags, "INLINE is dropped: no inline data in this ABI")
 	assert.EqualValues(t, 0x04030201, s.ImmData, "immediate data verbatim")
 	assert.Equal(t, []hostverbs.SGE{{Addr: u.mr.iova, Length: 100, LKey: u.mr.lkey}, {Addr: u.mr.iova + 4096, Length: 200, LKey: u.mr.lkey}}, s.SGL)
@@ -96,22 +96,31 @@ func TestSendTranslationRC(t *testing.T) {
 	assert.Equal(t, hostverbs.SendSignaled|hostverbs.SendFence, sends[3].Flags)
 	assert.EqualValues(t, 3, sends[4].CompareAdd)
 	assert.Empty(t, sends[5].SGL)
-	assert.EqualValues(t, 6, q.sqConsumed(), "every WQE consumed")
+	assert.EqualValues(t, 0, q.sqConsumed(), "posted, not completed: no slot released")
 	assert.EqualValues(t, 6, u.g.dev.Stats().SendWQEs)
 
 	// Receives.
 	q.postRecv(77, u.sge(0, 512), u.sge(1024, 512))
 	_, recvs := u.fq.take()
 	require.Len(t, recvs, 1)
-	assert.EqualValues(t, 77, recvs[0].WRID)
+	assert.Equal(t, q.providerWRID(true, 0), recvs[0].WRID)
 	assert.Len(t, recvs[0].SGL, 2)
+	assert.EqualValues(t, 0, q.rqConsumed())
+	u.fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv, ByteLen: 9})
+	r := u.rcq.mustPoll()
+	assert.EqualValues(t, 77, r.WRID, "the guest's wr_id again")
 	assert.EqualValues(t, 1, q.rqConsumed())
 }
 
 func TestCompletionsBecomeCQEs(t *testing.T) {
 	u := newUserRC(t)
-	u.fq.complete(false, hostverbs.WorkCompletion{WRID: 0xfeed, Status: hostverbs.WCSuccess, Opcode: hostverbs.WCRDMARead, ByteLen: 4096})
-	u.fq.complete(true, hostverbs.WorkCompletion{WRID: 9, Status: hostverbs.WCSuccess, Opcode: hostverbs.WCRecvRDMAWithImm,
+	h := wqe(hostverbs.WRRDMARead, 0xfeed, hostverbs.SendSignaled)
+	WRRDMA{RemoteAddr: 0x1000, RKey: 1}.Encode(h.WR[:])
+	u.qp.postSend(h, u.sge(0, 4096))
+	u.qp.postRecv(9, u.sge(0, 64))
+	u.qp.postRecv(10, u.sge(0, 512))
+	u.fq.finish(t, false, 0, hostverbs.WorkCompletion{Status: hostverbs.WCSuccess, Opcode: hostverbs.WCRDMARead, ByteLen: 4096})
+	u.fq.finish(t, true, 0, hostverbs.WorkCompletion{Status: hostverbs.WCSuccess, Opcode: hostverbs.WCRecvRDMAWithImm,
 		ByteLen: 12, ImmData: 0x01020304, SrcQP: 0x42, Flags: hostverbs.WCFlagWithImm, Port: 1})
 	e := u.scq.mustPoll()
 	assert.EqualValues(t, 0xfeed, e.WRID)
@@ -130,13 +139,18 @@ func TestCompletionsBecomeCQEs(t *testing.T) {
 
 	// GSI/UD receive fields carry through (wc_flags GRH|NETWORK_HDR_TYPE,
 	// network_hdr_type), and errors move the RC QP to ERR.
-	u.fq.complete(true, hostverbs.WorkCompletion{WRID: 10, Opcode: hostverbs.WCRecv, ByteLen: 296,
+	u.fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv, ByteLen: 296,
 		Flags: hostverbs.WCFlagGRH | hostverbs.WCFlagWithNetworkHdrTyp, NetworkHdrType: hostverbs.NetworkIPv4})
 	r = u.rcq.mustPoll()
+	assert.EqualValues(t, 10, r.WRID)
 	assert.EqualValues(t, 0x41, r.WCFlags)
 	assert.EqualValues(t, 1, r.NetworkHdrType)
-	u.fq.complete(false, hostverbs.WorkCompletion{WRID: 11, Status: hostverbs.WCRetryExcErr, Opcode: hostverbs.WCSend})
-	assert.EqualValues(t, hostverbs.WCRetryExcErr, u.scq.mustPoll().Status)
+	u.qp.postSend(wqe(hostverbs.WRRDMAWrite, 11, 0), u.sge(0, 1))
+	u.fq.finish(t, false, 0, hostverbs.WorkCompletion{Status: hostverbs.WCRetryExcErr, Opcode: 0x55}) // opcode undefined on errors
+	e = u.scq.mustPoll()
+	assert.EqualValues(t, hostverbs.WCRetryExcErr, e.Status, "an error completes an unsignaled WQE too")
+	assert.EqualValues(t, 11, e.WRID)
+	assert.EqualValues(t, hostverbs.WCRDMAWrite, e.Opcode, "the opcode the device kept")
 	u.qp.postSend(wqe(hostverbs.WRSend, 12, hostverbs.SendSignaled), u.sge(0, 1))
 	e = u.scq.mustPoll()
 	assert.EqualValues(t, hostverbs.WCWRFlushErr, e.Status, "posted after an error completion: flushed")
@@ -147,7 +161,8 @@ func TestCQArmAndNotify(t *testing.T) {
 	u := newUserRC(t)
 	g := u.g
 	ok := func(recv, solicited bool, st hostverbs.WCStatus) {
-		u.fq.complete(recv, hostverbs.WorkCompletion{Status: st, Opcode: hostverbs.WCRecv, Solicited: solicited})
+		u.qp.postRecv(1, u.sge(0, 8))
+		u.fq.finish(t, recv, 0, hostverbs.WorkCompletion{Status: st, Opcode: hostverbs.WCRecv, Solicited: solicited})
 	}
 	ok(true, false, hostverbs.WCSuccess)
 	assert.Empty(t, g.notifications(), "not armed")
@@ -166,6 +181,7 @@ func TestCQArmAndNotify(t *testing.T) {
 	u.rcq.arm(UARCQArmSol)
 	ok(true, false, hostverbs.WCLocLenErr)
 	assert.Equal(t, []uint32{u.rcq.handle}, g.notifications(), "ARM_SOL fires on errors")
+	u.qp = u.newQP(t) // the error left the QP in ERR
 	u.rcq.arm(UARCQArmSol)
 	u.rcq.arm(UARCQArm)
 	ok(true, false, hostverbs.WCSuccess)
@@ -295,8 +311,14 @@ func TestFlushOnErr(t *testing.T) {
 	assert.EqualValues(t, hostverbs.WCRDMARead, got[1].Opcode)
 	assert.EqualValues(t, hostverbs.WCWRFlushErr, got[1].Status)
 	r := u.rcq.mustPoll()
+	assert.EqualValues(t, 1, r.WRID, "the provider flushes what it holds first: CQEs in ring order")
+	assert.EqualValues(t, hostverbs.WCWRFlushErr, r.Status)
+	assert.EqualValues(t, hostverbs.WCRecv, r.Opcode)
+	r = u.rcq.mustPoll()
 	assert.EqualValues(t, 12, r.WRID)
 	assert.EqualValues(t, hostverbs.WCWRFlushErr, r.Status)
+	assert.EqualValues(t, 2, q.sqConsumed())
+	assert.EqualValues(t, 2, q.rqConsumed())
 	// Posted while in ERR: flushed at the doorbell.
 	q.postRecv(13, u.sge(0, 8))
 	assert.EqualValues(t, 13, u.rcq.mustPoll().WRID)
@@ -311,10 +333,16 @@ func TestFlushOnErr(t *testing.T) {
 	u.g.put32(q.sqState(), 0)
 	u.g.put32(q.rqState(), 0)
 	q.toRTS(0x99, gidB, 0)
-	q.postSend(wqe(hostverbs.WRSend, 14, 0), u.sge(0, 8))
+	q.postSend(wqe(hostverbs.WRSend, 14, hostverbs.SendSignaled), u.sge(0, 8))
 	sends, _ = u.fq.take()
 	require.Len(t, sends, 1)
-	assert.EqualValues(t, 14, sends[0].WRID)
+	assert.NotEqual(t, q.providerWRID(false, 0), sends[0].WRID, "a new epoch after RESET")
+	u.fq.complete(false, hostverbs.WorkCompletion{WRID: q.providerWRID(false, 0), Opcode: hostverbs.WCSend})
+	_, ok := u.scq.poll()
+	assert.False(t, ok, "a completion from before the RESET is stale")
+	u.fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
+	assert.EqualValues(t, 14, u.scq.mustPoll().WRID)
+	assert.EqualValues(t, 1, q.sqConsumed())
 }
 
 func TestPostBeforeRTS(t *testing.T) {
@@ -324,7 +352,7 @@ func TestPostBeforeRTS(t *testing.T) {
 	assert.EqualValues(t, 0, q.rqConsumed(), "receives in RESET are not consumed")
 	q.mustModify(0x39, QPAttr{State: 1, PortNum: 1})
 	q.g.doorbell(1, UARQPOffset, UARQPRecv|q.handle)
-	assert.EqualValues(t, 1, q.rqConsumed(), "receives in INIT are")
+	assert.Equal(t, 1, u.fv.qps[len(u.fv.qps)-1].outstanding(true), "receives in INIT are posted")
 	q.postSend(wqe(hostverbs.WRSend, 2, 0), u.sge(0, 8))
 	assert.EqualValues(t, hostverbs.WCLocQPOpErr, u.scq.mustPoll().Status, "sends before RTS fail")
 }
@@ -336,20 +364,25 @@ func TestStallAndResume(t *testing.T) {
 		u.qp.writeSend(wqe(hostverbs.WRSend, uint64(i), 0), u.sge(0, 8))
 	}
 	u.g.doorbell(1, UARQPOffset, UARQPSend|u.qp.handle)
-	assert.EqualValues(t, 2, u.qp.sqConsumed(), "stopped at the provider's queue limit, WQEs stay in the ring")
+	assert.Equal(t, 2, u.fq.outstanding(false), "stopped at the provider's queue limit, WQEs stay in the ring")
 	u.scq.arm(UARCQPoll)
-	assert.EqualValues(t, 2, u.qp.sqConsumed(), "still full")
+	assert.Equal(t, 2, u.fq.outstanding(false), "still full")
 	sends, _ := u.fq.take()
 	require.Len(t, sends, 2)
 	u.g.doorbell(1, UARCQOffset, UARCQPoll|u.scq.handle) // the provider's empty-poll doorbell
-	assert.EqualValues(t, 4, u.qp.sqConsumed())
+	assert.Equal(t, 4, u.fq.outstanding(false))
 	u.fq.take()
 	u.scq.arm(UARCQArm)
-	assert.EqualValues(t, 5, u.qp.sqConsumed())
+	assert.Equal(t, 5, u.fq.outstanding(false))
 	sends, _ = u.fq.take()
 	require.Len(t, sends, 1)
-	assert.EqualValues(t, 4, sends[0].WRID, "in order")
+	assert.Equal(t, u.qp.providerWRID(false, 4), sends[0].WRID, "in order")
 	assert.Positive(t, u.g.dev.Stats().StalledPosts)
+	assert.Zero(t, u.qp.sqConsumed(), "nothing completed")
+	u.fq.finish(t, false, 4, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
+	assert.EqualValues(t, 5, u.qp.sqConsumed(), "all five released by the last one's completion")
+	_, ok := u.scq.poll()
+	assert.False(t, ok, "unsignaled: no CQE")
 }
 
 func TestDoorbellOwnership(t *testing.T) {
@@ -362,11 +395,11 @@ func TestDoorbellOwnership(t *testing.T) {
 	u.g.doorbell(0, UARCQOffset, UARCQArm|u.scq.handle)
 	u.g.doorbell(1, UARSRQOffset, UARSRQRecv|3)
 	assert.EqualValues(t, bad+5, u.g.dev.Stats().BadDoorbells)
-	assert.EqualValues(t, 0, u.qp.sqConsumed())
+	assert.Zero(t, u.fq.outstanding(false))
 	u.g.doorbell(1+UARPages/2, UARQPOffset, UARQPSend|u.qp.handle)
-	assert.EqualValues(t, 0, u.qp.sqConsumed(), "pages do not alias")
+	assert.Zero(t, u.fq.outstanding(false), "pages do not alias")
 	u.g.doorbell(1, UARQPOffset, UARQPSend|u.qp.handle)
-	assert.EqualValues(t, 1, u.qp.sqConsumed())
+	assert.Equal(t, 1, u.fq.outstanding(false))
 }
 
 func TestUDSend(t *testing.T) {
@@ -383,16 +416,23 @@ func TestUDSend(t *testing.T) {
 			DMAC: [6]byte{1, 2, 3, 4, 5, 6}}}.Encode(h.WR[:])
 		q.postSend(h, u.sge(0, 512))
 	}
+	sent := func(wrid uint64) { // the provider completes it: the slot is free again
+		t.Helper()
+		fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
+		assert.EqualValues(t, wrid, u.scq.mustPoll().WRID)
+	}
 	send(1, 0, 1) // a 1-entry SQ: every WQE is slot 0 (OBSERVED.md pitfall 11)
+	sent(1)
 	send(2, 0, 1)
 	sends, _ := fq.take()
 	require.Len(t, sends, 2)
 	s := sends[1]
-	assert.EqualValues(t, 2, s.WRID)
+	assert.Equal(t, q.providerWRID(false, 1), s.WRID, "index 1, slot 0")
 	assert.EqualValues(t, 0x1234, s.RemoteQPN)
 	assert.EqualValues(t, 0x12, s.ImmData)
 	assert.Equal(t, hostverbs.AddressVector{DGID: gidB, SGIDIndex: 0, HopLimit: 1, TrafficClass: 0x20,
 		FlowLabel: 0xabcde, SL: 3, Port: 1, DMAC: [6]byte{1, 2, 3, 4, 5, 6}}, s.AV)
+	sent(2)
 	send(3, 5, 1) // unbound source GID
 	e := u.scq.mustPoll()
 	assert.EqualValues(t, hostverbs.WCLocQPOpErr, e.Status)
@@ -402,6 +442,7 @@ func TestUDSend(t *testing.T) {
 	send(5, 0, 1)
 	sends, _ = fq.take()
 	require.Len(t, sends, 1, "a UD QP stays usable after a bad WQE")
+	sent(5)
 	h := wqe(hostverbs.WRRDMAWrite, 6, 0)
 	q.postSend(h, u.sge(0, 8))
 	assert.EqualValues(t, hostverbs.WCLocQPOpErr, u.scq.mustPoll().Status, "RDMA WRITE on UD")
@@ -449,9 +490,18 @@ func TestCQOverflow(t *testing.T) {
 	small := g.createCQ(1, 4)
 	q := g.createQP(qpSpec{pd: u.pd, scq: small, rcq: small, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
 	fq := u.fv.qps[len(u.fv.qps)-1]
+	q.toRTS(0x99, gidB, 0)
 	g.events()
-	for i := 0; i < 6; i++ {
-		fq.complete(false, hostverbs.WorkCompletion{WRID: uint64(i), Opcode: hostverbs.WCSend})
+	for i := 0; i < 4; i++ {
+		q.postSend(wqe(hostverbs.WRSend, uint64(i), hostverbs.SendSignaled), u.sge(0, 1))
+	}
+	q.postRecv(4, u.sge(0, 8))
+	q.postRecv(5, u.sge(0, 8))
+	for i := 0; i < 4; i++ {
+		fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
+	}
+	for i := 0; i < 2; i++ {
+		fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv})
 	}
 	assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventCQErr), Info: small.handle}}, g.events(), "one CQ error event, no blocking")
 	for i := 0; i < 4; i++ {
@@ -460,7 +510,8 @@ func TestCQOverflow(t *testing.T) {
 	_, ok := small.poll()
 	assert.False(t, ok)
 	assert.EqualValues(t, 2, g.dev.Stats().CQOverflows)
-	_ = q
+	assert.EqualValues(t, 4, q.sqConsumed())
+	assert.EqualValues(t, 2, q.rqConsumed(), "a completion the CQ dropped still releases its WQE")
 }
 
 func TestNoCompletionAfterDestroy(t *testing.T) {
@@ -479,7 +530,20 @@ func TestNoCompletionAfterDestroy(t *testing.T) {
 	assert.False(t, ok)
 	assert.EqualValues(t, 2, u.g.dev.Stats().StaleCompletions)
 	u.fq.complete(false, hostverbs.WorkCompletion{WRID: 3})
-	assert.EqualValues(t, 3, u.scq.mustPoll().WRID)
+	_, ok = u.scq.poll()
+	assert.False(t, ok, "a WRID the device never posted")
+	assert.EqualValues(t, 3, u.g.dev.Stats().StaleCompletions)
+	q2.postSend(wqe(hostverbs.WRSend, 4, hostverbs.SendSignaled), u.sge(0, 1))
+	u.fq.complete(false, hostverbs.WorkCompletion{WRID: q2.providerWRID(false, 1)})
+	u.fq.complete(false, hostverbs.WorkCompletion{WRID: q2.providerWRID(true, 0)})
+	_, ok = u.scq.poll()
+	assert.False(t, ok, "an index not posted, a receive not posted")
+	u.fq.finish(t, false, 0, hostverbs.WorkCompletion{})
+	u.fq.complete(false, hostverbs.WorkCompletion{WRID: q2.providerWRID(false, 0)})
+	assert.EqualValues(t, 4, u.scq.mustPoll().WRID)
+	_, ok = u.scq.poll()
+	assert.False(t, ok, "never twice")
+	assert.EqualValues(t, 6, u.g.dev.Stats().StaleCompletions)
 }
 
 func TestAsyncEvents(t *testing.T) {
@@ -580,16 +644,18 @@ func TestResizeCQ(t *testing.T) {
 	c.n = 64
 	q := g.createQP(qpSpec{pd: u.pd, scq: c, rcq: c, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
 	fq := u.fv.qps[len(u.fv.qps)-1]
+	q.toRTS(0x99, gidB, 0)
 	for i := 0; i < 40; i++ {
-		fq.complete(false, hostverbs.WorkCompletion{WRID: uint64(i)})
+		q.postSend(wqe(hostverbs.WRSend, uint64(i), hostverbs.SendSignaled), u.sge(0, 1))
+		fq.finish(t, false, 0, hostverbs.WorkCompletion{})
 	}
 	for i := 0; i < 40; i++ {
 		assert.EqualValues(t, i, c.mustPoll().WRID)
 	}
-	fq.complete(false, hostverbs.WorkCompletion{WRID: 1})
+	q.postSend(wqe(hostverbs.WRSend, 1, hostverbs.SendSignaled), u.sge(0, 1))
+	fq.finish(t, false, 0, hostverbs.WorkCompletion{})
 	errReg, _ = g.cmd(CmdResizeCQ, ResizeCQ{CQHandle: c.handle, CQE: 16})
 	assert.EqualValues(t, 16, errReg, "EBUSY: not empty")
-	_ = q
 }
 
 func TestFastRegisterAndInvalidate(t *testing.T) {
@@ -630,10 +696,16 @@ func TestFastRegisterAndInvalidate(t *testing.T) {
 	sends, _ := fq.take()
 	require.Len(t, sends, 1)
 	assert.Equal(t, m.lkey, sends[0].SGL[0].LKey, "the guest's key is translated to the provider's")
+	assert.NotZero(t, sends[0].Flags&hostverbs.SendSignaled, "a kernel QP's last send is signaled to the provider: a local operation may follow")
 	h = wqe(hostverbs.WRLocalInv, 4, 0)
 	h.Ex = key
 	q.postSend(h)
 	assert.True(t, m.dead, "invalidation deregisters")
+	head := q.sqConsumed()
+	fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
+	_, ok := cq.poll()
+	assert.False(t, ok, "neither the unsignaled send nor the unsignaled LOCAL_INV reports")
+	assert.Equal(t, head+2, q.sqConsumed(), "both released by the send's completion")
 	q.postSend(wqe(hostverbs.WRSend, 5, 0), SGE{Addr: 0xffff000000001000, Length: 8, LKey: key})
 	assert.EqualValues(t, hostverbs.WCLocProtErr, cq.mustPoll().Status)
 }

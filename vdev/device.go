@@ -211,7 +211,8 @@ type Device struct {
 	gsi     *qp
 	fault   error // why the last DSR was refused, for the operator
 	qpGen   uint32
-	stalled int // QPs with work left in a ring because the provider queue was full
+	stalled int  // QPs with work left in a ring because the provider queue was full
+	adopt   bool // rings take the device's indices from guest memory (SetAdoptRings)
 
 	// Scratch space for the BAR goroutine (guarded by mu): command slots
 	// and one WQE at a time.
@@ -290,6 +291,50 @@ func (d *Device) Stats() Stats {
 		Interrupts: s.interrupts.Load(), MaskedInterrupts: s.maskedInterrupts.Load(),
 		BadBARAccesses: s.badBARAccesses.Load(), GIDRefusals: s.gidRefusals.Load(),
 	}
+}
+
+// SetAdoptRings sets whether the rings that commands create or reset from
+// now on adopt the state already in guest memory instead of resetting the
+// indices the device owns to 0, and returns the previous setting. It is
+// for a device rebuilt over a running guest (a daemon restarted after a
+// crash replays the VM's journal of commands into a new device): with it
+// on, CREATE_QP takes each queue's cons_head from guest memory and starts
+// posting there (ringbuf.AdoptConsumer), so the WQEs the guest posted that
+// never completed are posted again; CREATE_CQ and the DSR's async-event
+// and CQ-notification rings take prod_tail (ringbuf.AdoptProducer), so
+// CQEs and events the guest has not consumed stay; CREATE_SRQ takes the
+// SRQ's cons_head (receives it held in the old provider are lost: the SRQ
+// ring is released at post); MODIFY_QP to RESET and RESIZE_CQ reload the
+// indices instead of zeroing them. An adopted index the ring's arithmetic
+// cannot produce fails the command (EINVAL), never panics. The replay
+// turns it on before the first command, off after the last, and then
+// calls KickQueues. Work the old provider had completed whose CQE the
+// crash lost is executed again: completions are at most once, work at
+// least once.
+func (d *Device) SetAdoptRings(on bool) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	was := d.adopt
+	d.adopt = on
+	return was
+}
+
+// KickQueues drains every QP's receive and send queue and every SRQ, as if
+// the guest had rung all their doorbells: after a rebuild over adopted
+// rings (SetAdoptRings) it posts the work the guest posted before the
+// crash, which no doorbell will announce again. It does nothing before
+// the guest loaded a DSR.
+func (d *Device) KickQueues() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed || d.dsr == nil {
+		return
+	}
+	d.qps.each(func(_ uint32, q *qp) {
+		d.postRecvs(q)
+		d.postSends(q)
+	})
+	d.srqs.each(func(_ uint32, s *srq) { d.postSRQ(s) })
 }
 
 // Reset returns the device to its power-on state: every object is

@@ -19,6 +19,17 @@
 // the truth: the provider's limits, ours, and the ABI's, whichever is
 // smallest.
 //
+// The guest's send and receive rings are the durable record of the work
+// outstanding (workQueue): the device reads and posts a WQE by moving a
+// posted cursor of its own, and moves cons_head in guest memory past a WQE
+// only when it completes, before its CQE is visible; the provider gets
+// WRIDs that name ring indices, translated back to the guest's wr_id on
+// completion. A daemon that dies therefore leaves in guest memory every
+// WQE posted and not completed, and a device rebuilt over the running
+// guest (SetAdoptRings, KickQueues) resumes from there: completions are
+// written at most once, work is executed at least once. Shared receive
+// queues complete out of order and keep releasing at post.
+//
 // Concurrency: BAR accesses (ReadBAR/WriteBAR) of one device arrive in
 // order from one goroutine, are serialised by the device and run
 // synchronously (a doorbell drains the ring and posts to the provider

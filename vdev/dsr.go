@@ -103,7 +103,8 @@ func (d *Device) loadDSRAt(gpa guestmem.GPA) error {
 	return nil
 }
 
-// deviceRing builds the producer side of a DSR ring: page 0 holds struct
+// deviceRing builds the producer side of a DSR ring (prod_tail reset, or
+// adopted, see Device.SetAdoptRings): page 0 holds struct
 // pvrdma_ring_state, whose rx half (byte 8) the device produces on; entries
 // of size bytes start at page 1, (pages-1)*4096/size of them as the driver
 // counts (see ringbuf.Geometry for why that count need not be a power of
@@ -123,6 +124,9 @@ func (d *Device) deviceRing(info RingPageInfo, size uint32) (*ringbuf.Producer, 
 	area, err := ringbuf.NewArea(pages, guestmem.PageSize, size, geo.Len())
 	if err != nil {
 		return nil, err
+	}
+	if d.adopt {
+		return ringbuf.AdoptProducer(d.mem, pages[0]+ringStateRx, geo, area)
 	}
 	return ringbuf.NewProducer(d.mem, pages[0]+ringStateRx, geo, area)
 }

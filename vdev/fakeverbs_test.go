@@ -3,14 +3,16 @@ package vdev
 import (
 	"fmt"
 	"sync"
+	"testing"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 )
 
 // fakeVerbs is a minimal hostverbs.Device for command-layer tests: it
 // hands out keys and QPNs, records every work request posted to it
-// exactly as the device translated it, lets tests complete them by hand,
-// and can be told to fail. Data movement is the real provider's job and is
+// exactly as the device translated it, lets tests complete them by hand
+// (in order, as a provider does: finish), flushes what it holds when a QP
+// moves to ERR and discards it on RESET, and can be told to fail. Data movement is the real provider's job and is
 // tested with hostverbs/soft.
 type fakeVerbs struct {
 	mu       sync.Mutex
@@ -22,8 +24,9 @@ type fakeVerbs struct {
 	live     map[string]int
 	fail     map[string]error // method name -> error for its next call
 	queueCap int              // PostSend/PostRecv return ErrQueueFull beyond this many outstanding (0: no cap)
-	// autoComplete makes PostSend complete at once (successfully, to the
-	// send CQ's handler) without recording: the benchmarks' provider.
+	// autoComplete makes PostSend and PostRecv complete at once
+	// (successfully, to the CQ's handler) without recording: the
+	// benchmarks' provider.
 	autoComplete bool
 	qps          []*fakeQP
 	srqs         []*fakeSRQ
@@ -229,8 +232,11 @@ type fakeQP struct {
 	mods  []hostverbs.AttrMask
 	sends []hostverbs.SendWR
 	recvs []hostverbs.RecvWR
-	dead  bool
-	wc    hostverbs.WorkCompletion
+	// outSends and outRecvs are the WRIDs of the WRs the QP holds (posted,
+	// not completed), oldest first.
+	outSends, outRecvs []uint64
+	dead               bool
+	wc                 hostverbs.WorkCompletion
 }
 
 func (q *fakeQP) QPN() uint32 { return q.qpn }
@@ -242,6 +248,12 @@ func (q *fakeQP) Modify(attr *hostverbs.QPAttr, mask hostverbs.AttrMask) error {
 		return err
 	}
 	if mask&hostverbs.AttrState != 0 {
+		switch {
+		case attr.State == hostverbs.QPStateReset:
+			q.outSends, q.outRecvs = nil, nil // discarded without completions
+		case attr.State == hostverbs.QPStateErr && q.attr.State != hostverbs.QPStateErr:
+			q.flushLocked()
+		}
 		q.attr.State = attr.State
 	}
 	if mask&hostverbs.AttrAV != 0 {
@@ -283,6 +295,7 @@ func (q *fakeQP) PostSend(wr *hostverbs.SendWR) error {
 	c := *wr
 	c.SGL = append([]hostverbs.SGE(nil), wr.SGL...) // the device reuses its buffers
 	q.sends = append(q.sends, c)
+	q.outSends = append(q.outSends, wr.WRID)
 	return nil
 }
 
@@ -290,6 +303,8 @@ func (q *fakeQP) PostRecv(wr *hostverbs.RecvWR) error {
 	q.f.mu.Lock()
 	defer q.f.mu.Unlock()
 	if q.f.autoComplete {
+		q.wc = hostverbs.WorkCompletion{WRID: wr.WRID, Opcode: hostverbs.WCRecv, QPN: q.qpn, QPContext: q.init.Context}
+		q.init.RecvCQ.(*fakeCQ).attr.Handler.Complete(&q.wc)
 		return nil
 	}
 	if err := q.f.check("PostRecv"); err != nil {
@@ -301,7 +316,60 @@ func (q *fakeQP) PostRecv(wr *hostverbs.RecvWR) error {
 	c := *wr
 	c.SGL = append([]hostverbs.SGE(nil), wr.SGL...)
 	q.recvs = append(q.recvs, c)
+	q.outRecvs = append(q.outRecvs, wr.WRID)
 	return nil
+}
+
+// flushLocked completes every WR the QP holds with WR_FLUSH_ERR, sends
+// first, as a provider does when the QP enters ERR (f.mu held).
+func (q *fakeQP) flushLocked() {
+	sends, recvs := q.outSends, q.outRecvs
+	q.outSends, q.outRecvs = nil, nil
+	for _, id := range sends {
+		q.complete(false, hostverbs.WorkCompletion{WRID: id, Status: hostverbs.WCWRFlushErr})
+	}
+	for _, id := range recvs {
+		q.complete(true, hostverbs.WorkCompletion{WRID: id, Status: hostverbs.WCWRFlushErr})
+	}
+}
+
+// finish completes the QP's oldest outstanding send (or receive) with wc
+// after retiring skip older ones silently, as a provider completes
+// unsignaled sends, and returns the WRID it completed.
+func (q *fakeQP) finish(t testing.TB, recv bool, skip int, wc hostverbs.WorkCompletion) uint64 {
+	t.Helper()
+	q.f.mu.Lock()
+	out := &q.outSends
+	if recv {
+		out = &q.outRecvs
+	}
+	if len(*out) <= skip {
+		q.f.mu.Unlock()
+		t.Fatalf("QP %#x holds %d WRs (recv %v), cannot complete number %d", q.qpn, len(*out), recv, skip+1)
+	}
+	wc.WRID = (*out)[skip]
+	*out = (*out)[skip+1:]
+	q.f.mu.Unlock()
+	q.complete(recv, wc)
+	return wc.WRID
+}
+
+// retire drops the QP's n oldest outstanding sends without a completion,
+// as a provider retires unsignaled sends that succeeded.
+func (q *fakeQP) retire(n int) {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	q.outSends = q.outSends[n:]
+}
+
+// outstanding returns how many sends (or receives) the QP holds.
+func (q *fakeQP) outstanding(recv bool) int {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	if recv {
+		return len(q.outRecvs)
+	}
+	return len(q.outSends)
 }
 
 func (q *fakeQP) Destroy() error {

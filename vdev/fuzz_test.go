@@ -167,7 +167,7 @@ func FuzzWQE(f *testing.F) {
 		sstride, rstride := sqStride(q.sendSGE), rqStride(q.recvSGE)
 		// QP 0 of newFuzzGuest: contiguous pages, ring states in page 0,
 		// 16 SQ WQEs of 256 bytes filling page 1, the RQ from page 2.
-		sqHead, rqHead := uint64(q.sq.Head()), uint64(q.rq.Head())
+		sqHead, rqHead := uint64(q.sq.ring.Head()), uint64(q.rq.ring.Head())
 		sqState := sqHead&^0xfff - guestmemPage
 		w := make([]byte, sstride)
 		copy(w, sq)
@@ -186,11 +186,14 @@ func FuzzWQE(f *testing.F) {
 		fg.put32(sqState, drvInc(fg.u32(sqState), 16))
 		fg.put32(sqState+8, drvInc(fg.u32(sqState+8), 16))
 		fg.doorbell(0, UARQPOffset, UARQPSend|UARQPRecv)
-		if got := fg.u32(sqState + 4); got != 1 {
-			t.Fatalf("send WQE not consumed (cons_head %d)", got)
+		// Each WQE either completed in the device (released) or went to
+		// the provider (outstanding): never both, never neither.
+		fq := fg.verbs.(*fakeVerbs).qps[0]
+		if got := fg.u32(sqState+4) + uint32(fq.outstanding(false)); got != 1 {
+			t.Fatalf("send WQE: cons_head %d, %d at the provider", fg.u32(sqState+4), fq.outstanding(false))
 		}
-		if got := fg.u32(sqState + 12); got != 1 {
-			t.Fatalf("receive WQE not consumed (cons_head %d)", got)
+		if got := fg.u32(sqState+12) + uint32(fq.outstanding(true)); got != 1 {
+			t.Fatalf("receive WQE: cons_head %d, %d at the provider", fg.u32(sqState+12), fq.outstanding(true))
 		}
 		fg.checkInvariants(t)
 	})

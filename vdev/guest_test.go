@@ -55,6 +55,9 @@ type guest struct {
 	key    uint64
 	caps   Caps
 	gotGID []gidEvent
+	// journal holds every command slot that succeeded, in order: what a
+	// restarted daemon replays (see rebuild).
+	journal [][]byte
 }
 
 type gidEvent struct {
@@ -208,6 +211,9 @@ func (g *guest) cmd(code uint32, req encoder) (uint32, []byte) {
 	require.NoError(g.t, g.writeReg(RegRequest, 0))
 	errReg := g.readReg(RegErr)
 	require.Equal(g.t, before+1, g.irq.count(VectorResponse), "every command raises vector 0")
+	if errReg == 0 {
+		g.journal = append(g.journal, append([]byte(nil), slot...))
+	}
 	return errReg, append([]byte(nil), rsp...)
 }
 
@@ -442,7 +448,18 @@ func (q *gqp) postRecv(wrid uint64, sges ...SGE) {
 	q.g.doorbell(q.uar, UARQPOffset, UARQPRecv|q.handle)
 }
 
-// sqConsumed reports the device's cons_head of the SQ.
+// providerWRID is the WRID the device posts the WQE at ring index idx of
+// the SQ (or RQ) with, before any RESET of the QP.
+func (q *gqp) providerWRID(recv bool, idx uint32) uint64 {
+	v := wridMagic | uint64(idx)
+	if recv {
+		v |= wridRecv
+	}
+	return v
+}
+
+// sqConsumed reports the device's cons_head of the SQ: the WQEs before it
+// have completed.
 func (q *gqp) sqConsumed() uint32 { return q.g.u32(q.sqState() + 4) }
 func (q *gqp) rqConsumed() uint32 { return q.g.u32(q.rqState() + 4) }
 

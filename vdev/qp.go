@@ -25,7 +25,8 @@ type qp struct {
 	uar              uint32
 	hv               hostverbs.QP
 	sigAll           bool
-	sq, rq           *ringbuf.Consumer
+	sq               *workQueue
+	rq               *workQueue // nil with an SRQ
 	sendWR, recvWR   uint32
 	sendSGE, recvSGE uint32
 	cost             uint64 // bytes charged to the VM's budget
@@ -135,8 +136,8 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("QP page directory: %w", err)
 	}
-	cost := costQP + uint64(len(pages))*costPageEntry + queueCost(r.MaxSendWR, r.MaxSendSGE, costSendWQE, costSendSGE) +
-		queueCost(recvWR, recvSGE, costRecvWQE, costRecvSGE)
+	cost := costQP + uint64(len(pages))*costPageEntry + queueCost(r.MaxSendWR, r.MaxSendSGE, costSendWQE+costWQESlot, costSendSGE) +
+		queueCost(recvWR, recvSGE, costRecvWQE+costWQESlot, costRecvSGE)
 	if err := d.heap.Charge(cost); err != nil {
 		return fmt.Errorf("QP of %d+%d WRs: %w", r.MaxSendWR, recvWR, err)
 	}
@@ -148,13 +149,17 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 			d.heap.Release(cost)
 		}
 	}()
-	if q.sq, err = consumer(d.mem, pages[:1+int(r.SendChunks)], pages[0], guestmem.PageSize, sStride, r.MaxSendWR); err != nil {
+	sring, err := consumer(d.mem, pages[:1+int(r.SendChunks)], pages[0], guestmem.PageSize, sStride, r.MaxSendWR, d.adopt)
+	if err != nil {
 		return fmt.Errorf("send queue: %w", err)
 	}
+	q.sq = newWorkQueue(scq, sring, false)
 	if s == nil {
-		if q.rq, err = consumer(d.mem, pages[1+int(r.SendChunks):], pages[0]+8, 0, rStride, recvWR); err != nil {
+		rring, err := consumer(d.mem, pages[1+int(r.SendChunks):], pages[0]+8, 0, rStride, recvWR, d.adopt)
+		if err != nil {
 			return fmt.Errorf("receive queue: %w", err)
 		}
+		q.rq = newWorkQueue(rcq, rring, true)
 	}
 	h, ok := d.qps.alloc(q)
 	if !ok {
@@ -191,8 +196,10 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 }
 
 // consumer builds the device side of a guest-produced queue of n WQEs of
-// stride bytes starting base bytes into pages, with its ring at state.
-func consumer(m *guestmem.Memory, pages []guestmem.GPA, state guestmem.GPA, base uint64, stride, n uint32) (*ringbuf.Consumer, error) {
+// stride bytes starting base bytes into pages, with its ring at state:
+// cons_head reset to 0, or taken from guest memory if adopt (see
+// Device.SetAdoptRings).
+func consumer(m *guestmem.Memory, pages []guestmem.GPA, state guestmem.GPA, base uint64, stride, n uint32, adopt bool) (*ringbuf.Consumer, error) {
 	geo, err := ringbuf.NewGeometry(n)
 	if err != nil {
 		return nil, err
@@ -200,6 +207,9 @@ func consumer(m *guestmem.Memory, pages []guestmem.GPA, state guestmem.GPA, base
 	area, err := ringbuf.NewArea(pages, base, stride, n)
 	if err != nil {
 		return nil, err
+	}
+	if adopt {
+		return ringbuf.AdoptConsumer(m, state, geo, area)
 	}
 	return ringbuf.NewConsumer(m, state, geo, area)
 }
@@ -253,13 +263,17 @@ func (d *Device) cmdModifyQP(req, resp []byte) error {
 	switch next {
 	case hostverbs.QPStateReset:
 		// The guest resets both ring indices after a successful transition
-		// to RESET (pvrdma_reset_qp, rdma-core pvrdma_init_qp_queue).
+		// to RESET (pvrdma_reset_qp, rdma-core pvrdma_init_qp_queue); the
+		// provider discards the WQEs it held, without completions. A
+		// replayed RESET keeps the rings as the guest has them now.
 		d.unstall(q)
-		if err := q.sq.Reset(); err != nil {
-			return err
+		if err := q.sq.reset(d.adopt); err != nil {
+			return fmt.Errorf("QP %d send queue: %w", q.handle, err)
 		}
 		if q.rq != nil {
-			return q.rq.Reset()
+			if err := q.rq.reset(d.adopt); err != nil {
+				return fmt.Errorf("QP %d receive queue: %w", q.handle, err)
+			}
 		}
 	case hostverbs.QPStateErr:
 		// Whatever is still in the rings completes with WR_FLUSH_ERR (rping

@@ -10,13 +10,13 @@ import (
 
 // postRecvs drains the QP's receive queue (a RECV doorbell) into the
 // provider. Receive SGEs need local write access. In RESET nothing is
-// consumed (the guest resets its indices); in ERR every WQE completes with
-// WR_FLUSH_ERR.
+// taken (the guest resets its indices); in ERR every WQE completes with
+// WR_FLUSH_ERR. As for sends, a WQE's slot is released when it completes.
 func (d *Device) postRecvs(q *qp) {
 	if q.rq == nil || q.stalledRQ || q.State() == hostverbs.QPStateReset {
 		return
 	}
-	n, err := q.rq.Pending()
+	n, err := q.rq.pending()
 	if err != nil {
 		d.qpFatal(q, err)
 		return
@@ -29,23 +29,29 @@ func (d *Device) postRecvs(q *qp) {
 }
 
 func (d *Device) recvOne(q *qp) bool {
-	gpa := q.rq.Head()
-	wrid, status := d.buildRecv(q.rq, gpa, q.pd, q.recvSGE)
+	w := q.rq
+	wrid, status := d.buildRecv(w.ring, w.next(), q.pd, q.recvSGE)
 	if status == statusUnreadable {
 		d.qpFatal(q, errUnreadableWQE)
 		return false
 	}
 	if q.State() == hostverbs.QPStateErr {
 		d.stats.flushedWQEs.Add(1)
-		d.completeRecv(q, wrid, hostverbs.WCWRFlushErr)
-		return d.advance(q, q.rq.Advance)
+		return d.finish(q, w, wrid, hostverbs.WCRecv, hostverbs.WCWRFlushErr, true)
 	}
 	if status == hostverbs.WCSuccess {
-		err := q.hv.PostRecv(&d.rwr)
+		pw, err := w.post(wrid, hostverbs.WCRecv, true, true)
+		if err != nil {
+			d.qpFatal(q, err)
+			return false
+		}
+		d.rwr.WRID = pw
+		err = q.hv.PostRecv(&d.rwr)
 		if err == nil {
 			d.stats.recvWQEs.Add(1)
-			return d.advance(q, q.rq.Advance)
+			return true
 		}
+		w.unpost()
 		if errors.Is(err, hostverbs.ErrQueueFull) {
 			d.stall(q, false)
 			return false
@@ -53,11 +59,11 @@ func (d *Device) recvOne(q *qp) bool {
 		status = postStatus(err)
 	}
 	d.stats.badWQEs.Add(1)
-	d.completeRecv(q, wrid, status)
+	ok := d.finish(q, w, wrid, hostverbs.WCRecv, status, true)
 	if q.typ == hostverbs.QPTypeRC {
 		d.errorQP(q)
 	}
-	return d.advance(q, q.rq.Advance)
+	return ok
 }
 
 // statusUnreadable marks a WQE whose bytes could not be read at all.
@@ -96,7 +102,9 @@ func (d *Device) buildRecv(ring *ringbuf.Consumer, gpa guestmem.GPA, p *pd, maxS
 
 // postSRQ drains a shared receive queue (an SRQ doorbell). A bad WQE
 // belongs to no QP yet, so it cannot complete: it is dropped, counted and
-// reported with an SRQ_ERR event.
+// reported with an SRQ_ERR event. Unlike a QP's queues, the SRQ ring is
+// released at post (Advance): receives complete out of order, in whichever
+// QP takes them, and carry the guest's wr_id to the provider and back.
 func (d *Device) postSRQ(s *srq) {
 	if s.stalled {
 		return
@@ -108,7 +116,7 @@ func (d *Device) postSRQ(s *srq) {
 		return
 	}
 	for ; n > 0; n-- {
-		_, status := d.buildRecv(s.ring, s.ring.Head(), s.pd, s.maxSGE)
+		_, status := d.buildRecv(s.ring, s.ring.Next(), s.pd, s.maxSGE)
 		if status == hostverbs.WCSuccess {
 			err := s.hv.PostRecv(&d.rwr)
 			if errors.Is(err, hostverbs.ErrQueueFull) {

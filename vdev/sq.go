@@ -52,20 +52,21 @@ const maxMsgSize = 1 << 31
 
 // postSends drains the QP's send queue (a SEND doorbell): every pending
 // WQE is read once from guest memory, validated, translated and posted to
-// the provider, or completed with an error CQE; either way it consumes its
-// slot. In ERR every WQE completes with WR_FLUSH_ERR. If the provider's
+// the provider, or completed by the device (an error, a flush in ERR, a
+// local operation). Either way only the ring's posted cursor moves; the
+// WQE's slot is released when it completes (workQueue). If the provider's
 // queue is full the rest stays in the ring until a CQ doorbell retries.
 func (d *Device) postSends(q *qp) {
 	if q.stalledSQ {
 		return // a CQ doorbell will resume in order
 	}
-	n, err := q.sq.Pending()
+	n, err := q.sq.pending()
 	if err != nil {
 		d.qpFatal(q, err)
 		return
 	}
 	for ; n > 0; n-- {
-		if !d.sendOne(q) {
+		if !d.sendOne(q, n == 1) {
 			break
 		}
 	}
@@ -74,10 +75,12 @@ func (d *Device) postSends(q *qp) {
 	}
 }
 
-// sendOne handles the WQE at the SQ head. It returns false to stop the
-// drain (stalled on a full provider queue, or the QP became unusable).
-func (d *Device) sendOne(q *qp) bool {
-	gpa := q.sq.Head()
+// sendOne handles the WQE at the SQ's posted cursor; last says whether it
+// is the last one the doorbell found. It returns false to stop the drain
+// (stalled on a full provider queue, or the QP became unusable).
+func (d *Device) sendOne(q *qp, last bool) bool {
+	w := q.sq
+	gpa := w.next()
 	hb := d.wqe[:SQWQEHdrSize]
 	if err := d.mem.ReadAt(hb, gpa); err != nil {
 		d.qpFatal(q, err)
@@ -86,12 +89,12 @@ func (d *Device) sendOne(q *qp) bool {
 	var h SQWQEHdr
 	h.Decode(hb)
 	info := sendOp(h.Opcode)
+	signaled := q.sigAll || h.SendFlags&uint32(hostverbs.SendSignaled) != 0
 	status := hostverbs.WCSuccess
 	switch st := q.State(); {
 	case st == hostverbs.QPStateErr:
 		d.stats.flushedWQEs.Add(1)
-		d.completeSend(q, h.WRID, info.wcOpcode, hostverbs.WCWRFlushErr)
-		return d.advance(q, q.sq.Advance)
+		return d.finish(q, w, h.WRID, info.wcOpcode, hostverbs.WCWRFlushErr, true)
 	case st < hostverbs.QPStateRTS:
 		status = hostverbs.WCLocQPOpErr // posting before RTS (the drivers refuse it themselves)
 	default:
@@ -99,35 +102,57 @@ func (d *Device) sendOne(q *qp) bool {
 	}
 	if status == hostverbs.WCSuccess && info.local {
 		status = d.execLocal(q, &h)
-		if status == hostverbs.WCSuccess && (q.sigAll || h.SendFlags&uint32(hostverbs.SendSignaled) != 0) {
-			d.completeSend(q, h.WRID, info.wcOpcode, hostverbs.WCSuccess)
-		}
 		if status == hostverbs.WCSuccess {
-			return d.advance(q, q.sq.Advance)
+			return d.finish(q, w, h.WRID, info.wcOpcode, hostverbs.WCSuccess, signaled)
 		}
 	}
 	if status != hostverbs.WCSuccess {
 		d.stats.badWQEs.Add(1)
-		d.completeSend(q, h.WRID, info.wcOpcode, status)
+		ok := d.finish(q, w, h.WRID, info.wcOpcode, status, true)
 		if q.typ == hostverbs.QPTypeRC {
 			d.errorQP(q)
 		}
-		return d.advance(q, q.sq.Advance)
+		return ok
 	}
+	provSignaled := signaled
+	if !signaled && q.uar == 0 && (last || d.nextIsLocal(q)) {
+		// A kernel QP's local operations complete in the device, in order
+		// after the sends before them: the send a local operation may
+		// follow is signaled to the provider (its success is not reported
+		// to the guest), so that the local operation's completion waits
+		// for the send's, which will come (see workQueue).
+		d.swr.Flags |= hostverbs.SendSignaled
+		provSignaled = true
+	}
+	wrid, err := w.post(h.WRID, info.wcOpcode, signaled, provSignaled)
+	if err != nil {
+		d.qpFatal(q, err)
+		return false
+	}
+	d.swr.WRID = wrid
 	if err := q.hv.PostSend(&d.swr); err != nil {
+		w.unpost()
 		if errors.Is(err, hostverbs.ErrQueueFull) {
 			d.stall(q, true)
 			return false
 		}
 		d.stats.badWQEs.Add(1)
-		d.completeSend(q, h.WRID, info.wcOpcode, postStatus(err))
+		ok := d.finish(q, w, h.WRID, info.wcOpcode, postStatus(err), true)
 		if q.typ == hostverbs.QPTypeRC {
 			d.errorQP(q)
 		}
-		return d.advance(q, q.sq.Advance)
+		return ok
 	}
 	d.stats.sendWQEs.Add(1)
-	return d.advance(q, q.sq.Advance)
+	return true
+}
+
+// nextIsLocal reports whether the WQE after the one at the SQ's posted
+// cursor (already in the ring) is a local operation, or cannot be read.
+func (d *Device) nextIsLocal(q *qp) bool {
+	ring := q.sq.ring
+	op, err := d.mem.Uint32(ring.Elem(ring.Geometry().Inc(ring.NextIndex())) + sqOpcode)
+	return err != nil || sendOp(op).local
 }
 
 // postStatus is the completion status of a WR the provider refused.
@@ -139,14 +164,6 @@ func postStatus(err error) hostverbs.WCStatus {
 		return hostverbs.WCLocProtErr
 	}
 	return hostverbs.WCGeneralErr
-}
-
-func (d *Device) advance(q *qp, step func() error) bool {
-	if err := step(); err != nil {
-		d.qpFatal(q, err)
-		return false
-	}
-	return true
 }
 
 // buildSend validates a send WQE and translates it into d.swr.
@@ -228,18 +245,4 @@ func (d *Device) execLocal(q *qp, h *SQWQEHdr) hostverbs.WCStatus {
 	var fr WRFastReg
 	fr.Decode(h.WR[:])
 	return d.fastReg(q, &fr)
-}
-
-// completeSend writes a device-generated send completion.
-func (d *Device) completeSend(q *qp, wrid uint64, op hostverbs.WCOpcode, st hostverbs.WCStatus) {
-	d.wc = hostverbs.WorkCompletion{WRID: wrid, Status: st, Opcode: op, QPN: q.hv.QPN(),
-		QPContext: q.context(), Port: portNum}
-	q.scq.Complete(&d.wc)
-}
-
-// completeRecv writes a device-generated receive completion.
-func (d *Device) completeRecv(q *qp, wrid uint64, st hostverbs.WCStatus) {
-	d.wc = hostverbs.WorkCompletion{WRID: wrid, Status: st, Opcode: hostverbs.WCRecv, QPN: q.hv.QPN(),
-		QPContext: q.context(), Port: portNum}
-	q.rcq.Complete(&d.wc)
 }

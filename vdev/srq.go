@@ -60,7 +60,11 @@ func (d *Device) cmdCreateSRQ(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("SRQ page directory: %w", err)
 	}
-	ring, err := consumer(d.mem, pages, pages[0]+ringStateRx, guestmem.PageSize, stride, a.MaxWR)
+	// The SRQ ring is released at post (ringbuf.Consumer.Advance), as
+	// before: its WQEs complete out of order, in whichever QP takes them,
+	// so cons_head cannot wait for completions. Its outstanding receives
+	// are not in the ring's record.
+	ring, err := consumer(d.mem, pages, pages[0]+ringStateRx, guestmem.PageSize, stride, a.MaxWR, d.adopt)
 	if err != nil {
 		return fmt.Errorf("SRQ ring: %w", err)
 	}

@@ -96,9 +96,9 @@ func TestErrorWQEConsumesSlot(t *testing.T) {
 	a.writeSend(writeWQE(21, p.mr.iova, p.mr.rkey), p.mr.sge(0, 8)) // RDMA WRITE on UD
 	a.writeSend(p.udSend(22, b.qpn, qkey), p.mr.sge(0x100, 64))
 	a.ringSend()
-	require.EqualValues(t, 2, a.sqConsumed())
 	requireCQE(t, p.scq.wait(), a, 21, hostverbs.WCRDMAWrite, hostverbs.WCLocQPOpErr)
 	requireCQE(t, p.scq.wait(), a, 22, hostverbs.WCSend, hostverbs.WCSuccess)
+	require.EqualValues(t, 2, a.sqConsumed(), "both released (22 at its completion, before its CQE)")
 	rc := p.rcq.wait()
 	requireCQE(t, rc, b, 20, hostverbs.WCRecv, hostverbs.WCSuccess)
 	require.EqualValues(t, 40+64, rc.ByteLen, "GRH + payload")
