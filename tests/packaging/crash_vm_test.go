@@ -1,0 +1,239 @@
+//go:build vm
+
+package packaging
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
+)
+
+// installer is a oneshot unit that installs the package at boot; the
+// container then runs until the test stops it.
+const installer = `[Unit]
+Description=install pvrdma-backend
+After=multi-user.target
+[Service]
+Type=oneshot
+StandardOutput=append:/root/install.out
+StandardError=inherit
+ExecStart=/usr/bin/dpkg -i /root/pvrdma-backend.deb
+[Install]
+WantedBy=multi-user.target
+`
+
+// container is a bookworm root booted under systemd-nspawn in the
+// background, its /run/pvrdma bound to a host directory.
+type container struct {
+	cmd     *exec.Cmd
+	out     *bytes.Buffer
+	sockDir string
+	done    chan error
+}
+
+// bootPackaged builds the package, installs it at boot in a clean root and
+// waits until its daemon serves on the bound socket directory.
+func bootPackaged(t *testing.T) *container {
+	t.Helper()
+	root := cleanRoot(t)
+	dist := t.TempDir()
+	mk := exec.Command("make", "deb", "DIST="+dist)
+	mk.Dir = repoRoot(t)
+	out, err := mk.CombinedOutput()
+	require.NoError(t, err, "make deb:\n%s", out)
+	debs, _ := filepath.Glob(filepath.Join(dist, "pvrdma-backend_*.deb"))
+	require.Len(t, debs, 1)
+	deb, err := os.ReadFile(debs[0])
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(filepath.Join(root, "root/pvrdma-backend.deb"), deb, 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(root, "etc/systemd/system/pkginstall.service"), []byte(installer), 0o644))
+	require.NoError(t, os.Symlink("/etc/systemd/system/pkginstall.service",
+		filepath.Join(root, "etc/systemd/system/multi-user.target.wants/pkginstall.service")))
+
+	c := &container{out: &bytes.Buffer{}, sockDir: filepath.Join(t.TempDir(), "pvrdma"), done: make(chan error, 1)}
+	require.NoError(t, os.Mkdir(c.sockDir, 0o750))
+	c.cmd = exec.Command("systemd-nspawn", "--quiet", "-D", root, "--boot", "--register=no", "--keep-unit",
+		"--private-network", "--console=read-only", "--capability=CAP_IPC_LOCK", "--bind="+c.sockDir+":/run/pvrdma")
+	c.cmd.Stdout, c.cmd.Stderr = c.out, c.out
+	require.NoError(t, c.cmd.Start())
+	go func() { c.done <- c.cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = c.cmd.Process.Signal(syscall.SIGTERM) // nspawn: an orderly shutdown of the container
+		select {
+		case <-c.done:
+		case <-time.After(30 * time.Second):
+			_ = c.cmd.Process.Kill()
+			<-c.done
+		}
+		if t.Failed() {
+			t.Logf("container console:\n%s", tail(c.out.String(), 6000))
+			if b, err := os.ReadFile(filepath.Join(root, "root/install.out")); err == nil {
+				t.Logf("install:\n%s", b)
+			}
+		}
+	})
+	ctl := backend.NewControlClient(filepath.Join(c.sockDir, "control.sock"))
+	require.Eventually(t, func() bool {
+		_, err := ctl.Status(context.Background())
+		return err == nil
+	}, 3*time.Minute, 100*time.Millisecond, "the packaged daemon never served; console:\n%s", tail(c.out.String(), 4000))
+	return c
+}
+
+// daemonPID finds the packaged daemon's process (seen from the host).
+func daemonPID(t *testing.T) int {
+	t.Helper()
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		cl, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		args := strings.Split(string(cl), "\x00")
+		if len(args) > 2 && args[0] == "/usr/bin/pvrdma-backend" && args[1] == "serve" {
+			return pid
+		}
+	}
+	return 0
+}
+
+// crashScenario: for each round, a long ping-pong the daemon is killed
+// under (it must end, with or without an error, never hang), then a fresh
+// ping-pong and ib_write_bw on the same device (they must pass).
+func crashScenario(self, peer string, server bool, rounds int) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "dev=vmw_pvrdma0\nself=%s\npeer=%s\ng=$(pvt_gid_index $dev $self)\n", self, peer)
+	run := func(name, srv, cli string) {
+		cmd := "timeout 100 " + srv
+		if !server {
+			cmd = "pvt_retry 60 timeout 100 " + cli
+		}
+		fmt.Fprintf(&b, "echo '=== %s'\nif %s; then echo rc=0; else echo rc=$?; fi\n", name, cmd)
+	}
+	for r := 1; r <= rounds; r++ {
+		run(fmt.Sprintf("during%d", r), "ibv_rc_pingpong -d $dev -g $g -n 1000000 -s 4096", "ibv_rc_pingpong -d $dev -g $g -n 1000000 -s 4096 $peer")
+		// Both sides wait for the daemon to be back (a fresh ping-pong
+		// needs it), and the server for its client's previous run to end.
+		b.WriteString("sleep 3\n")
+		run(fmt.Sprintf("after%d", r), "ibv_rc_pingpong -d $dev -g $g -n 300 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 300 -s 4096 -c $peer")
+		run(fmt.Sprintf("bw%d", r), "ib_write_bw -d $dev -x $g -F -n 200 -s 65536", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536 $peer")
+	}
+	b.WriteString("echo '=== end'\n")
+	return b.String()
+}
+
+// TestCrashKeepsVMs: the packaged daemon, under systemd in a container,
+// serves two stock guests whose QEMUs run on the host; it is killed with
+// SIGKILL three times while the guests run ibv_rc_pingpong. systemd
+// restarts it, hands it back the connections from its file descriptor
+// store, and it resumes them: no QEMU aborts or sees its device's socket
+// close, the ping-pong that was running ends (an error, not a hang), and a
+// fresh ibv_rc_pingpong and ib_write_bw pass in the same guests after each
+// kill. The test prints each kill's time until both devices are resumed.
+func TestCrashKeepsVMs(t *testing.T) {
+	img, err := vm.EnsureImage(context.Background(), t.Logf)
+	require.NoError(t, err)
+	c := bootPackaged(t)
+	ctx := context.Background()
+	ctl := backend.NewControlClient(filepath.Join(c.sockDir, "control.sock"))
+	for _, name := range []string{"ck1", "ck2"} {
+		_, err := ctl.AddVM(ctx, backend.VMRequest{Name: name, MemBytes: 512 << 20})
+		require.NoError(t, err)
+	}
+	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
+	require.NoError(t, err)
+	const rounds = 3
+	guest := func(name, ip, scenario string) vm.Config {
+		dev, _ := json.Marshal(map[string]any{
+			"driver": "vfio-user-pci", "addr": "05.1", "x-no-posted-writes": true,
+			"socket": map[string]any{"type": "unix", "path": filepath.Join(c.sockDir, name+".sock")},
+		})
+		return vm.Config{
+			Name:      name,
+			NICs:      []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: backend.DefaultMAC(name).String(), IP: ip}},
+			ExtraArgs: append([]string{"-device", string(dev)}, backend.VMSpec{QMPSocket: filepath.Join(c.sockDir, name+".qmp")}.QMPArgs()...),
+			Scenario:  scenario,
+			NoErrExit: true,
+			Timeout:   12 * time.Minute,
+		}
+	}
+	vms, err := vm.StartAll(ctx, t, img, nw,
+		guest("ck1", "10.78.0.1/24", crashScenario("10.78.0.1", "", true, rounds)),
+		guest("ck2", "10.78.0.2/24", crashScenario("10.78.0.2", "10.78.0.1", false, rounds)))
+	require.NoError(t, err)
+
+	for r := 1; r <= rounds; r++ {
+		mark := fmt.Sprintf("=== during%d", r)
+		require.Eventually(t, func() bool {
+			return strings.Contains(vms[0].Output(), mark) && strings.Contains(vms[1].Output(), mark)
+		}, 5*time.Minute, 100*time.Millisecond, "round %d never started", r)
+		time.Sleep(2 * time.Second) // into the ping-pong
+		pid := daemonPID(t)
+		require.NotZero(t, pid, "the daemon runs")
+		killed := time.Now()
+		require.NoError(t, syscall.Kill(pid, syscall.SIGKILL))
+		var back time.Duration
+		require.Eventually(t, func() bool {
+			np := daemonPID(t)
+			if np == 0 || np == pid {
+				return false
+			}
+			st, err := ctl.Status(ctx)
+			if err != nil || len(st.VMs) != 2 {
+				return false
+			}
+			for _, v := range st.VMs {
+				if !v.Connected {
+					return false
+				}
+			}
+			back = time.Since(killed)
+			return true
+		}, 30*time.Second, 10*time.Millisecond, "round %d: the restarted daemon did not resume both VMs", r)
+		t.Logf("round %d: kill -9 to both devices resumed: %v", r, back.Round(time.Millisecond))
+		for _, v := range vms {
+			require.NoError(t, syscall.Kill(v.PID(), 0), "%s: its QEMU is alive", v.Name())
+		}
+	}
+	res, err := vm.WaitAll(ctx, vms...)
+	require.NoError(t, err)
+	rcRE := regexp.MustCompile(`(?m)^rc=(\d+)$`)
+	for _, r := range res {
+		require.Contains(t, r.Output, "=== end", "%s did not finish:\n%s", r.VM, r.Output)
+		assert.NotRegexp(t, `Assertion|aborted|core dumped`, r.Console, "%s: QEMU", r.VM)
+		for i := 1; i <= rounds; i++ {
+			sec := vm.Section(r.Output, fmt.Sprintf("during%d", i))
+			m := rcRE.FindStringSubmatch(sec)
+			if assert.NotNil(t, m, "%s during%d: no status", r.VM, i) {
+				assert.NotEqual(t, "124", m[1], "%s during%d: the application hung:\n%s", r.VM, i, sec)
+			}
+			for _, step := range []string{"after", "bw"} {
+				sec := vm.Section(r.Output, fmt.Sprintf("%s%d", step, i))
+				m := rcRE.FindStringSubmatch(sec)
+				if assert.NotNil(t, m, "%s %s%d: no status", r.VM, step, i) {
+					assert.Equal(t, "0", m[1], "%s %s%d after the daemon was killed:\n%s", r.VM, step, i, sec)
+				}
+			}
+		}
+	}
+}
