@@ -38,6 +38,10 @@ type cq struct {
 	overflowed bool
 	cqe        CQE
 	buf        [CQESize]byte
+
+	// rec and resizeRec are the journal payloads of its CREATE_CQ and last
+	// RESIZE_CQ (Checkpoint; guarded by Device.mu).
+	rec, resizeRec []byte
 }
 
 // cqRingPages is how many pages a CQ ring of n CQEs needs: the ring-state
@@ -64,23 +68,15 @@ func (d *Device) cmdCreateCQ(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("CQ page directory: %w", err)
 	}
-	geo, err := ringbuf.NewGeometry(r.CQE)
+	ring, err := d.cqRing(pages, r.CQE)
 	if err != nil {
 		return err
-	}
-	area, err := ringbuf.NewArea(pages, guestmem.PageSize, CQESize, r.CQE)
-	if err != nil {
-		return err
-	}
-	ring, err := ringbuf.NewProducer(d.mem, pages[0]+ringStateRx, geo, area)
-	if err != nil {
-		return fmt.Errorf("CQ ring state: %w", err)
 	}
 	c := &cq{dev: d, uar: uar, ring: ring, pages: len(pages), cost: costCQ + uint64(len(pages))*costPageEntry}
 	if err := d.heap.Charge(c.cost); err != nil {
 		return fmt.Errorf("CQ of %d CQEs: %w", r.CQE, err)
 	}
-	h, ok := d.cqs.alloc(c)
+	h, ok := allocHandle(d, &d.cqs, c)
 	if !ok {
 		d.heap.Release(c.cost)
 		return fmt.Errorf("%d CQs: %w", d.cqs.len(), ErrLimit)
@@ -119,7 +115,7 @@ func (d *Device) cmdResizeCQ(req, resp []byte) error {
 	if err := c.hv.Resize(int(r.CQE)); err != nil {
 		return fmt.Errorf("resize provider CQ: %w", err)
 	}
-	if err := c.ring.Resize(geo, CQESize); err != nil {
+	if err := d.resizeCQRing(c, geo); err != nil {
 		if errors.Is(err, ringbuf.ErrFull) {
 			return fmt.Errorf("resize CQ %d: %w", r.CQHandle, syscall.EBUSY)
 		}

@@ -33,6 +33,10 @@ type qp struct {
 	// and to ERR by error completions and fatal events (any goroutine).
 	state                atomic.Uint32
 	stalledSQ, stalledRQ bool // guarded by Device.mu
+	// rec is the journal payload of its CREATE_QP and mods the modifies
+	// that lead to its state (Checkpoint; guarded by Device.mu).
+	rec  []byte
+	mods []qpMod
 }
 
 // context is the provider-side context of the QP: handle and a
@@ -148,15 +152,15 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 			d.heap.Release(cost)
 		}
 	}()
-	if q.sq, err = consumer(d.mem, pages[:1+int(r.SendChunks)], pages[0], guestmem.PageSize, sStride, r.MaxSendWR); err != nil {
+	if q.sq, err = d.consumer(pages[:1+int(r.SendChunks)], pages[0], guestmem.PageSize, sStride, r.MaxSendWR); err != nil {
 		return fmt.Errorf("send queue: %w", err)
 	}
 	if s == nil {
-		if q.rq, err = consumer(d.mem, pages[1+int(r.SendChunks):], pages[0]+8, 0, rStride, recvWR); err != nil {
+		if q.rq, err = d.consumer(pages[1+int(r.SendChunks):], pages[0]+8, 0, rStride, recvWR); err != nil {
 			return fmt.Errorf("receive queue: %w", err)
 		}
 	}
-	h, ok := d.qps.alloc(q)
+	h, ok := allocHandle(d, &d.qps, q)
 	if !ok {
 		return fmt.Errorf("%d QPs: %w", d.qps.len(), ErrLimit)
 	}
@@ -169,7 +173,7 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 	if s != nil {
 		init.SRQ = s.hv
 	}
-	if q.hv, err = p.hv.CreateQP(init); err != nil {
+	if q.hv, err = d.createProviderQP(p, init); err != nil {
 		d.qps.free(h)
 		return fmt.Errorf("create QP: %w", err)
 	}
@@ -191,8 +195,9 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 }
 
 // consumer builds the device side of a guest-produced queue of n WQEs of
-// stride bytes starting base bytes into pages, with its ring at state.
-func consumer(m *guestmem.Memory, pages []guestmem.GPA, state guestmem.GPA, base uint64, stride, n uint32) (*ringbuf.Consumer, error) {
+// stride bytes starting base bytes into pages, with its ring at state
+// (adopted as it is during a restore).
+func (d *Device) consumer(pages []guestmem.GPA, state guestmem.GPA, base uint64, stride, n uint32) (*ringbuf.Consumer, error) {
 	geo, err := ringbuf.NewGeometry(n)
 	if err != nil {
 		return nil, err
@@ -201,7 +206,10 @@ func consumer(m *guestmem.Memory, pages []guestmem.GPA, state guestmem.GPA, base
 	if err != nil {
 		return nil, err
 	}
-	return ringbuf.NewConsumer(m, state, geo, area)
+	if d.rp != nil {
+		return ringbuf.AdoptConsumer(d.mem, state, geo, area)
+	}
+	return ringbuf.NewConsumer(d.mem, state, geo, area)
 }
 
 // qp validates a QP handle from a command.
@@ -250,6 +258,9 @@ func (d *Device) cmdModifyQP(req, resp []byte) error {
 		return fmt.Errorf("QP %d %v->%v: %w", q.handle, cur, next, err)
 	}
 	q.state.Store(uint32(next))
+	if d.rp != nil {
+		return nil // a restore: rings stay as the guest has them until Restore kicks them
+	}
 	switch next {
 	case hostverbs.QPStateReset:
 		// The guest resets both ring indices after a successful transition
