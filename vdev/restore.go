@@ -389,6 +389,7 @@ func (rp *replayer) command(i int, p []byte) error {
 	}
 	payload := append([]byte(nil), p...)
 	req, want := payload[:c.reqSize], payload[c.reqSize:]
+	clear(want[:RespHdrSize]) // the dispatcher's, not the command's
 	rp.force, rp.lostCause = force{}, nil
 	var h uint32
 	var err error
@@ -464,6 +465,8 @@ func (rp *replayer) command(i int, p []byte) error {
 		return nil
 	}
 	if create {
+		// What a checkpoint repeats is what the create would answer.
+		canonicalResp(hdr.Cmd, req, want)
 		return rp.tombstone(hdr.Cmd, req, want, payload, h, err)
 	}
 	return rp.failed(hdr.Cmd, req, h, fmt.Errorf("%s: %w", c.name, err))
@@ -594,6 +597,43 @@ func (rp *replayer) tombstone(code uint32, req, want, payload []byte, h uint32, 
 	}
 	rp.note("%s %d lost: %v", kind, h, cause)
 	return nil
+}
+
+// canonicalResp rewrites the recorded response of a create the replay
+// could not repeat as the device would have answered it: the handle, QPN
+// and keys recorded, the rest derived from the request.
+func canonicalResp(code uint32, req, resp []byte) {
+	switch code {
+	case CmdCreatePD:
+		var r CreatePDResp
+		r.Decode(resp)
+		CreatePDResp{PDHandle: r.PDHandle}.Encode(resp)
+	case CmdCreateMR:
+		var r CreateMRResp
+		r.Decode(resp)
+		CreateMRResp{MRHandle: r.MRHandle, LKey: r.LKey, RKey: r.RKey}.Encode(resp)
+	case CmdCreateCQ:
+		var r CreateCQResp
+		r.Decode(resp)
+		var q CreateCQ
+		q.Decode(req)
+		CreateCQResp{CQHandle: r.CQHandle, CQE: q.CQE}.Encode(resp)
+	case CmdCreateSRQ:
+		var r CreateSRQResp
+		r.Decode(resp)
+		CreateSRQResp{SRQN: r.SRQN}.Encode(resp)
+	case CmdCreateQP:
+		var r CreateQPResp
+		r.Decode(resp)
+		var q CreateQP
+		q.Decode(req)
+		c := CreateQPResp{QPN: r.QPN, QPHandle: r.QPHandle, MaxSendWR: q.MaxSendWR, MaxRecvWR: q.MaxRecvWR,
+			MaxSendSGE: q.MaxSendSGE, MaxRecvSGE: q.MaxRecvSGE}
+		if q.IsSRQ != 0 {
+			c.MaxRecvWR, c.MaxRecvSGE = 0, 0
+		}
+		c.Encode(resp)
+	}
 }
 
 // qpTombstone keeps a QP's handle, QPN and objects without rings.

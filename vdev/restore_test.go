@@ -2,6 +2,7 @@ package vdev
 
 import (
 	"encoding/binary"
+	"log/slog"
 	"slices"
 	"sync"
 	"testing"
@@ -54,7 +55,7 @@ func newJournaledGuest(t testing.TB, verbs hostverbs.Device, size uint64) (*gues
 func (g *guest) restart(verbs hostverbs.Device, journal []byte, sink func([]byte)) (RestoreReport, error) {
 	irq := &fakeIRQ{}
 	g.gotGID = nil
-	d, rep, err := Restore(Config{Memory: g.mem, Verbs: verbs, IRQ: irq, MAC: testMAC, Journal: sink,
+	d, rep, err := Restore(Config{Memory: g.mem, Verbs: verbs, IRQ: irq, MAC: testMAC, Journal: sink, Logger: slog.New(slog.DiscardHandler),
 		OnGID: func(i int, e hostverbs.GIDEntry, bound bool) { g.gotGID = append(g.gotGID, gidEvent{i, e, bound}) }}, journal)
 	if err != nil {
 		return rep, err
@@ -742,10 +743,39 @@ func TestRestoreLostObjects(t *testing.T) {
 		q := w.g.createQP(qpSpec{pd: w.pd1, scq: w.cq1, rcq: w.cq1, typ: hostverbs.QPTypeUD, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
 		assert.Equal(t, w.holes["qp"], q.handle)
 		w.g.mustCmd(CmdDestroyQP, DestroyQP{QPHandle: q.handle})
-		// A checkpoint of the degraded device keeps the lost objects.
+		// A checkpoint of the degraded device keeps the lost objects: a
+		// provider that can take them back rebuilds them (the QPs in ERR,
+		// as the guest knows them).
 		cp := w.g.dev.Checkpoint()
 		w.destroyAll(t, fv)
-		assert.Greater(t, countRecords(cp), 20)
+		copy(w.g.raw, mem)
+		fv2 := newFakeVerbs()
+		rep, err = w.g.restart(fv2, cp, nil)
+		require.NoError(t, err)
+		assert.Equal(t, ObjectCounts{}, rep.Lost, "%q", rep.Notes)
+		assert.Equal(t, 5, rep.Rebuilt.QP)
+		assert.Zero(t, rep.Errored, "already in ERR")
+		w.destroyAll(t, fv2)
+	})
+
+	t.Run("garbage in a response header", func(t *testing.T) {
+		// A lost object's record goes into checkpoints as the device
+		// would have answered its create.
+		copy(w.g.raw, mem)
+		b := slices.Clone(journal)
+		i := findCmd(t, b, CmdCreateMR, 1)
+		off, _ := recordAt(b, i)
+		copy(b[off+recHdrSize+CreateMRSize:], "garbage!")
+		reseal(b, off)
+		fv := newFakeVerbs()
+		fv.noForce = true
+		_, err := w.g.restart(fv, b, nil)
+		require.NoError(t, err)
+		cp := w.g.dev.Checkpoint()
+		copy(w.g.raw, mem)
+		rep, err := w.g.restart(newFakeVerbs(), cp, nil)
+		require.NoError(t, err)
+		assert.Equal(t, ObjectCounts{}, rep.Lost, "%q", rep.Notes)
 	})
 }
 
