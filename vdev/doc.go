@@ -19,6 +19,12 @@
 // the truth: the provider's limits, ours, and the ABI's, whichever is
 // smallest.
 //
+// Crash survival: the device journals every change of state the guest
+// made (Config.Journal, journal.go), compacts it on demand (Checkpoint)
+// and is rebuilt from it by a restarted daemon for the same, still running
+// guest (Restore, restore.go): same handles, QPNs and keys, rings adopted
+// where the guest memory has them.
+//
 // Concurrency: BAR accesses (ReadBAR/WriteBAR) of one device arrive in
 // order from one goroutine, are serialised by the device and run
 // synchronously (a doorbell drains the ring and posts to the provider

@@ -54,8 +54,8 @@ type RestoreReport struct {
 	// the guest's DESTROY succeeds; every lost QP got a QP_FATAL event,
 	// CQ a CQ_ERR and SRQ an SRQ_ERR. GIDs count the bindings refused.
 	Lost ObjectCounts
-	// Notes say why objects were lost or errored and what was ignored;
-	// at most maxNotes, the last one counting those left out.
+	// Notes say why objects were lost or errored and what was ignored (a
+	// torn record); at most 32, the last one counting those left out.
 	Notes []string
 }
 
