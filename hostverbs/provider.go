@@ -100,6 +100,14 @@ type MRAttr struct {
 	// guestmem.Identity() registers all of guest-physical memory (a DMA MR).
 	Pages  guestmem.PageList
 	Access Access
+	// LKey and RKey, when not zero, are the keys the MR must get: a
+	// restarted daemon rebuilding a guest's MRs gives them the keys the
+	// guest and its peers already hold. Zero leaves the choice to the
+	// provider (RKey zero also when the MR has no remote access). A
+	// provider that cannot give exactly these keys fails with an error
+	// wrapping ErrNotSupported (it cannot choose keys, or not these) or
+	// ErrBusy (a key is in use); it never registers the MR with others.
+	LKey, RKey uint32
 }
 
 // MR is a registered memory region.
@@ -155,6 +163,13 @@ type QPInitAttr struct {
 	SigAll bool
 	// Context is reported in this QP's completions and events.
 	Context uint64
+	// QPN, when not zero, is the QP number the QP must get (a restarted
+	// daemon rebuilding a guest's QPs keeps the numbers its peers know).
+	// Zero leaves the choice to the provider. A provider that cannot use
+	// exactly this number fails with an error wrapping ErrNotSupported
+	// (it cannot choose QPNs, or not this one) or ErrBusy (the number is
+	// in use).
+	QPN uint32
 }
 
 // QPAttr holds modifiable and queryable QP attributes (ib_qp_attr). Which

@@ -68,7 +68,7 @@ const (
 	costRecvWQE   = 48
 	costRecvSGE   = 16
 	costSRQ       = 1 << 10
-	costCQ        = 576 // with the scratch completion the device translates into
+	costCQ        = 704 // with the scratch completion the device translates into, and its journal records (Checkpoint)
 	costMR        = 512
 	costPD        = 128
 	costPageEntry = 8

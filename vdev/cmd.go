@@ -96,6 +96,7 @@ func (d *Device) dispatch() error {
 	if err != nil {
 		err = fmt.Errorf("%s: %w", c.name, err)
 	}
+	d.journalCommand(hdr.Cmd, req[:c.reqSize], resp, err)
 	RespHdr{Response: hdr.Response, Ack: c.respCode, Err: uint8(errnoOf(err))}.Encode(resp)
 	if werr := d.mem.WriteAt(resp, d.dsr.respSlot); werr != nil && err == nil {
 		err = fmt.Errorf("%s: write response slot: %w", c.name, werr)

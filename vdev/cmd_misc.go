@@ -102,7 +102,7 @@ func (d *Device) cmdCreatePD(req, resp []byte) error {
 		return err
 	}
 	p := &pd{uar: uar}
-	h, ok := d.pds.alloc(p)
+	h, ok := allocHandle(d, &d.pds, p)
 	if !ok {
 		return fmt.Errorf("%d PDs: %w", d.pds.len(), ErrLimit)
 	}
@@ -193,6 +193,8 @@ func (d *Device) cmdCreateBind(req, resp []byte) error {
 			if d.onGID != nil {
 				d.onGID(int(r.Index), prev.entry, true)
 			}
+		} else if prev.bound {
+			d.journalUnbind(r.Index, prev.entry.GID) // the index lost its GID
 		}
 		return fmt.Errorf("set GID %d %v: %w", r.Index, e.GID, err)
 	}

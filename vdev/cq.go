@@ -47,6 +47,10 @@ type cq struct {
 	// beforeCommit, if set (tests only), runs in put between the WQE's
 	// release and the CQE's publication.
 	beforeCommit func()
+
+	// rec and resizeRec are the journal payloads of its CREATE_CQ and last
+	// RESIZE_CQ (Checkpoint; guarded by Device.mu).
+	rec, resizeRec []byte
 }
 
 // cqRingPages is how many pages a CQ ring of n CQEs needs: the ring-state
@@ -73,27 +77,15 @@ func (d *Device) cmdCreateCQ(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("CQ page directory: %w", err)
 	}
-	geo, err := ringbuf.NewGeometry(r.CQE)
+	ring, err := d.cqRing(pages, r.CQE)
 	if err != nil {
 		return err
-	}
-	area, err := ringbuf.NewArea(pages, guestmem.PageSize, CQESize, r.CQE)
-	if err != nil {
-		return err
-	}
-	newRing := ringbuf.NewProducer
-	if d.adopt {
-		newRing = ringbuf.AdoptProducer
-	}
-	ring, err := newRing(d.mem, pages[0]+ringStateRx, geo, area)
-	if err != nil {
-		return fmt.Errorf("CQ ring state: %w", err)
 	}
 	c := &cq{dev: d, uar: uar, ring: ring, pages: len(pages), cost: costCQ + uint64(len(pages))*costPageEntry}
 	if err := d.heap.Charge(c.cost); err != nil {
 		return fmt.Errorf("CQ of %d CQEs: %w", r.CQE, err)
 	}
-	h, ok := d.cqs.alloc(c)
+	h, ok := allocHandle(d, &d.cqs, c)
 	if !ok {
 		d.heap.Release(c.cost)
 		return fmt.Errorf("%d CQs: %w", d.cqs.len(), ErrLimit)
@@ -132,11 +124,7 @@ func (d *Device) cmdResizeCQ(req, resp []byte) error {
 	if err := c.hv.Resize(int(r.CQE)); err != nil {
 		return fmt.Errorf("resize provider CQ: %w", err)
 	}
-	resize := c.ring.Resize
-	if d.adopt {
-		resize = c.ring.ResizeAdopt // replayed: the ring has been in use since
-	}
-	if err := resize(geo, CQESize); err != nil {
+	if err := d.resizeCQRing(c, geo); err != nil {
 		if errors.Is(err, ringbuf.ErrFull) {
 			return fmt.Errorf("resize CQ %d: %w", r.CQHandle, syscall.EBUSY)
 		}
@@ -279,7 +267,7 @@ func (c *cq) putSlot(q *qp, w *workQueue, s *wqSlot, upTo uint32) {
 // receives. c.mu held.
 func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32) {
 	d := c.dev
-	if c.overflowed {
+	if c.overflowed || c.ring == nil { // c.ring nil: a CQ a restore could not rebuild (lost)
 		if w != nil {
 			w.release(q, upTo)
 		}

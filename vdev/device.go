@@ -103,6 +103,16 @@ type Config struct {
 	// Stats.GIDRefusals. It runs on the BAR goroutine and must not call
 	// back into the device.
 	CheckGID func(index int, e hostverbs.GIDEntry) error
+	// Journal, if set, receives the device's journal: one record for
+	// every change of state the guest made (each command that created,
+	// modified or destroyed an object or a GID binding, each register
+	// write the device keeps, a Reset), in order, under the device lock,
+	// after the change and before the guest sees a command's response.
+	// Records are self-delimiting and numbered: appended to a file they
+	// form a journal that Restore rebuilds the device from, and
+	// Checkpoint compacts. The record is the callee's to keep, not to
+	// modify; the sink must not block for long nor call into the device.
+	Journal func(rec []byte)
 }
 
 // Errors of the device (wrapped with context; the guest sees errnos).
@@ -136,6 +146,14 @@ type Stats struct {
 	BadBARAccesses                 uint64
 	// GIDRefusals counts CREATE_BINDs that Config.CheckGID refused.
 	GIDRefusals uint64
+	// JournalRecords counts the records given to Config.Journal.
+	JournalRecords uint64
+	// RestoredObjects counts the objects (contexts, PDs, MRs, CQs, QPs,
+	// SRQs, GIDs) Restore rebuilt under the guest's handles;
+	// RestoreErroredQPs the QPs it moved to ERR (RC and SRQ QPs that were
+	// past RESET); RestoreLostObjects those the provider could not take
+	// back (handles kept, errors raised).
+	RestoredObjects, RestoreErroredQPs, RestoreLostObjects uint64
 }
 
 type counters struct {
@@ -151,6 +169,9 @@ type counters struct {
 	interrupts, maskedInterrupts   atomic.Uint64
 	badBARAccesses                 atomic.Uint64
 	gidRefusals                    atomic.Uint64
+	journalRecords                 atomic.Uint64
+	restored, restoreErrored       atomic.Uint64
+	restoreLost                    atomic.Uint64
 }
 
 // Device is one PVRDMA function serving one VM.
@@ -213,6 +234,11 @@ type Device struct {
 	qpGen   uint32
 	stalled int  // QPs with work left in a ring because the provider queue was full
 	adopt   bool // rings take the device's indices from guest memory (SetAdoptRings)
+	// journal is Config.Journal; seq numbers its records.
+	journal func([]byte)
+	seq     uint64
+	// rp is the restore in progress (nil but inside Restore).
+	rp *replayer
 
 	// Scratch space for the BAR goroutine (guarded by mu): command slots
 	// and one WQE at a time.
@@ -222,7 +248,6 @@ type Device struct {
 	sgl  [maxSGELimit]hostverbs.SGE
 	swr  hostverbs.SendWR
 	rwr  hostverbs.RecvWR
-	wc   hostverbs.WorkCompletion
 }
 
 type gidSlot struct {
@@ -250,7 +275,7 @@ func New(cfg Config) (*Device, error) {
 	}
 	d := &Device{
 		log: log, lim: ratelog.New(log, 0), mem: cfg.Memory, verbs: cfg.Verbs, irq: cfg.IRQ, onGID: cfg.OnGID, checkGID: cfg.CheckGID,
-		mac: cfg.MAC, limits: cfg.Limits.withDefaults(),
+		journal: cfg.Journal, mac: cfg.MAC, limits: cfg.Limits.withDefaults(),
 	}
 	d.heap = NewBudget(d.limits.MaxBytes, cfg.Budget)
 	// PVRDMA reads rings and buffers in place: guest RAM that QEMU maps
@@ -290,6 +315,8 @@ func (d *Device) Stats() Stats {
 		AsyncEvents: s.asyncEvents.Load(), AsyncDropped: s.asyncDropped.Load(),
 		Interrupts: s.interrupts.Load(), MaskedInterrupts: s.maskedInterrupts.Load(),
 		BadBARAccesses: s.badBARAccesses.Load(), GIDRefusals: s.gidRefusals.Load(),
+		JournalRecords: s.journalRecords.Load(), RestoredObjects: s.restored.Load(),
+		RestoreErroredQPs: s.restoreErrored.Load(), RestoreLostObjects: s.restoreLost.Load(),
 	}
 }
 
@@ -340,15 +367,21 @@ func (d *Device) KickQueues() {
 // Reset returns the device to its power-on state: every object is
 // destroyed in the provider, GIDs are unbound, the DSR is forgotten and the
 // registers reset. It is what CTL RESET, a vfio-user DEVICE_RESET and a
-// client disconnect do.
+// client disconnect do. The journal records it as a CTL RESET.
 func (d *Device) Reset() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.resetLocked()
+	if !d.closed {
+		d.journalReg(RegCtl, CtlReset)
+	}
 }
 
 // Close resets the device and makes further BAR accesses fail. It does not
-// close Verbs or Memory, which the caller owns.
+// close Verbs or Memory, which the caller owns. The reset is not
+// journaled: a daemon that stops in order but keeps the VM's connection
+// may Restore the device from its journal as after a crash (one that ends
+// the VM's session discards the journal).
 func (d *Device) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()

@@ -30,6 +30,12 @@
 // written at most once, work is executed at least once. Shared receive
 // queues complete out of order and keep releasing at post.
 //
+// Crash survival: the device journals every change of state the guest
+// made (Config.Journal, journal.go), compacts it on demand (Checkpoint)
+// and is rebuilt from it by a restarted daemon for the same, still running
+// guest (Restore, restore.go): same handles, QPNs and keys, rings adopted
+// where the guest memory has them.
+//
 // Concurrency: BAR accesses (ReadBAR/WriteBAR) of one device arrive in
 // order from one goroutine, are serialised by the device and run
 // synchronously (a doorbell drains the ring and posts to the provider

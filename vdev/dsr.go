@@ -88,7 +88,10 @@ func (d *Device) loadDSRAt(gpa guestmem.GPA) error {
 	}
 	var caps [CapsSize]byte
 	d.caps.Encode(caps[:])
-	if err := d.mem.WriteAt(caps[:], gpa+DSRCapsOffset); err != nil {
+	if d.rp != nil {
+		// A restore: the driver read its capabilities at probe.
+		d.rp.checkCaps(caps[:], gpa+DSRCapsOffset)
+	} else if err := d.mem.WriteAt(caps[:], gpa+DSRCapsOffset); err != nil {
 		return fmt.Errorf("write caps: %w", err)
 	}
 	d.asyncMu.Lock()
@@ -125,10 +128,7 @@ func (d *Device) deviceRing(info RingPageInfo, size uint32) (*ringbuf.Producer, 
 	if err != nil {
 		return nil, err
 	}
-	if d.adopt {
-		return ringbuf.AdoptProducer(d.mem, pages[0]+ringStateRx, geo, area)
-	}
-	return ringbuf.NewProducer(d.mem, pages[0]+ringStateRx, geo, area)
+	return d.newProducer(pages[0]+ringStateRx, geo, area)
 }
 
 // ringStateRx is the offset of the rx ring in struct pvrdma_ring_state

@@ -28,9 +28,13 @@ type fakeVerbs struct {
 	// (successfully, to the CQ's handler) without recording: the
 	// benchmarks' provider.
 	autoComplete bool
-	qps          []*fakeQP
-	srqs         []*fakeSRQ
-	mrs          []*fakeMR
+	// noForce refuses QPInitAttr.QPN and MRAttr keys with ErrNotSupported,
+	// as the ibverbs relay does.
+	noForce bool
+	keys    map[uint32]bool // keys of live MRs
+	qps     []*fakeQP
+	srqs    []*fakeSRQ
+	mrs     []*fakeMR
 }
 
 func newFakeVerbs() *fakeVerbs {
@@ -44,8 +48,18 @@ func newFakeVerbs() *fakeVerbs {
 		port: hostverbs.PortAttr{State: hostverbs.PortActive, MaxMTU: hostverbs.MTU4096, ActiveMTU: hostverbs.MTU1024,
 			GIDTableLen: 64, MaxMsgSize: 1 << 31, PKeyTableLen: 1, ActiveWidth: 1, ActiveSpeed: 1, PhysState: 5},
 		gids: map[int]hostverbs.GIDEntry{}, nextKey: 0x100, nextQPN: 0x11, live: map[string]int{},
-		fail: map[string]error{},
+		fail: map[string]error{}, keys: map[uint32]bool{},
 	}
+}
+
+// qpnInUse reports whether a live QP has number n (mu held).
+func (f *fakeVerbs) qpnInUse(n uint32) bool {
+	for _, q := range f.qps {
+		if !q.dead && q.qpn == n {
+			return true
+		}
+	}
+	return false
 }
 
 func (f *fakeVerbs) failNext(method string, err error) {
@@ -138,9 +152,27 @@ func (p *fakePD) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
 	if err := f.check("RegMR"); err != nil {
 		return nil, err
 	}
+	m := &fakeMR{f: f, attr: attr}
+	if attr.LKey != 0 || attr.RKey != 0 {
+		if f.noForce {
+			return nil, fmt.Errorf("fake: keys %#x/%#x: %w", attr.LKey, attr.RKey, hostverbs.ErrNotSupported)
+		}
+		if f.keys[attr.LKey] || f.keys[attr.RKey] {
+			return nil, fmt.Errorf("fake: keys %#x/%#x: %w", attr.LKey, attr.RKey, hostverbs.ErrBusy)
+		}
+		m.lkey, m.rkey = attr.LKey, attr.RKey
+		f.nextKey = max(f.nextKey, attr.LKey&^0xff, attr.RKey&^0xff)
+	} else {
+		for {
+			f.nextKey += 0x100
+			if !f.keys[f.nextKey|0x11] && !f.keys[f.nextKey|0x22] {
+				break
+			}
+		}
+		m.lkey, m.rkey = f.nextKey|0x11, f.nextKey|0x22
+	}
+	f.keys[m.lkey], f.keys[m.rkey] = true, true
 	f.live["mr"]++
-	f.nextKey += 0x100
-	m := &fakeMR{f: f, lkey: f.nextKey | 0x11, rkey: f.nextKey | 0x22, attr: attr}
 	f.mrs = append(f.mrs, m)
 	return m, nil
 }
@@ -152,14 +184,27 @@ func (p *fakePD) CreateQP(attr hostverbs.QPInitAttr) (hostverbs.QP, error) {
 	if err := f.check("CreateQP"); err != nil {
 		return nil, err
 	}
-	f.live["qp"]++
 	q := &fakeQP{f: f, init: attr}
-	if attr.Type == hostverbs.QPTypeGSI {
+	switch {
+	case attr.QPN != 0:
+		if f.noForce {
+			return nil, fmt.Errorf("fake: QPN %#x: %w", attr.QPN, hostverbs.ErrNotSupported)
+		}
+		if f.qpnInUse(attr.QPN) {
+			return nil, fmt.Errorf("fake: QPN %#x: %w", attr.QPN, hostverbs.ErrBusy)
+		}
+		q.qpn = attr.QPN
+		f.nextQPN = max(f.nextQPN, attr.QPN+1)
+	case attr.Type == hostverbs.QPTypeGSI:
 		q.qpn = 1
-	} else {
+	default:
+		for f.qpnInUse(f.nextQPN) {
+			f.nextQPN++
+		}
 		q.qpn = f.nextQPN
 		f.nextQPN++
 	}
+	f.live["qp"]++
 	f.qps = append(f.qps, q)
 	return q, nil
 }
@@ -200,6 +245,8 @@ func (m *fakeMR) Dereg() error {
 		return err
 	}
 	m.dead = true
+	delete(m.f.keys, m.lkey)
+	delete(m.f.keys, m.rkey)
 	m.f.live["mr"]--
 	return nil
 }

@@ -27,6 +27,9 @@ type mr struct {
 	valid      bool // usable in SGEs (FRMR: registered and not invalidated)
 	bytes      uint64
 	cost       uint64 // bytes charged to the VM's budget
+	// lost: Restore could not rebuild it (its handle stays reserved).
+	lost bool
+	rec  []byte // journal payload of its CREATE_MR (Checkpoint)
 }
 
 // Access flags the device accepts (pvrdma_access_flags without
@@ -94,7 +97,7 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 	if err := d.heap.Charge(m.cost); err != nil {
 		return fmt.Errorf("MR: %w", err)
 	}
-	h, ok := d.mrs.alloc(m)
+	h, ok := allocHandle(d, &d.mrs, m)
 	if !ok {
 		d.heap.Release(m.cost)
 		return fmt.Errorf("%d MRs: %w", d.mrs.len(), ErrLimit)
@@ -105,7 +108,7 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 		m.rkey, m.hvLKey = m.lkey, m.lkey
 		d.frmrs[m.lkey] = m
 	} else {
-		hv, err := p.hv.RegMR(hostverbs.MRAttr{Pages: m.pages, Access: acc})
+		hv, err := d.regMR(p, hostverbs.MRAttr{Pages: m.pages, Access: acc})
 		if err != nil {
 			d.mrs.free(h)
 			d.heap.Release(m.cost)
@@ -160,6 +163,9 @@ func (d *Device) userMRPages(m *mr, r *CreateMR) error {
 // which ib_update_fast_reg_key changes) is zero and the rest is unique
 // among the device's keys.
 func (d *Device) frmrKey(h uint32) uint32 {
+	if d.rp != nil {
+		return d.rp.force.lkey // checked by the replay
+	}
 	k := 0x80000000 | h<<8
 	for {
 		_, taken := d.keys[k]

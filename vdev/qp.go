@@ -34,6 +34,10 @@ type qp struct {
 	// and to ERR by error completions and fatal events (any goroutine).
 	state                atomic.Uint32
 	stalledSQ, stalledRQ bool // guarded by Device.mu
+	// rec is the journal payload of its CREATE_QP and mods the modifies
+	// that lead to its state (Checkpoint; guarded by Device.mu).
+	rec  []byte
+	mods []qpMod
 }
 
 // context is the provider-side context of the QP: handle and a
@@ -149,19 +153,19 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 			d.heap.Release(cost)
 		}
 	}()
-	sring, err := consumer(d.mem, pages[:1+int(r.SendChunks)], pages[0], guestmem.PageSize, sStride, r.MaxSendWR, d.adopt)
+	sring, err := d.consumer(pages[:1+int(r.SendChunks)], pages[0], guestmem.PageSize, sStride, r.MaxSendWR)
 	if err != nil {
 		return fmt.Errorf("send queue: %w", err)
 	}
 	q.sq = newWorkQueue(scq, sring, false)
 	if s == nil {
-		rring, err := consumer(d.mem, pages[1+int(r.SendChunks):], pages[0]+8, 0, rStride, recvWR, d.adopt)
+		rring, err := d.consumer(pages[1+int(r.SendChunks):], pages[0]+8, 0, rStride, recvWR)
 		if err != nil {
 			return fmt.Errorf("receive queue: %w", err)
 		}
 		q.rq = newWorkQueue(rcq, rring, true)
 	}
-	h, ok := d.qps.alloc(q)
+	h, ok := allocHandle(d, &d.qps, q)
 	if !ok {
 		return fmt.Errorf("%d QPs: %w", d.qps.len(), ErrLimit)
 	}
@@ -174,7 +178,7 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 	if s != nil {
 		init.SRQ = s.hv
 	}
-	if q.hv, err = p.hv.CreateQP(init); err != nil {
+	if q.hv, err = d.createProviderQP(p, init); err != nil {
 		d.qps.free(h)
 		return fmt.Errorf("create QP: %w", err)
 	}
@@ -197,9 +201,9 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 
 // consumer builds the device side of a guest-produced queue of n WQEs of
 // stride bytes starting base bytes into pages, with its ring at state:
-// cons_head reset to 0, or taken from guest memory if adopt (see
-// Device.SetAdoptRings).
-func consumer(m *guestmem.Memory, pages []guestmem.GPA, state guestmem.GPA, base uint64, stride, n uint32, adopt bool) (*ringbuf.Consumer, error) {
+// cons_head reset to 0, or taken from guest memory while rings are
+// adopted (Device.SetAdoptRings, and throughout a Restore).
+func (d *Device) consumer(pages []guestmem.GPA, state guestmem.GPA, base uint64, stride, n uint32) (*ringbuf.Consumer, error) {
 	geo, err := ringbuf.NewGeometry(n)
 	if err != nil {
 		return nil, err
@@ -208,10 +212,10 @@ func consumer(m *guestmem.Memory, pages []guestmem.GPA, state guestmem.GPA, base
 	if err != nil {
 		return nil, err
 	}
-	if adopt {
-		return ringbuf.AdoptConsumer(m, state, geo, area)
+	if d.adopt || d.rp != nil {
+		return ringbuf.AdoptConsumer(d.mem, state, geo, area)
 	}
-	return ringbuf.NewConsumer(m, state, geo, area)
+	return ringbuf.NewConsumer(d.mem, state, geo, area)
 }
 
 // qp validates a QP handle from a command.
@@ -260,6 +264,9 @@ func (d *Device) cmdModifyQP(req, resp []byte) error {
 		return fmt.Errorf("QP %d %v->%v: %w", q.handle, cur, next, err)
 	}
 	q.state.Store(uint32(next))
+	if d.rp != nil {
+		return nil // a restore: rings stay as the guest has them until Restore kicks them
+	}
 	switch next {
 	case hostverbs.QPStateReset:
 		// The guest resets both ring indices after a successful transition

@@ -116,20 +116,25 @@ func (d *Device) writeReg(reg uint64, v uint32) {
 		}
 		if reg == RegDSRLow {
 			d.dsrLow = v
+			d.journalReg(reg, v)
 			return
 		}
 		d.dsrHigh = v
 		d.loadDSR()
+		d.journalReg(reg, v)
 	case RegCtl:
 		d.control(v)
 	case RegRequest:
 		d.execCommand()
 	case RegIMR:
 		d.imr.Store(v)
+		d.journalReg(reg, v)
 	case RegMACL:
 		d.macl = v
+		d.journalReg(reg, v)
 	case RegMACH:
 		d.mach = v & 0xffff
+		d.journalReg(reg, v)
 	default:
 		d.stats.badBARAccesses.Add(1) // read-only or unimplemented: ignored
 	}
@@ -146,6 +151,10 @@ func (d *Device) control(v uint32) {
 		d.errReg = 0
 		if !d.active {
 			d.active = true
+			d.journalReg(RegCtl, v)
+			if d.rp != nil {
+				break // a restore: the guest saw the event long ago
+			}
 			if pa, err := d.verbs.QueryPort(1); err == nil && pa.State == 4 {
 				d.pushEvent(uint32(eventPortActive), 1)
 			}
@@ -158,6 +167,7 @@ func (d *Device) control(v uint32) {
 		d.errReg = 0
 	case CtlReset:
 		d.resetLocked()
+		d.journalReg(RegCtl, v)
 	default:
 		d.errReg = errnoInval
 	}

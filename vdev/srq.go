@@ -22,6 +22,9 @@ type srq struct {
 	refs    int // QPs attached
 	stalled bool
 	cost    uint64 // bytes charged to the VM's budget
+	// rec and modRec are the journal payloads of its CREATE_SRQ and last
+	// MODIFY_SRQ (Checkpoint).
+	rec, modRec []byte
 }
 
 // srqTypeBasic is IB_SRQT_BASIC, the only SRQ type the driver creates.
@@ -64,7 +67,7 @@ func (d *Device) cmdCreateSRQ(req, resp []byte) error {
 	// before: its WQEs complete out of order, in whichever QP takes them,
 	// so cons_head cannot wait for completions. Its outstanding receives
 	// are not in the ring's record.
-	ring, err := consumer(d.mem, pages, pages[0]+ringStateRx, guestmem.PageSize, stride, a.MaxWR, d.adopt)
+	ring, err := d.consumer(pages, pages[0]+ringStateRx, guestmem.PageSize, stride, a.MaxWR)
 	if err != nil {
 		return fmt.Errorf("SRQ ring: %w", err)
 	}
@@ -73,7 +76,7 @@ func (d *Device) cmdCreateSRQ(req, resp []byte) error {
 	if err := d.heap.Charge(s.cost); err != nil {
 		return fmt.Errorf("SRQ of %d WRs: %w", a.MaxWR, err)
 	}
-	h, ok := d.srqs.alloc(s)
+	h, ok := allocHandle(d, &d.srqs, s)
 	if !ok {
 		d.heap.Release(s.cost)
 		return fmt.Errorf("%d SRQs: %w", d.srqs.len(), ErrLimit)

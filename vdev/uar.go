@@ -17,7 +17,7 @@ func (d *Device) doorbell(off uint64, v uint32) {
 	switch off % UARPageSize {
 	case UARQPOffset:
 		q, ok := d.qps.get(h)
-		if !ok || q.uar != page {
+		if !ok || q.uar != page || q.sq == nil { // no rings: lost in a restore
 			d.stats.badDoorbells.Add(1)
 			return
 		}
@@ -47,7 +47,7 @@ func (d *Device) doorbell(off uint64, v uint32) {
 		}
 	case UARSRQOffset:
 		s, ok := d.srqs.get(h)
-		if !ok || s.uar != page {
+		if !ok || s.uar != page || s.ring == nil {
 			d.stats.badDoorbells.Add(1)
 			return
 		}

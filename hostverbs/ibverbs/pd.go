@@ -159,6 +159,11 @@ var _ hostverbs.MR = (*MR)(nil)
 
 // RegMR registers the guest pages of attr.Pages with the host device.
 func (p *PD) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
+	if attr.LKey != 0 || attr.RKey != 0 {
+		// The host device picks its keys; libibverbs cannot ask for some.
+		return nil, fmt.Errorf("reg mr: keys %#x/%#x requested: the host device chooses its keys: %w",
+			attr.LKey, attr.RKey, hostverbs.ErrNotSupported)
+	}
 	pl := attr.Pages
 	if pl.Pages == nil {
 		return p.dmaMR(attr)

@@ -42,6 +42,10 @@ var _ hostverbs.QP = (*QP)(nil)
 // real device, so a VM's GSI QP is refused: rdma_cm from a guest needs the
 // soft transport.
 func (p *PD) CreateQP(attr hostverbs.QPInitAttr) (hostverbs.QP, error) {
+	if attr.QPN != 0 {
+		// The host device numbers its QPs; libibverbs cannot ask for one.
+		return nil, fmt.Errorf("create qp: QPN %#x requested: the host device chooses its QPNs: %w", attr.QPN, hostverbs.ErrNotSupported)
+	}
 	if attr.Type != hostverbs.QPTypeRC && attr.Type != hostverbs.QPTypeUD {
 		return nil, fmt.Errorf("create qp: type %s: the ibverbs relay carries RC and UD (the host kernel owns QP1): %w", attr.Type, hostverbs.ErrNotSupported)
 	}

@@ -322,6 +322,32 @@ func (d *device) allocQPNLocked() uint32 {
 	}
 }
 
+// takeQPNLocked checks that QP number n may be given to a new QP of type
+// t, as QPInitAttr.QPN asks: the GSI QP's number is 1, any other QP's is a
+// user QPN not in use. Later allocations continue after it, so a restored
+// device does not soon hand out the numbers of QPs it rebuilt.
+func (d *device) takeQPNLocked(n uint32, t hostverbs.QPType) error {
+	if t == hostverbs.QPTypeGSI {
+		if n != gsiQPN {
+			return fmt.Errorf("QPN %#x for the GSI QP (it is %d): %w", n, gsiQPN, hostverbs.ErrNotSupported)
+		}
+		return nil
+	}
+	if n < firstUserQPN || n >= qpnSpace {
+		return fmt.Errorf("QPN %#x outside the user QPNs [%#x, %#x): %w", n, firstUserQPN, qpnSpace, hostverbs.ErrNotSupported)
+	}
+	if d.qps.load(n) != nil {
+		return fmt.Errorf("QPN %#x in use: %w", n, hostverbs.ErrBusy)
+	}
+	if n >= d.nextQP {
+		d.nextQP = n + 1
+		if d.nextQP >= qpnSpace {
+			d.nextQP = firstUserQPN
+		}
+	}
+	return nil
+}
+
 func (d *device) publishQPLocked(q *qp) {
 	d.qps.store(q.qpn, q)
 	d.all[q] = struct{}{}

@@ -87,17 +87,24 @@ func newKeyTable(max int) keyTable {
 		rng: rand.NewChaCha8(seed)}
 }
 
-// alloc reserves a key; the caller stores the MR with set.
+// alloc reserves a key; the caller stores the MR with set. An index in
+// the free list whose slot is taken (by take) is skipped.
 func (t *keyTable) alloc() (uint32, bool) {
 	var idx uint32
-	switch {
-	case len(t.free) > 0:
-		idx = t.free[0]
-		t.free = t.free[1:]
-	case int(t.next) < len(t.slots):
-		idx = t.next
-		t.next++
-	default:
+	for {
+		if len(t.free) > 0 {
+			idx = t.free[0]
+			t.free = t.free[1:]
+			if t.slots[idx].Load() != nil {
+				continue
+			}
+			break
+		}
+		if int(t.next) < len(t.slots) {
+			idx = t.next
+			t.next++
+			break
+		}
 		return 0, false
 	}
 	old := t.gen[idx]
@@ -106,6 +113,26 @@ func (t *keyTable) alloc() (uint32, bool) {
 		t.gen[idx]++
 	}
 	return idx<<8 | uint32(t.gen[idx]), true
+}
+
+// take reserves exactly key (MRAttr.LKey); the caller stores the MR with
+// set before the device lock is released. Indices skipped over join the
+// free list; one already there stays, and alloc skips it while taken.
+func (t *keyTable) take(key uint32) error {
+	idx := key >> 8
+	if idx == 0 || int(idx) >= len(t.slots) {
+		return fmt.Errorf("key %#x outside this device's %d keys: %w", key, len(t.slots)-1, hostverbs.ErrNotSupported)
+	}
+	if t.slots[idx].Load() != nil {
+		return fmt.Errorf("key index %#x in use: %w", idx, hostverbs.ErrBusy)
+	}
+	for ; t.next <= idx; t.next++ {
+		if t.next < idx {
+			t.free = append(t.free, t.next)
+		}
+	}
+	t.gen[idx] = uint8(key)
+	return nil
 }
 
 func (t *keyTable) set(key uint32, m *mr) { t.slots[key>>8].Store(m) }

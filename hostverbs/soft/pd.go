@@ -63,9 +63,21 @@ func (p *pd) RegMR(attr hostverbs.MRAttr) (hostverbs.MR, error) {
 	if lim := d.cfg.Limits.MaxMRBytes; lim > 0 && d.mrBytes+bytes > lim {
 		return nil, fmt.Errorf("reg mr: %d + %d bytes registered exceeds %d: %w", d.mrBytes, bytes, lim, hostverbs.ErrNoResources)
 	}
-	key, ok := d.keys.alloc()
-	if !ok {
-		return nil, fmt.Errorf("reg mr: key space: %w", hostverbs.ErrNoResources)
+	var key uint32
+	if attr.LKey != 0 || attr.RKey != 0 {
+		// A restored MR keeps its keys; this device has one key per MR.
+		if attr.LKey == 0 || (attr.RKey != 0 && attr.RKey != attr.LKey) {
+			return nil, fmt.Errorf("reg mr: keys %#x/%#x: one key serves both here: %w", attr.LKey, attr.RKey, hostverbs.ErrNotSupported)
+		}
+		if err := d.keys.take(attr.LKey); err != nil {
+			return nil, fmt.Errorf("reg mr: %w", err)
+		}
+		key = attr.LKey
+	} else {
+		var ok bool
+		if key, ok = d.keys.alloc(); !ok {
+			return nil, fmt.Errorf("reg mr: key space: %w", hostverbs.ErrNoResources)
+		}
 	}
 	m := &mr{dev: d, pd: p, key: key, access: attr.Access, pages: pl, mem: d.mem}
 	d.keys.set(key, m)

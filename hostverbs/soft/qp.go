@@ -111,12 +111,21 @@ func (d *device) createQP(p *pd, a hostverbs.QPInitAttr) (hostverbs.QP, error) {
 		dev: d, pd: p, typ: a.Type, scq: scq, rcq: rcq, srq: s,
 		sigAll: a.SigAll, ctx: a.Context, caps: c,
 	}
-	if a.Type == hostverbs.QPTypeGSI {
+	switch {
+	case a.QPN != 0:
+		if err := d.takeQPNLocked(a.QPN, a.Type); err != nil {
+			return nil, fmt.Errorf("create qp: %w", err)
+		}
+		q.qpn = a.QPN
+		if a.Type == hostverbs.QPTypeGSI && d.lookupQP(gsiQPN) != nil {
+			return nil, fmt.Errorf("create qp: the device already has its GSI QP: %w", hostverbs.ErrBusy)
+		}
+	case a.Type == hostverbs.QPTypeGSI:
 		if d.lookupQP(gsiQPN) != nil {
 			return nil, fmt.Errorf("create qp: the device already has its GSI QP: %w", hostverbs.ErrBusy)
 		}
 		q.qpn = gsiQPN
-	} else {
+	default:
 		q.qpn = d.allocQPNLocked()
 	}
 	q.sq.init(int(c.MaxSendWR), int(c.MaxSendSGE))

@@ -1,0 +1,12 @@
+package ringbuf
+
+// Empty reports whether the guest has consumed everything produced: its
+// cons_head (loaded once) equals prod_tail. An invalid cons_head is an
+// ErrIndex.
+func (p *Producer) Empty() (bool, error) {
+	h, err := p.head.load(p.mem, p.geo)
+	if err != nil {
+		return false, err
+	}
+	return h == p.tail.val, nil
+}
