@@ -78,8 +78,10 @@ type vmConn struct {
 	fn    *pcidev.Function
 	irq   *fnIRQ
 	host  *vfiouser.Host
-	// keeper keeps the connection beyond the process (nil: no store).
+	// keeper keeps the connection beyond the process (nil: no store),
+	// journal the device's journal with it.
 	keeper  *connKeeper
+	journal *journalFile
 	resumed bool
 
 	gmu  sync.Mutex
@@ -179,15 +181,38 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		return nil, fmt.Errorf("VM %s: open fabric device: %w", s.name, err)
 	}
 	irq := newFnIRQ()
-	dev, err := vdev.New(vdev.Config{
+	vcfg := vdev.Config{
 		Memory: h.Memory, Verbs: verbs, IRQ: irq, MAC: mac, Limits: s.d.cfg.Limits, Budget: s.d.budget, Logger: h.Logger,
 		OnGID:    func(index int, e hostverbs.GIDEntry, bound bool) { s.gidChanged(c, index, e, bound) },
 		CheckGID: func(index int, e hostverbs.GIDEntry) error { return s.checkGID(c, e) },
-	})
+	}
+	var dev *vdev.Device
+	if c.keeper != nil {
+		// The device's journal: what a restarted daemon rebuilds it from.
+		vcfg.Journal = func(rec []byte) {
+			if j := c.journal; j != nil {
+				j.append(rec, func() { j.rotate(dev.Checkpoint) })
+			}
+		}
+	}
+	if pending != nil {
+		dev, err = s.restoreDevice(vcfg, pending.journal)
+	} else {
+		dev, err = vdev.New(vcfg)
+	}
 	if err != nil {
 		irq.stop()
 		verbs.Close()
 		return nil, fmt.Errorf("VM %s: %w", s.name, err)
+	}
+	if c.keeper != nil {
+		var first []byte
+		if pending != nil {
+			first = dev.Checkpoint() // the journal starts again from what was rebuilt
+		}
+		if c.journal, err = createJournal(s.d.keep.vmDir(s.name), first, s.log); err != nil {
+			s.log.Error("no device journal: a restart will not rebuild this VM's device", "err", err)
+		}
 	}
 	events.set(dev)
 	pcfg := pciConfig(dev, func() error { return s.disconnected(c) })
@@ -256,8 +281,32 @@ func (s *vmSession) leaveToStore() {
 	s.mu.Unlock()
 	if c != nil && c.keeper != nil {
 		c.keeper.leaving.Store(true)
+		if c.journal != nil {
+			c.journal.off.Store(true)
+		}
 		c.host.StopKeeping()
 	}
+}
+
+// restoreDevice rebuilds the device a previous daemon served from its
+// journal. A journal that does not restore leaves the guest a device in
+// its power-on state (the guest's driver then fails its commands): said
+// loudly, since the guest needs a reboot or a driver reload.
+func (s *vmSession) restoreDevice(cfg vdev.Config, journal []byte) (*vdev.Device, error) {
+	start := time.Now()
+	dev, rep, err := vdev.Restore(cfg, journal)
+	if err != nil {
+		s.log.Error("the device journal does not restore: the guest's device starts from power-on state; "+
+			"reload vmw_pvrdma in the guest or reboot it", "err", err, "notes", rep.Notes)
+		return vdev.New(cfg)
+	}
+	s.log.Info("device rebuilt from its journal", "took", time.Since(start).Round(time.Microsecond),
+		"records", rep.Records, "rebuilt", fmt.Sprintf("%+v", rep.Rebuilt), "qps_errored", rep.Errored,
+		"lost", fmt.Sprintf("%+v", rep.Lost), "torn", rep.Torn)
+	for _, n := range rep.Notes {
+		s.log.Warn("device restore", "note", n)
+	}
+	return dev, nil
 }
 
 // disconnected tears down a connection's device stack (pcidev Close
@@ -282,6 +331,9 @@ func (s *vmSession) disconnected(c *vmConn) error {
 		close(s.connGone)
 	}
 	s.mu.Unlock()
+	if c.journal != nil {
+		c.journal.close()
+	}
 	if c.keeper != nil && !c.keeper.leaving.Load() {
 		s.d.keep.forgetConn(s.name)
 	}
