@@ -52,21 +52,27 @@ const (
 type keeping struct {
 	dir   string
 	store *FDStore // nil: connections end with the process
+	// state: keep the state even without a store (a live upgrade hands
+	// the descriptors over itself).
+	state bool
 	log   *slog.Logger
 
 	mu        sync.Mutex
 	inherited map[string]*os.File // handed back by the service manager, not yet taken
 }
 
-func newKeeping(dir string, store *FDStore, inherited map[string]*os.File, log *slog.Logger) (*keeping, error) {
+func newKeeping(dir string, store *FDStore, state bool, inherited map[string]*os.File, log *slog.Logger) (*keeping, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("state directory: %w", err)
 	}
 	if err := os.Chmod(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("state directory: %w", err)
 	}
-	return &keeping{dir: dir, store: store, log: log, inherited: inherited}, nil
+	return &keeping{dir: dir, store: store, state: state || store != nil, log: log, inherited: inherited}, nil
 }
+
+// active reports whether VMs' state is kept for a successor.
+func (k *keeping) active() bool { return k.state }
 
 func (k *keeping) vmDir(vm string) string { return filepath.Join(k.dir, vm) }
 
@@ -183,16 +189,39 @@ type connKeeper struct {
 	// the store: nothing is forgotten from then on.
 	leaving atomic.Bool
 	warned  atomic.Bool
+
+	mu  sync.Mutex
+	fds map[string]int // the connection's own descriptors, by name (a hand-over passes them)
 }
 
 func (c *connKeeper) Keep(name string, fd int) error {
+	c.mu.Lock()
+	if c.fds == nil {
+		c.fds = map[string]int{}
+	}
+	c.fds[name] = fd
+	c.mu.Unlock()
 	if c.leaving.Load() || c.k.store == nil {
 		return nil
 	}
 	return c.k.store.Store(c.vm+"."+name, fd)
 }
 
+// held returns the connection's descriptors by name.
+func (c *connKeeper) held() map[string]int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make(map[string]int, len(c.fds))
+	for k, v := range c.fds {
+		out[k] = v
+	}
+	return out
+}
+
 func (c *connKeeper) Forget(name string) {
+	c.mu.Lock()
+	delete(c.fds, name)
+	c.mu.Unlock()
 	if c.leaving.Load() || c.k.store == nil {
 		return
 	}

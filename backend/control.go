@@ -22,6 +22,11 @@ type Status struct {
 	Fabric    FabricStatus      `json:"fabric"`
 	VMs       []VMStatus        `json:"vms"`
 	Counters  map[string]uint64 `json:"counters,omitempty"`
+	// Handover is the last live upgrade (nil: none since the service
+	// started); KeepsState says whether a restart or upgrade keeps VMs.
+	Handover   *HandoverStatus `json:"handover,omitempty"`
+	KeepsState bool            `json:"keeps_state"`
+	PID        int             `json:"pid"`
 }
 
 // FabricStatus describes how the daemon's devices reach the network.
@@ -150,6 +155,18 @@ type Controller interface {
 	RemoveVM(name string) error
 }
 
+// Upgrader is a Controller that can hand itself over to a new binary
+// (POST /v1/upgrade).
+type Upgrader interface {
+	StartUpgrade(binary string) error
+}
+
+// UpgradeRequest asks for a live upgrade; Binary empty means the daemon's
+// own path (the package's new binary after an upgrade).
+type UpgradeRequest struct {
+	Binary string `json:"binary,omitempty"`
+}
+
 // ErrVMExists and ErrNoVM are Controller errors with HTTP meaning.
 var (
 	ErrVMExists = errors.New("VM already registered")
@@ -163,6 +180,7 @@ var (
 //	GET    /v1/status       Status as JSON
 //	POST   /v1/vms          register a VM (VMRequest); creates its socket
 //	DELETE /v1/vms/{name}   unregister a VM, disconnecting it
+//	POST   /v1/upgrade      hand the daemon over to a new binary (UpgradeRequest)
 //	GET    /metrics         Prometheus text exposition
 func ControlHandler(c Controller) http.Handler {
 	mux := http.NewServeMux()
@@ -199,6 +217,29 @@ func ControlHandler(c Controller) http.Handler {
 		default:
 			w.WriteHeader(http.StatusNoContent)
 		}
+	})
+	mux.HandleFunc("POST /v1/upgrade", func(w http.ResponseWriter, r *http.Request) {
+		u, ok := c.(Upgrader)
+		if !ok {
+			writeError(w, http.StatusNotImplemented, errors.New("this daemon cannot hand over"))
+			return
+		}
+		var req UpgradeRequest
+		dec := json.NewDecoder(io.LimitReader(r.Body, 4096))
+		dec.DisallowUnknownFields()
+		if err := dec.Decode(&req); err != nil && !errors.Is(err, io.EOF) {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("bad upgrade request: %w", err))
+			return
+		}
+		if err := u.StartUpgrade(req.Binary); err != nil {
+			code := http.StatusConflict
+			if errors.Is(err, ErrNoContinuity) {
+				code = http.StatusPreconditionFailed
+			}
+			writeError(w, code, err)
+			return
+		}
+		w.WriteHeader(http.StatusAccepted)
 	})
 	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
@@ -310,6 +351,12 @@ func (c *ControlClient) RemoveVM(ctx context.Context, name string) error {
 }
 
 // Metrics fetches the Prometheus exposition.
+// Upgrade asks the daemon to hand itself over to binary ("" its own
+// path); it returns once the daemon accepted (watch Status().Handover).
+func (c *ControlClient) Upgrade(ctx context.Context, binary string) error {
+	return c.do(ctx, "POST", "/v1/upgrade", UpgradeRequest{Binary: binary}, nil)
+}
+
 func (c *ControlClient) Metrics(ctx context.Context) (string, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://pvrdma/metrics", nil)
 	if err != nil {

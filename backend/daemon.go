@@ -71,6 +71,13 @@ type Config struct {
 	// start (LISTEN_FDS, by LISTEN_FDNAMES): the connections of VMs a
 	// previous process served.
 	Inherited map[string]*os.File
+	// KeepState keeps VMs' state for a successor (continuity.go) without a
+	// descriptor store: a live upgrade (StartUpgrade) then works, a crash
+	// still cuts the connections. On with an FDStore.
+	KeepState bool
+	// Executable is the daemon's binary, which a live upgrade execs by
+	// default (its path: after a package upgrade it is the new binary).
+	Executable string
 	// OnReady, if set, is called once the daemon serves (VMs resumed,
 	// control socket listening).
 	OnReady func()
@@ -88,6 +95,7 @@ type Daemon struct {
 	locked *vdev.Budget // guest memory mapped and locked, all VMs
 	access *accessPolicy
 	keep   *keeping
+	ho     handover
 	// owners reserves GIDs to VMs from their first bind until they are
 	// unregistered.
 	owners *gidOwners
@@ -148,7 +156,7 @@ func New(cfg Config) (*Daemon, error) {
 	if cfg.StateDir == "" {
 		cfg.StateDir = filepath.Join(cfg.SocketDir, "state")
 	}
-	keep, err := newKeeping(cfg.StateDir, cfg.FDStore, cfg.Inherited, cfg.Logger)
+	keep, err := newKeeping(cfg.StateDir, cfg.FDStore, cfg.KeepState, cfg.Inherited, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
@@ -209,6 +217,7 @@ func (d *Daemon) restore() {
 		}
 	}
 	d.keep.dropInherited()
+	d.ho.fromEnv(resumed)
 	if registered > 0 || resumed > 0 {
 		d.log.Info("took over from a previous daemon", "registered", registered, "connections_resumed", resumed)
 	}
@@ -263,8 +272,8 @@ func (d *Daemon) close() {
 			exposed = append(exposed, s.name)
 		}
 	}
-	if d.keep.store != nil {
-		// The service manager holds every connection: leave them to it,
+	if d.keep.active() {
+		// The service manager (or a successor) takes every connection: leave them to it,
 		// with their state, for the next daemon.
 		for _, s := range vms {
 			s.leaveToStore()
@@ -414,6 +423,10 @@ func (d *Daemon) Status() Status {
 	st.Counters["refused_peers"] = d.access.refused.Load()
 	for _, s := range vms {
 		st.VMs = append(st.VMs, s.status())
+	}
+	st.KeepsState, st.PID = d.keep.active(), os.Getpid()
+	if h := d.ho.snapshot(); h.Generation > 0 || h.Error != "" {
+		st.Handover = &h
 	}
 	return st
 }

@@ -166,7 +166,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		pending, s.pending = s.pending, nil
 	}
 	c := &vmConn{since: time.Now(), pid: h.PeerPID, mem: h.Memory, gids: map[int]hostverbs.GIDEntry{}, host: h, resumed: pending != nil}
-	if s.d.keep.store != nil {
+	if s.d.keep.active() {
 		c.keeper = &connKeeper{k: s.d.keep, vm: s.name}
 		h.Keeper = c.keeper
 	}
@@ -197,6 +197,10 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	}
 	if pending != nil {
 		dev, err = s.restoreDevice(vcfg, pending.journal)
+		if err == nil {
+			st := dev.Stats()
+			s.d.ho.resumed(restoredContinued(dev), int(st.RestoreErroredQPs), int(st.RestoreLostObjects))
+		}
 	} else {
 		dev, err = vdev.New(vcfg)
 	}
@@ -255,6 +259,9 @@ func (s *vmSession) resume(r *resumable) {
 		failed := s.pending == r // the device was never made
 		s.pending = nil
 		s.mu.Unlock()
+		if failed {
+			s.d.ho.resumed(0, 0, 0)
+		}
 		if failed && !errors.Is(err, vfiouser.ErrServerClosed) {
 			s.log.Error("cannot resume the VM's connection: its QEMU sees it close", "err", err)
 			s.forgetStored(names)
@@ -583,4 +590,12 @@ func (r *eventRelay) deliver(ev hostverbs.AsyncEvent) {
 	if d != nil {
 		d.HandleEvent(ev)
 	}
+}
+
+// restoredContinued is the number of RC QPs a restore kept connected.
+func restoredContinued(dev *vdev.Device) int {
+	if c, ok := any(dev).(interface{ RestoredContinued() int }); ok {
+		return c.RestoredContinued()
+	}
+	return 0
 }

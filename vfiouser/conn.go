@@ -48,6 +48,8 @@ type conn struct {
 	// keeper must keep everything (Host.StopKeeping).
 	keep    *keepState
 	keepOff atomic.Bool
+	// gate is the server's hold (Server.Hold).
+	gate *holdGate
 	mem     *guestmem.Memory
 	irqs    *IRQs
 	calls   callTable
@@ -180,8 +182,15 @@ func (c *conn) pushBacklog(m *rawMsg) {
 // serve runs the connection until the client goes away or the server
 // closes it. It returns nil on a clean EOF.
 func (c *conn) serve() error {
+	woken := false
 	for {
+		if g := c.gate; g != nil && !c.park(g, woken) {
+			return ErrDisconnected
+		}
 		err := c.next()
+		if woken = err != nil && isTimeout(err) && c.gate != nil; woken {
+			continue // woken by Hold: park, or finish the message under way
+		}
 		if err != nil {
 			var he *headerError
 			switch {

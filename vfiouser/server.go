@@ -98,6 +98,7 @@ type Server struct {
 	listeners map[net.Listener]struct{}
 	conns     map[*conn]struct{}
 	closing   bool
+	gate      holdGate
 	wg        sync.WaitGroup
 	seq       atomic.Uint64
 }
@@ -298,6 +299,7 @@ func (s *Server) newConn(t transport, name string, pid int32, before func(*conn)
 		ctx:          ctx,
 		cancel:       cancel,
 		closed:       make(chan struct{}),
+		gate:         &s.gate,
 	}
 	c.tok <- struct{}{}
 	c.lim = ratelog.New(log, 0)

@@ -250,3 +250,37 @@ func TestResumeRefusesBadSession(t *testing.T) {
 	}
 	assert.Zero(t, srv.Stats().LockedBytes, "nothing stays mapped")
 }
+
+// TestHoldParksAtMessageBoundaries: a held server answers nothing new
+// (requests wait in the socket), a request under way is answered, and
+// Release serves what waited, in order.
+func TestHoldParksAtMessageBoundaries(t *testing.T) {
+	srv, devs := newServer(t, nil)
+	c, dev := connect(t, srv, devs)
+	cfgWrite(t, c, 0x04, 0x02, 0x00) // memory decode
+	require.NoError(t, c.Write32(bar1, testdev.RegScratch, 1))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	require.NoError(t, srv.Hold(ctx))
+	require.NoError(t, srv.Hold(ctx), "holding twice is fine")
+	id, err := c.Send(vfiouser.CmdRegionWrite, 0, regionWrite(bar1, testdev.RegScratch, 2))
+	require.NoError(t, err)
+	require.NoError(t, c.ExpectSilence(100*time.Millisecond), "a held connection answers nothing")
+	assert.Equal(t, uint32(1), dev.Scratch(), "nor executes it")
+
+	srv.Release()
+	_, err = c.Expect(id, vfiouser.CmdRegionWrite)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(2), dev.Scratch(), "the request that waited is served after Release")
+	v, err := c.Read32(bar1, testdev.RegScratch)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(2), v)
+}
+
+func regionWrite(region uint32, off uint64, v uint32) []byte {
+	p := make([]byte, vfiouser.RegionAccessSize+4)
+	vfiouser.RegionAccess{Offset: off, Region: region, Count: 4}.Encode(p)
+	p[vfiouser.RegionAccessSize] = byte(v)
+	return p
+}

@@ -6,6 +6,7 @@
 //	pvrdma-backend libvirt-xml  print a libvirt domain for a VM (and register it)
 //	pvrdma-backend attach     hot-plug the device into a running VM over QMP
 //	pvrdma-backend status     show the daemon's VMs, devices and counters
+//	pvrdma-backend upgrade    hand the running daemon over to its new binary (live upgrade)
 //	pvrdma-backend doctor     check the host for what the daemon and its VMs need
 package main
 
@@ -37,6 +38,7 @@ func commands() []command {
 		{"libvirt-xml", "print a libvirt domain giving a VM the device, and register it with the daemon", runLibvirtXML},
 		{"attach", "hot-plug the device into a running VM over QMP", runAttach},
 		{"status", "show the daemon's VMs, devices and counters", runStatus},
+		{"upgrade", "hand the running daemon over to its new binary without cutting its VMs", runUpgrade},
 		{"doctor", "check that this host has what the daemon and its VMs need", runDoctor},
 		{"libvirt-hook", "libvirt's qemu hook: refuse migrate and restore of domains with the device", func(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return runLibvirtHook(args, os.Stdin, stderr)

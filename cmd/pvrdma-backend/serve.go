@@ -8,6 +8,8 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 
@@ -91,6 +93,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	var daemonBudget sizeFlag
 	fs.Var(&daemonBudget, "daemon-memory-budget", "daemon memory all VMs' objects may cost together (default: a quarter of the host's memory)")
 	socketGroup := fs.String("socket-group", "", "group (name or number) owning the socket directory (0750) and the VM sockets (0660): the group QEMU runs in")
+	keepState := fs.Bool("keep-state", false, "keep VMs' state in <socket-dir>/state for a live upgrade (pvrdma-backend upgrade) even when not run by systemd (under systemd's file descriptor store it is kept anyway, and a crash costs no VM either)")
 	var allowUIDs, allowGIDs idList
 	fs.Var(&allowUIDs, "allow-uid", "also admit peers with these user IDs on the sockets (comma-separated; root, the daemon's user and --socket-group always are)")
 	fs.Var(&allowGIDs, "allow-gid", "also admit peers with these group IDs on the sockets (comma-separated)")
@@ -203,9 +206,27 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			log.Info("descriptors handed back by systemd", "count", len(inherited))
 		}
 	}
+	// Exec'd by a predecessor (a live upgrade): its VMs' descriptors.
+	if hf := backend.HandoverFiles(); len(hf) > 0 {
+		if inherited == nil {
+			inherited = map[string]*os.File{}
+		}
+		for name, f := range hf {
+			inherited[name] = f
+		}
+		log.Info("descriptors handed over by the previous daemon", "count", len(hf))
+	}
+	exe := os.Args[0]
+	if p, err := exec.LookPath(exe); err == nil {
+		if abs, err := filepath.Abs(p); err == nil {
+			exe = abs
+		}
+	}
 	d, err := backend.New(backend.Config{
-		FDStore:   store,
-		Inherited: inherited,
+		FDStore:    store,
+		Inherited:  inherited,
+		KeepState:  *keepState,
+		Executable: exe,
 		OnReady: func() {
 			if store != nil {
 				_, _ = daemon.SdNotify(false, daemon.SdNotifyReady)

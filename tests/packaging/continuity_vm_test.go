@@ -220,7 +220,7 @@ func TestCrashKeepsVMs(t *testing.T) {
 	rcRE := regexp.MustCompile(`(?m)^rc=(\d+)$`)
 	for _, r := range res {
 		require.Contains(t, r.Output, "=== end", "%s did not finish:\n%s", r.VM, r.Output)
-		assert.NotRegexp(t, `Assertion|aborted|core dumped`, r.Console, "%s: QEMU", r.VM)
+		assert.NotRegexp(t, `Assertion|aborted|core dumped|BUG:|Oops`, r.Console, "%s: QEMU and the guest kernel", r.VM)
 		for i := 1; i <= rounds; i++ {
 			sec := vm.Section(r.Output, fmt.Sprintf("during%d", i))
 			m := rcRE.FindStringSubmatch(sec)
@@ -233,6 +233,129 @@ func TestCrashKeepsVMs(t *testing.T) {
 				if assert.NotNil(t, m, "%s %s%d: no status", r.VM, step, i) {
 					assert.Equal(t, "0", m[1], "%s %s%d after the daemon was killed:\n%s", r.VM, step, i, sec)
 				}
+			}
+		}
+	}
+}
+
+// inContainer runs a command in the booted container (as its root, in all
+// its namespaces) and returns its output.
+func (c *container) inContainer(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	kids, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", c.cmd.Process.Pid, c.cmd.Process.Pid))
+	require.NoError(t, err)
+	f := strings.Fields(string(kids))
+	require.NotEmpty(t, f, "the container's init")
+	out, err := exec.Command("nsenter", append([]string{"-t", f[0], "-a"}, args...)...).CombinedOutput()
+	return string(out), err
+}
+
+// upgradeScenario: each step runs one long application through the
+// hand-overs the host does meanwhile; each must complete, with its data
+// checked, rc 0.
+func upgradeScenario(self, peer string, server bool) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "dev=vmw_pvrdma0\nself=%s\npeer=%s\ng=$(pvt_gid_index $dev $self)\n", self, peer)
+	run := func(name, srv, cli string) {
+		cmd := "timeout 200 " + srv
+		if !server {
+			cmd = "pvt_retry 60 timeout 200 " + cli
+		}
+		fmt.Fprintf(&b, "echo '=== %s'\nif %s; then echo rc=0; else echo rc=$?; fi\nsleep 2\n", name, cmd)
+	}
+	run("pingpong", "ibv_rc_pingpong -d $dev -g $g -n 30000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 30000 -s 4096 -c $peer")
+	run("write_bw", "ib_write_bw -d $dev -x $g -F -D 20 -s 65536", "ib_write_bw -d $dev -x $g -F -D 20 -s 65536 $peer")
+	run("rping", "rping -s -a $self -C 3000 -v", "rping -c -a $peer -C 3000 -v")
+	b.WriteString("echo '=== end'\n")
+	return b.String()
+}
+
+// TestUpgradeKeepsVMs: the packaged daemon, under systemd in a container,
+// serves two stock guests (QEMUs on the host) that run a data-checked
+// ibv_rc_pingpong, ib_write_bw and rping; during each, the daemon is
+// upgraded in place: `systemctl reload` (the unit's ExecReload runs
+// `pvrdma-backend upgrade`), and once `dpkg -i` of the package (its
+// postinst reloads). Each hand-over execs the binary in the same process;
+// every application completes with rc 0 and the QEMUs never see their
+// device's socket close. The test prints each hand-over's pause.
+func TestUpgradeKeepsVMs(t *testing.T) {
+	img, err := vm.EnsureImage(context.Background(), t.Logf)
+	require.NoError(t, err)
+	c := bootPackaged(t)
+	ctx := context.Background()
+	ctl := backend.NewControlClient(filepath.Join(c.sockDir, "control.sock"))
+	for _, name := range []string{"uk1", "uk2"} {
+		_, err := ctl.AddVM(ctx, backend.VMRequest{Name: name, MemBytes: 512 << 20})
+		require.NoError(t, err)
+	}
+	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
+	require.NoError(t, err)
+	guest := func(name, ip, scenario string) vm.Config {
+		dev, _ := json.Marshal(map[string]any{
+			"driver": "vfio-user-pci", "addr": "05.1", "x-no-posted-writes": true,
+			"socket": map[string]any{"type": "unix", "path": filepath.Join(c.sockDir, name+".sock")},
+		})
+		return vm.Config{
+			Name:      name,
+			NICs:      []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: backend.DefaultMAC(name).String(), IP: ip}},
+			ExtraArgs: append([]string{"-device", string(dev)}, backend.VMSpec{QMPSocket: filepath.Join(c.sockDir, name+".qmp")}.QMPArgs()...),
+			Modules:   []string{"ib_core", "ib_uverbs", "vmw_pvrdma", "configfs", "iw_cm", "ib_cm", "rdma_cm", "rdma_ucm"},
+			Scenario:  scenario,
+			NoErrExit: true,
+			Timeout:   15 * time.Minute,
+		}
+	}
+	vms, err := vm.StartAll(ctx, t, img, nw,
+		guest("uk1", "10.79.0.1/24", upgradeScenario("10.79.0.1", "", true)),
+		guest("uk2", "10.79.0.2/24", upgradeScenario("10.79.0.2", "10.79.0.1", false)))
+	require.NoError(t, err)
+
+	pid := daemonPID(t)
+	require.NotZero(t, pid)
+	upgrades := 0
+	upgrade := func(how string, args ...string) {
+		t.Helper()
+		out, err := c.inContainer(t, args...)
+		require.NoError(t, err, "%s:\n%s", how, out)
+		st, err := ctl.Status(ctx)
+		require.NoError(t, err)
+		require.NotNil(t, st.Handover, "%s: no hand-over recorded:\n%s", how, out)
+		upgrades++
+		require.Equal(t, upgrades, st.Handover.Generation, "%s:\n%s", how, out)
+		assert.Equal(t, pid, st.PID, "the daemon keeps its process (exec)")
+		t.Logf("hand-over %d (%s): pause %.1f ms, %d VMs, RC QPs kept %d, errored %d, objects lost %d", upgrades, how,
+			st.Handover.PauseMS, st.Handover.VMs, st.Handover.Continued, st.Handover.Errored, st.Handover.Lost)
+		assert.Zero(t, st.Handover.Errored, "no RC QP errored by a planned hand-over")
+	}
+	during := func(step string) {
+		mark := "=== " + step
+		require.Eventually(t, func() bool {
+			return strings.Contains(vms[0].Output(), mark) && strings.Contains(vms[1].Output(), mark)
+		}, 5*time.Minute, 100*time.Millisecond, "%s never started", step)
+		time.Sleep(3 * time.Second) // connected and running
+	}
+	during("pingpong")
+	upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
+	time.Sleep(time.Second)
+	upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
+	time.Sleep(time.Second)
+	upgrade("package upgrade", "dpkg", "-i", "/root/pvrdma-backend.deb")
+	during("write_bw")
+	upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
+	during("rping")
+	upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
+
+	res, err := vm.WaitAll(ctx, vms...)
+	require.NoError(t, err)
+	rcRE := regexp.MustCompile(`(?m)^rc=(\d+)$`)
+	for _, r := range res {
+		require.Contains(t, r.Output, "=== end", "%s did not finish:\n%s", r.VM, r.Output)
+		assert.NotRegexp(t, `Assertion|aborted|core dumped|BUG:|Oops`, r.Console, "%s", r.VM)
+		for _, step := range []string{"pingpong", "write_bw", "rping"} {
+			sec := vm.Section(r.Output, step)
+			m := rcRE.FindStringSubmatch(sec)
+			if assert.NotNil(t, m, "%s %s: no status", r.VM, step) {
+				assert.Equal(t, "0", m[1], "%s %s through the upgrades:\n%s", r.VM, step, sec)
 			}
 		}
 	}

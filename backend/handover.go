@@ -1,0 +1,309 @@
+package backend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/coreos/go-systemd/v22/daemon"
+	"golang.org/x/sys/unix"
+)
+
+// Live upgrade: the daemon hands its VMs to a new binary by exec'ing it
+// in its own process (the PID, and with it systemd's view of the service,
+// stays). The old image stops taking messages from every VM at a message
+// boundary (vfiouser.Server.Hold: QEMU's requests wait in the sockets),
+// waits (bounded) until every QP's sends are drained, journals each RC
+// QP's transport state (vdev SaveTransports), keeps the connections'
+// descriptors open across exec and names them in EnvHandoverFDs. The new
+// image takes them as a restarted daemon takes them from systemd's store
+// (continuity.go), rebuilds every device from its journal (RC QPs whose
+// transport state was saved keep their connections) and serves. If the
+// exec fails, the old image releases its VMs and serves on.
+
+// Environment of a daemon exec'd by its predecessor.
+const (
+	// EnvHandoverFDs lists the descriptors it inherits: name=fd, comma
+	// separated (names as in the file descriptor store).
+	EnvHandoverFDs = "PVRDMA_HANDOVER_FDS"
+	// EnvHandoverStart is when the predecessor stopped taking messages
+	// (Unix nanoseconds), for the pause the new daemon reports.
+	EnvHandoverStart = "PVRDMA_HANDOVER_START"
+	// EnvGeneration counts the hand-overs since the service started.
+	EnvGeneration = "PVRDMA_GENERATION"
+)
+
+// drainWait bounds how long a hand-over waits for QPs' sends to drain
+// (their peers acknowledge them); QPs still busy then come back in ERR.
+const drainWait = 2 * time.Second
+
+// ErrNoContinuity: the daemon keeps no state for a successor.
+var ErrNoContinuity = errors.New("the daemon keeps no state for a successor: run it as the packaged service (systemd's file descriptor store) or with --keep-state")
+
+// HandoverStatus reports the last hand-over, as the new daemon saw it.
+type HandoverStatus struct {
+	Generation int    `json:"generation"`
+	Binary     string `json:"binary,omitempty"`
+	// PauseMS is from the predecessor holding its VMs to the last VM's
+	// device served again here.
+	PauseMS    float64 `json:"pause_ms,omitempty"`
+	VMs        int     `json:"vms,omitempty"`
+	Continued  int     `json:"qps_continued,omitempty"`
+	Errored    int     `json:"qps_errored,omitempty"`
+	Lost       int     `json:"objects_lost,omitempty"`
+	Error      string  `json:"error,omitempty"` // the last failed attempt, if it failed
+	FailedAtMS float64 `json:"-"`
+}
+
+// transportSaver is what a device offers a hand-over: a drain check and
+// the journaling of its RC QPs' transport state.
+type transportSaver interface {
+	SendsDrained() bool
+	SaveTransports() (int, error)
+}
+
+// handover is the daemon's hand-over bookkeeping.
+type handover struct {
+	mu      sync.Mutex
+	running bool
+	status  HandoverStatus
+	// resumePending counts the VMs a new image still resumes, and start
+	// is the predecessor's hold time (EnvHandoverStart).
+	resumePending int
+	start         time.Time
+}
+
+// StartUpgrade hands the daemon over to binary (the daemon's own path if
+// empty) in the background; the caller watches Status().Handover.
+func (d *Daemon) StartUpgrade(binary string) error {
+	if !d.keep.active() {
+		return ErrNoContinuity
+	}
+	if binary == "" {
+		binary = d.cfg.Executable
+	}
+	if binary == "" {
+		return errors.New("no binary to hand over to")
+	}
+	st, err := os.Stat(binary)
+	if err != nil || !st.Mode().IsRegular() || st.Mode()&0o111 == 0 {
+		return fmt.Errorf("hand-over to %s: not an executable file (%v)", binary, err)
+	}
+	d.ho.mu.Lock()
+	if d.ho.running {
+		d.ho.mu.Unlock()
+		return errors.New("a hand-over is under way")
+	}
+	d.ho.running = true
+	d.ho.mu.Unlock()
+	go func() {
+		// Let the control reply go out before the process is replaced.
+		time.Sleep(50 * time.Millisecond)
+		err := d.upgrade(binary)
+		d.ho.mu.Lock()
+		d.ho.running = false
+		if err != nil {
+			d.ho.status.Error = err.Error()
+		}
+		d.ho.mu.Unlock()
+		if err != nil {
+			d.log.Error("hand-over failed; serving on", "binary", binary, "err", err)
+		}
+	}()
+	return nil
+}
+
+// upgrade runs a hand-over; it returns only if it failed.
+func (d *Daemon) upgrade(binary string) error {
+	start := time.Now()
+	d.mu.Lock()
+	vms := make([]*vmSession, 0, len(d.vms))
+	for _, s := range d.vms {
+		vms = append(vms, s)
+	}
+	d.mu.Unlock()
+	sort.Slice(vms, func(i, j int) bool { return vms[i].name < vms[j].name })
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	release := func() {
+		for _, s := range vms {
+			s.srv.Release()
+		}
+	}
+	for _, s := range vms {
+		if err := s.srv.Hold(ctx); err != nil {
+			release()
+			return fmt.Errorf("VM %s: %w", s.name, err)
+		}
+	}
+	held := time.Now()
+
+	// Drain: sends posted before the hold complete (peers acknowledge).
+	var conns []*vmConn
+	for _, s := range vms {
+		s.mu.Lock()
+		if c := s.conn; c != nil {
+			conns = append(conns, c)
+		}
+		s.mu.Unlock()
+	}
+	deadline := time.Now().Add(drainWait)
+	for {
+		busy := 0
+		for _, c := range conns {
+			if ts, ok := any(c.dev).(transportSaver); ok && !ts.SendsDrained() {
+				busy++
+			}
+		}
+		if busy == 0 || time.Now().After(deadline) {
+			if busy > 0 {
+				d.log.Warn("hand-over: some VMs' sends did not drain; their RC QPs come back in the error state", "vms", busy)
+			}
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	saved := 0
+	for _, c := range conns {
+		if ts, ok := any(c.dev).(transportSaver); ok {
+			n, err := ts.SaveTransports()
+			saved += n
+			if err != nil {
+				d.log.Warn("hand-over: transport state not saved for some QPs; they come back in the error state", "err", err)
+			}
+		}
+	}
+
+	// The descriptors the new image takes.
+	var pairs []string
+	var fds []int
+	for _, s := range vms {
+		s.mu.Lock()
+		c := s.conn
+		s.mu.Unlock()
+		if c == nil || c.keeper == nil {
+			continue
+		}
+		for name, fd := range c.keeper.held() {
+			pairs = append(pairs, s.name+"."+name+"="+strconv.Itoa(fd))
+			fds = append(fds, fd)
+		}
+	}
+	for _, fd := range fds {
+		if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFD, 0); err != nil {
+			setCloexec(fds)
+			release()
+			return fmt.Errorf("keep descriptor %d across exec: %w", fd, err)
+		}
+	}
+	env := handoverEnv(os.Environ(), map[string]string{
+		EnvHandoverFDs:   strings.Join(pairs, ","),
+		EnvHandoverStart: strconv.FormatInt(held.UnixNano(), 10),
+		EnvGeneration:    strconv.Itoa(d.ho.status.Generation + 1),
+	})
+	if d.keep.store != nil {
+		_, _ = daemon.SdNotify(false, daemon.SdNotifyReloading)
+	}
+	d.log.Info("handing over", "binary", binary, "vms", len(conns), "descriptors", len(fds), "rc_qps_saved", saved,
+		"hold_and_drain", time.Since(start).Round(time.Microsecond))
+	err := syscall.Exec(binary, os.Args, env)
+	// Still here: the exec failed. Serve on.
+	setCloexec(fds)
+	release()
+	if d.keep.store != nil {
+		_, _ = daemon.SdNotify(false, daemon.SdNotifyReady)
+	}
+	return fmt.Errorf("exec %s: %w", binary, err)
+}
+
+func setCloexec(fds []int) {
+	for _, fd := range fds {
+		_, _ = unix.FcntlInt(uintptr(fd), unix.F_SETFD, unix.FD_CLOEXEC)
+	}
+}
+
+// handoverEnv replaces or adds set in env and drops systemd's socket
+// activation variables (they were for the first image).
+func handoverEnv(env []string, set map[string]string) []string {
+	out := env[:0:0]
+	for _, kv := range env {
+		k, _, _ := strings.Cut(kv, "=")
+		if _, ok := set[k]; ok || k == "LISTEN_FDS" || k == "LISTEN_FDNAMES" || k == "LISTEN_PID" {
+			continue
+		}
+		out = append(out, kv)
+	}
+	for k, v := range set {
+		out = append(out, k+"="+v)
+	}
+	return out
+}
+
+// HandoverFiles reads the descriptors a predecessor left (EnvHandoverFDs)
+// and clears the variable; names map to files. Descriptors that are not
+// open are skipped.
+func HandoverFiles() map[string]*os.File {
+	v := os.Getenv(EnvHandoverFDs)
+	_ = os.Unsetenv(EnvHandoverFDs)
+	if v == "" {
+		return nil
+	}
+	out := map[string]*os.File{}
+	for _, p := range strings.Split(v, ",") {
+		name, n, ok := strings.Cut(p, "=")
+		fd, err := strconv.Atoi(n)
+		if !ok || err != nil || fd < 3 || checkFDName(name) != nil {
+			continue
+		}
+		if _, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0); err != nil {
+			continue
+		}
+		unix.CloseOnExec(fd)
+		out[name] = os.NewFile(uintptr(fd), name)
+	}
+	return out
+}
+
+// handoverFromEnv sets up the bookkeeping of a daemon exec'd by its
+// predecessor.
+func (h *handover) fromEnv(vms int) {
+	gen, _ := strconv.Atoi(os.Getenv(EnvGeneration))
+	h.status.Generation = gen
+	if ns, err := strconv.ParseInt(os.Getenv(EnvHandoverStart), 10, 64); err == nil && ns > 0 {
+		h.start = time.Unix(0, ns)
+		h.resumePending = vms
+		h.status.VMs = vms
+	}
+	_ = os.Unsetenv(EnvHandoverStart)
+}
+
+// resumed records a VM's device served again after a hand-over.
+func (h *handover) resumed(continued, errored, lost int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.start.IsZero() {
+		return
+	}
+	h.status.Continued += continued
+	h.status.Errored += errored
+	h.status.Lost += lost
+	if h.resumePending--; h.resumePending <= 0 {
+		h.status.PauseMS = float64(time.Since(h.start).Microseconds()) / 1000
+		h.start = time.Time{}
+	}
+}
+
+// snapshot returns the hand-over status.
+func (h *handover) snapshot() HandoverStatus {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.status
+}
