@@ -310,8 +310,9 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 		guest("uk2", "10.79.0.2/24", upgradeScenario("10.79.0.2", "10.79.0.1", false)))
 	require.NoError(t, err)
 
-	pid := daemonPID(t)
-	require.NotZero(t, pid)
+	st0, err := ctl.Status(ctx)
+	require.NoError(t, err)
+	pid := st0.PID // in the container's PID namespace
 	upgrades := 0
 	upgrade := func(how string, args ...string) {
 		t.Helper()
