@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"sort"
@@ -260,6 +261,8 @@ type resumable struct {
 	files   map[string]int
 	pci     []byte
 	journal []byte
+	// rebuilt is called once the device is rebuilt (or cannot be).
+	rebuilt func()
 }
 
 // loadResumable gathers a VM's kept connection: its descriptors (taken
@@ -322,4 +325,57 @@ func (k *keeping) loadResumable(vm string) (*resumable, error) {
 		r.files[name] = fd
 	}
 	return &r, nil
+}
+
+// stateAddrs lists, in the state directory, the guests' GID addresses the
+// daemon put on the fabric netdev (IP mode): a restarted daemon adopts
+// them instead of taking them for the host's own.
+const stateAddrs = "addrs.json"
+
+// saveAddrs records the GID addresses the fabric holds for guests.
+func (d *Daemon) saveAddrs() {
+	am := d.fabric.addrs
+	if am == nil || !d.keep.active() {
+		return
+	}
+	var list []string
+	for _, a := range am.Owned() {
+		list = append(list, a.String())
+	}
+	sort.Strings(list)
+	b, _ := json.Marshal(list)
+	tmp := filepath.Join(d.keep.dir, "."+stateAddrs+".tmp")
+	if err := os.WriteFile(tmp, b, 0o600); err == nil {
+		_ = os.Rename(tmp, filepath.Join(d.keep.dir, stateAddrs))
+	}
+}
+
+// adoptAddrs takes back the GID addresses a previous daemon left.
+func (d *Daemon) adoptAddrs() {
+	am := d.fabric.addrs
+	if am == nil || !d.keep.active() {
+		return
+	}
+	b, err := os.ReadFile(filepath.Join(d.keep.dir, stateAddrs))
+	if err != nil {
+		return
+	}
+	var list []string
+	if json.Unmarshal(b, &list) != nil {
+		return
+	}
+	var addrs []netip.Addr
+	for _, s := range list {
+		if a, err := netip.ParseAddr(s); err == nil {
+			addrs = append(addrs, a)
+		}
+	}
+	n, err := am.Adopt(addrs)
+	if err != nil {
+		d.log.Warn("cannot adopt the GID addresses a previous daemon left", "err", err)
+		return
+	}
+	if n > 0 {
+		d.log.Info("adopted guests' GID addresses a previous daemon left on the fabric netdev", "count", n)
+	}
 }

@@ -166,6 +166,7 @@ func New(cfg Config) (*Daemon, error) {
 	}
 	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{}, keep: keep,
 		budget: vdev.NewBudget(cfg.MemoryBudget, nil), locked: vdev.NewBudget(cfg.MaxLockedMemory, nil), owners: newGIDOwners(), hostAddrs: hostAddrs, access: access}
+	d.adoptAddrs()
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
 			d.close()
@@ -204,6 +205,7 @@ func (d *Daemon) restore() {
 	}
 	d.mu.Unlock()
 	resumed := 0
+	var devices sync.WaitGroup // resumed devices rebuilt (their GIDs bound again)
 	for _, s := range sessions {
 		r, err := d.keep.loadResumable(s.name)
 		if err != nil {
@@ -212,9 +214,17 @@ func (d *Daemon) restore() {
 			continue
 		}
 		if r != nil {
-			s.resume(r)
+			devices.Add(1)
+			s.resume(r, devices.Done)
 			resumed++
 		}
+	}
+	if am := d.fabric.addrs; am != nil {
+		go func() {
+			devices.Wait()
+			am.DropUnreferenced()
+			d.saveAddrs()
+		}()
 	}
 	d.keep.dropInherited()
 	d.ho.fromEnv(resumed)
@@ -294,7 +304,11 @@ func (d *Daemon) close() {
 	for _, s := range vms {
 		s.stop()
 	}
-	if err := d.fabric.close(); err != nil {
+	// An orderly stop takes guests' GID addresses off the netdev, even when
+	// a successor takes the VMs (it adds them again as their GIDs are
+	// replayed): a stop cannot tell a restart from a stop. A crash or a
+	// hand-over (exec) leaves them for the successor to adopt.
+	if err := d.fabric.close(false); err != nil {
 		d.log.Warn("closing fabric", "err", err)
 	}
 }

@@ -249,9 +249,13 @@ func (f *fabric) gidBound(e hostverbs.GIDEntry, bound bool) error {
 	return f.addrs.Remove(e.GID.Addr())
 }
 
-func (f *fabric) close() error {
+// close releases the fabric. keepAddrs leaves guests' GID addresses on
+// the netdev for the next daemon (continuity.go).
+func (f *fabric) close(keepAddrs bool) error {
 	err := f.provider.Close()
-	if f.addrs != nil {
+	if f.addrs != nil && keepAddrs {
+		f.addrs.Leave()
+	} else if f.addrs != nil {
 		if aerr := f.addrs.Close(); err == nil {
 			err = aerr
 		}

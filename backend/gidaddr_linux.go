@@ -147,6 +147,57 @@ func (m *AddrManager) Owned() []netip.Addr {
 	return out
 }
 
+// Adopt takes as its own, unreferenced, the addresses of addrs that are on
+// the netdev: those a previous daemon added for guests' GIDs (the state
+// directory lists them). The guests' GIDs replayed into their devices
+// reference them again; DropUnreferenced removes the rest.
+func (m *AddrManager) Adopt(addrs []netip.Addr) (int, error) {
+	have, err := m.h.AddrList(m.link, netlink.FAMILY_ALL)
+	if err != nil {
+		return 0, fmt.Errorf("addresses of %s: %w", m.link.Attrs().Name, err)
+	}
+	on := map[netip.Addr]bool{}
+	for _, a := range have {
+		if ip, ok := netip.AddrFromSlice(a.IP); ok {
+			on[ip.Unmap()] = true
+		}
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	n := 0
+	for _, a := range addrs {
+		a = a.Unmap()
+		if _, ok := m.owned[a]; !ok && on[a] {
+			m.owned[a] = 0
+			n++
+		}
+	}
+	return n, nil
+}
+
+// DropUnreferenced removes the adopted addresses no GID took again.
+func (m *AddrManager) DropUnreferenced() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for a, n := range m.owned {
+		if n > 0 {
+			continue
+		}
+		delete(m.owned, a)
+		m.changes.Add(1)
+		_ = m.h.AddrDel(m.link, &netlink.Addr{IPNet: hostPrefix(a)})
+	}
+}
+
+// Leave closes the manager and leaves its addresses in place, for the
+// next daemon to adopt (a restart or hand-over keeps guests' GIDs).
+func (m *AddrManager) Leave() {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.owned = map[netip.Addr]int{}
+	m.h.Close()
+}
+
 // Close removes every address this manager added.
 func (m *AddrManager) Close() error {
 	m.mu.Lock()

@@ -258,3 +258,43 @@ func TestGIDNeighbourRefused(t *testing.T) {
 		require.NoError(t, bind("10.80.0.77"), "a free address")
 	})
 }
+
+// TestAddrManagerAdopt: a manager that leaves its addresses (a crash, a
+// hand-over) lets the next one adopt them: owned again, taken by a GID
+// bind without being added twice, and those no GID took are removed.
+func TestAddrManagerAdopt(t *testing.T) {
+	inNewNetns(t, func() {
+		veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}
+		if err := netlink.LinkAdd(veth); err != nil {
+			t.Errorf("veth: %v", err)
+			return
+		}
+		a, b := netip.MustParseAddr("10.77.0.1"), netip.MustParseAddr("10.77.0.2")
+		m, err := NewAddrManager("fab0")
+		require.NoError(t, err)
+		require.NoError(t, m.Add(a))
+		require.NoError(t, m.Add(b))
+		m.Leave()
+
+		n, err := NewAddrManager("fab0")
+		require.NoError(t, err)
+		got, err := n.Adopt([]netip.Addr{a, b, netip.MustParseAddr("10.77.0.3")})
+		require.NoError(t, err)
+		assert.Equal(t, 2, got, "only addresses still on the netdev")
+		assert.True(t, n.Owns(a), "adopted: the host does not claim it")
+		require.NoError(t, n.Add(a)) // the replayed GID bind
+		changes := n.Changes()
+		n.DropUnreferenced()
+		assert.Equal(t, changes+1, n.Changes(), "b, which no GID took again, is removed")
+		assert.True(t, n.Owns(a))
+		assert.False(t, n.Owns(b))
+		link, _ := netlink.LinkByName("fab0")
+		addrs, _ := netlink.AddrList(link, unix.AF_INET)
+		var left []string
+		for _, x := range addrs {
+			left = append(left, x.IP.String())
+		}
+		assert.Equal(t, []string{"10.77.0.1"}, left)
+		require.NoError(t, n.Close())
+	})
+}

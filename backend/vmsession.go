@@ -201,6 +201,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 			st := dev.Stats()
 			s.d.ho.resumed(restoredContinued(dev), int(st.RestoreErroredQPs), int(st.RestoreLostObjects))
 		}
+		pending.rebuilt()
 	} else {
 		dev, err = vdev.New(vcfg)
 	}
@@ -248,7 +249,9 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 }
 
 // resume serves a connection a previous daemon left in the store.
-func (s *vmSession) resume(r *resumable) {
+func (s *vmSession) resume(r *resumable, rebuilt func()) {
+	var once sync.Once
+	r.rebuilt = func() { once.Do(rebuilt) }
 	s.mu.Lock()
 	s.pending = r
 	s.mu.Unlock()
@@ -261,6 +264,7 @@ func (s *vmSession) resume(r *resumable) {
 		s.mu.Unlock()
 		if failed {
 			s.d.ho.resumed(0, 0, 0)
+			r.rebuilt()
 		}
 		if failed && !errors.Is(err, vfiouser.ErrServerClosed) {
 			s.log.Error("cannot resume the VM's connection: its QEMU sees it close", "err", err)
@@ -428,6 +432,7 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 		s.lim.Warn("gid-netdev", "GID on fabric netdev", "index", index, "gid", e.GID, "bound", bound, "err", err)
 		return
 	}
+	s.d.saveAddrs()
 	s.lim.Info(fmt.Sprintf("gid/%d", index), "GID", "index", index, "gid", e.GID, "type", e.Type, "bound", bound)
 }
 
