@@ -282,8 +282,8 @@ func (d *Daemon) close() {
 			exposed = append(exposed, s.name)
 		}
 	}
-	if d.keep.active() {
-		// The service manager (or a successor) takes every connection: leave them to it,
+	if d.keep.store != nil {
+		// The service manager holds every connection: leave them to it,
 		// with their state, for the next daemon.
 		for _, s := range vms {
 			s.leaveToStore()

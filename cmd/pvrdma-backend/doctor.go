@@ -223,13 +223,20 @@ func checkVMs(ctx context.Context, socketDir string) checkResult {
 	if len(connected) == 0 {
 		return ok(name, "the daemon serves %d VMs, none connected now", len(st.VMs))
 	}
+	restart := "a daemon restart, upgrade (systemctl reload) or crash keeps them (its state and their connections are kept)"
+	if !st.KeepsState {
+		restart = "a daemon stop, restart or crash leaves every connected VM's device dead until its QEMU is restarted " +
+			"(run the daemon as the packaged service, or serve --keep-state for live upgrades)"
+	}
 	if len(exposed) > 0 {
 		return warn(name, "start the VMs with the arguments qemu-args or libvirt-xml print (--qmp-monitor, --qemu-uid)",
-			"%d VMs connected; exposed: %s; a daemon stop or crash leaves every connected VM's device dead until its QEMU is restarted",
-			len(connected), strings.Join(exposed, "; "))
+			"%d VMs connected; exposed: %s; %s", len(connected), strings.Join(exposed, "; "), restart)
 	}
-	return ok(name, "%d VMs connected, each with a verified QMP monitor and its own QEMU uid; a daemon stop or crash leaves their devices dead until their QEMUs are restarted",
-		len(connected))
+	if !st.KeepsState {
+		return warn(name, "run the daemon as the packaged service (systemd keeps its VMs' connections), or serve --keep-state",
+			"%d VMs connected, each with a verified QMP monitor and its own QEMU uid; %s", len(connected), restart)
+	}
+	return ok(name, "%d VMs connected, each with a verified QMP monitor and its own QEMU uid; %s", len(connected), restart)
 }
 
 var qemuVersionRE = regexp.MustCompile(`QEMU emulator version (\d+)\.(\d+)(?:\.(\d+))?`)
