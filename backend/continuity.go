@@ -379,3 +379,28 @@ func (d *Daemon) adoptAddrs() {
 		d.log.Info("adopted guests' GID addresses a previous daemon left on the fabric netdev", "count", n)
 	}
 }
+
+// stateCounters holds a VM's counters at a hand-over, for its successor.
+const stateCounters = "counters.json"
+
+// saveCounters records a VM's counters for the successor of a hand-over.
+func (k *keeping) saveCounters(vm string, c map[string]uint64) {
+	if b, err := json.Marshal(c); err == nil {
+		_ = k.writeAtomic(vm, stateCounters, b)
+	}
+}
+
+// takeCounters reads and removes the counters a predecessor left.
+func (k *keeping) takeCounters(vm string) map[string]uint64 {
+	path := filepath.Join(k.vmDir(vm), stateCounters)
+	b, err := os.ReadFile(path)
+	_ = os.Remove(path)
+	if err != nil {
+		return nil
+	}
+	var c map[string]uint64
+	if json.Unmarshal(b, &c) != nil {
+		return nil
+	}
+	return c
+}

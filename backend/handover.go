@@ -182,6 +182,13 @@ func (d *Daemon) upgrade(binary string) error {
 		}
 	}
 
+	// The VMs' counters carry over.
+	for _, s := range vms {
+		if st := s.status(); st.Connected {
+			s.d.keep.saveCounters(s.name, st.Counters)
+		}
+	}
+
 	// The descriptors the new image takes.
 	var pairs []string
 	var fds []int
@@ -216,6 +223,9 @@ func (d *Daemon) upgrade(binary string) error {
 		"hold_and_drain", time.Since(start).Round(time.Microsecond))
 	err := syscall.Exec(binary, os.Args, env)
 	// Still here: the exec failed. Serve on.
+	for _, s := range vms {
+		s.d.keep.takeCounters(s.name)
+	}
 	setCloexec(fds)
 	release()
 	if d.keep.store != nil {

@@ -83,6 +83,9 @@ type vmConn struct {
 	keeper  *connKeeper
 	journal *journalFile
 	resumed bool
+	// base are the VM's counters as the predecessor left them (a live
+	// upgrade carries them over); status adds them.
+	base map[string]uint64
 
 	gmu  sync.Mutex
 	gids map[int]hostverbs.GIDEntry
@@ -231,6 +234,9 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		dev.Close()
 		verbs.Close()
 		return nil, fmt.Errorf("VM %s: %w", s.name, err)
+	}
+	if pending != nil {
+		c.base = s.d.keep.takeCounters(s.name)
 	}
 	if pending != nil && len(pending.pci) > 0 {
 		if err := fn.RestoreState(pending.pci); err != nil {
@@ -482,6 +488,10 @@ func (s *vmSession) status() VMStatus {
 				st.Counters["transport_"+k] = v
 			}
 		}
+	}
+	// Counted by the daemons this one took over from (a live upgrade).
+	for k, v := range c.base {
+		st.Counters[k] += v
 	}
 	return st
 }
