@@ -12,7 +12,7 @@ GO ?= go
 UNIT_TIMEOUT ?= 20m
 VM_TIMEOUT ?= 40m
 
-.PHONY: all build bin deps image test unit vmtest demo bench bench-vm bench-scale soak check clean-cache deb
+.PHONY: all build bin deps image test unit vmtest demo bench bench-vm bench-scale bench-handover soak check clean-cache deb
 
 all: build
 
@@ -80,6 +80,12 @@ bench:
 # to 16k, 16k, 64k): the creation rate of the first and last 1024, memory per object.
 bench-scale:
 	$(GO) test -run '^$$' -bench 'Scale|Objects' -benchtime 1x -timeout 30m ./tests/hostile
+
+# The guest-visible pause of a live upgrade (pvrdma-backend upgrade) with 2, 8 and 32
+# VMs of the fake driver streaming WRITEs, a probe's longest WRITE across it against
+# its median in the same run, and the RC QPs that kept their connections.
+bench-handover:
+	$(GO) test -run '^$$' -bench 'Handover' -benchtime 1x -timeout 10m ./tests/hostile
 
 # A longer soak than the test suite's 200 sessions: VM sessions in a row
 # (connect, traffic, disconnect), then goroutines, fds, locked memory and RSS
