@@ -49,10 +49,10 @@ type conn struct {
 	keep    *keepState
 	keepOff atomic.Bool
 	// gate is the server's hold (Server.Hold).
-	gate *holdGate
-	mem     *guestmem.Memory
-	irqs    *IRQs
-	calls   callTable
+	gate  *holdGate
+	mem   *guestmem.Memory
+	irqs  *IRQs
+	calls callTable
 
 	// Negotiated state, owned by the serve goroutine.
 	negotiated bool
