@@ -314,8 +314,17 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 	require.NoError(t, err)
 	pid := st0.PID // in the container's PID namespace
 	upgrades := 0
+	doorbells := func(st backend.Status) map[string]uint64 {
+		m := map[string]uint64{}
+		for _, v := range st.VMs {
+			m[v.Name] = v.Counters["doorbells"]
+		}
+		return m
+	}
 	upgrade := func(how string, args ...string) {
 		t.Helper()
+		pre, err := ctl.Status(ctx)
+		require.NoError(t, err)
 		out, err := c.inContainer(t, args...)
 		require.NoError(t, err, "%s:\n%s", how, out)
 		st, err := ctl.Status(ctx)
@@ -324,6 +333,9 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 		upgrades++
 		require.Equal(t, upgrades, st.Handover.Generation, "%s:\n%s", how, out)
 		assert.Equal(t, pid, st.PID, "the daemon keeps its process (exec)")
+		for vm, n := range doorbells(pre) {
+			assert.GreaterOrEqual(t, doorbells(st)[vm], n, "%s: the counters carry over", vm)
+		}
 		t.Logf("hand-over %d (%s): pause %.1f ms, %d VMs, RC QPs kept %d, errored %d, objects lost %d", upgrades, how,
 			st.Handover.PauseMS, st.Handover.VMs, st.Handover.Continued, st.Handover.Errored, st.Handover.Lost)
 		assert.Zero(t, st.Handover.Errored, "no RC QP errored by a planned hand-over")
