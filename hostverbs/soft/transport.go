@@ -71,6 +71,8 @@ const (
 	transportCommEst = 1
 )
 
+var _ hostverbs.TransportSaver = (*qp)(nil)
+
 // transportState is a decoded blob.
 type transportState struct {
 	state                  hostverbs.QPState

@@ -20,8 +20,6 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 )
 
-var _ hostverbs.TransportSaver = (*qp)(nil)
-
 // createRCQPN is createRC with the QPN the QP must get.
 func createRCQPN(t testing.TB, e *endpoint, o rcOpts, qpn uint32) hostverbs.QP {
 	t.Helper()
