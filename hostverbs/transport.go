@@ -23,8 +23,10 @@ type SendDrainer interface {
 // The sequence is: the QP's sends drain (SendsDrained), SaveTransport
 // freezes the QP and returns its state; the new process creates a QP with
 // the same QPN (QPInitAttr.QPN), replays the MODIFY_QPs that brought the
-// old one to its state, calls RestoreTransport before posting any work,
-// then posts the receives and sends the old QP had not completed.
+// old one to its state, calls RestoreTransport before posting any send,
+// then posts the receives and sends the old QP had not completed. The
+// memory regions the peer uses must be registered again with the same
+// keys (a duplicate READ is answered from them).
 type TransportSaver interface {
 	SendDrainer
 	// SaveTransport returns the QP's transport state as a versioned,
@@ -47,10 +49,12 @@ type TransportSaver interface {
 	// RestoreTransport applies state, which SaveTransport returned for a
 	// QP with the same QPN, type, destination QPN, state and resources
 	// (max_dest_rd_atomic), to this QP, created with that QPN and brought
-	// to that state by the same MODIFY_QPs, before any work is posted to
-	// it. state is untrusted: a blob of another version or length, or
-	// whose values are out of range or inconsistent with each other or
-	// with the QP, fails with an error wrapping ErrInvalid (ErrBusy if
-	// work was posted already) and leaves the QP untouched.
+	// to that state by the same MODIFY_QPs, before any send is posted to
+	// it (receives may be posted before or after). state is untrusted: a
+	// blob of another version or length, or whose values are out of range
+	// or inconsistent with each other or with the QP, fails with an error
+	// wrapping ErrInvalid (ErrBusy if sends were posted or requests
+	// received already, ErrNotSupported for a QP without transport state)
+	// and leaves the QP untouched.
 	RestoreTransport(state []byte) error
 }
