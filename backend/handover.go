@@ -62,13 +62,6 @@ type HandoverStatus struct {
 	FailedAtMS float64 `json:"-"`
 }
 
-// transportSaver is what a device offers a hand-over: a drain check and
-// the journaling of its RC QPs' transport state.
-type transportSaver interface {
-	SendsDrained() bool
-	SaveTransports() (int, error)
-}
-
 // handover is the daemon's hand-over bookkeeping.
 type handover struct {
 	mu      sync.Mutex
@@ -155,31 +148,63 @@ func (d *Daemon) upgrade(binary string) error {
 		}
 		s.mu.Unlock()
 	}
+	// Drain: with every guest held no send starts; those under way
+	// complete as their peers (alive, not frozen) acknowledge them. Only
+	// then is any QP's transport state saved: a saved QP freezes (drops
+	// what it receives until the next image restores it), so saving one
+	// while a peer still sends to it would keep that peer from draining.
 	deadline := time.Now().Add(drainWait)
 	for {
 		busy := 0
 		for _, c := range conns {
-			if ts, ok := any(c.dev).(transportSaver); ok && !ts.SendsDrained() {
+			if !c.dev.SendsDrained() {
 				busy++
 			}
 		}
-		if busy == 0 || time.Now().After(deadline) {
-			if busy > 0 {
-				d.log.Warn("hand-over: some VMs' sends did not drain; their RC QPs come back in the error state", "vms", busy)
-			}
+		if busy == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			d.log.Warn("hand-over: sends of some VMs did not drain; their busy RC QPs come back in the error state", "vms", busy)
 			break
 		}
 		time.Sleep(time.Millisecond)
 	}
+	// Save; a QP still busy (a remote peer sending to it) is tried again
+	// for a moment, then comes back in the error state.
 	saved := 0
-	for _, c := range conns {
-		if ts, ok := any(c.dev).(transportSaver); ok {
-			n, err := ts.SaveTransports()
-			saved += n
+	retryUntil := time.Now().Add(200 * time.Millisecond)
+	pending := conns
+	for len(pending) > 0 {
+		var again []*vmConn
+		for _, c := range pending {
+			rep, err := c.dev.SaveTransports()
+			saved += rep.Saved
 			if err != nil {
-				d.log.Warn("hand-over: transport state not saved for some QPs; they come back in the error state", "err", err)
+				d.log.Warn("hand-over: no transport state saved; the VM's RC QPs come back in the error state", "err", err)
+				continue
+			}
+			if len(rep.Failed) == 0 {
+				continue
+			}
+			if time.Now().Before(retryUntil) {
+				again = append(again, c)
+				continue
+			}
+			for h, ferr := range rep.Failed {
+				d.log.Warn("hand-over: an RC QP comes back in the error state", "qp_handle", h, "err", ferr)
 			}
 		}
+		pending = again
+		if len(pending) > 0 {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	abort := func() {
+		for _, c := range conns {
+			c.dev.ResumeTransports()
+		}
+		release()
 	}
 
 	// The VMs' counters carry over.
@@ -207,7 +232,7 @@ func (d *Daemon) upgrade(binary string) error {
 	for _, fd := range fds {
 		if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFD, 0); err != nil {
 			setCloexec(fds)
-			release()
+			abort()
 			return fmt.Errorf("keep descriptor %d across exec: %w", fd, err)
 		}
 	}
@@ -227,7 +252,7 @@ func (d *Daemon) upgrade(binary string) error {
 		s.d.keep.takeCounters(s.name)
 	}
 	setCloexec(fds)
-	release()
+	abort()
 	if d.keep.store != nil {
 		_, _ = daemon.SdNotify(false, daemon.SdNotifyReady)
 	}

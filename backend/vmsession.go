@@ -202,7 +202,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		dev, err = s.restoreDevice(vcfg, pending.journal)
 		if err == nil {
 			st := dev.Stats()
-			s.d.ho.resumed(restoredContinued(dev), int(st.RestoreErroredQPs), int(st.RestoreLostObjects))
+			s.d.ho.resumed(int(st.RestoreContinuedQPs), int(st.RestoreErroredQPs), int(st.RestoreLostObjects))
 		}
 		pending.rebuilt()
 	} else {
@@ -318,7 +318,7 @@ func (s *vmSession) restoreDevice(cfg vdev.Config, journal []byte) (*vdev.Device
 		return vdev.New(cfg)
 	}
 	s.log.Info("device rebuilt from its journal", "took", time.Since(start).Round(time.Microsecond),
-		"records", rep.Records, "rebuilt", fmt.Sprintf("%+v", rep.Rebuilt), "qps_errored", rep.Errored,
+		"records", rep.Records, "rebuilt", fmt.Sprintf("%+v", rep.Rebuilt), "qps_continued", rep.Continued, "qps_errored", rep.Errored,
 		"lost", fmt.Sprintf("%+v", rep.Lost), "torn", rep.Torn)
 	for _, n := range rep.Notes {
 		s.log.Warn("device restore", "note", n)
@@ -605,12 +605,4 @@ func (r *eventRelay) deliver(ev hostverbs.AsyncEvent) {
 	if d != nil {
 		d.HandleEvent(ev)
 	}
-}
-
-// restoredContinued is the number of RC QPs a restore kept connected.
-func restoredContinued(dev *vdev.Device) int {
-	if c, ok := any(dev).(interface{ RestoredContinued() int }); ok {
-		return c.RestoredContinued()
-	}
-	return 0
 }

@@ -151,9 +151,10 @@ type Stats struct {
 	// RestoredObjects counts the objects (contexts, PDs, MRs, CQs, QPs,
 	// SRQs, GIDs) Restore rebuilt under the guest's handles;
 	// RestoreErroredQPs the QPs it moved to ERR (RC and SRQ QPs that were
-	// past RESET); RestoreLostObjects those the provider could not take
-	// back (handles kept, errors raised).
-	RestoredObjects, RestoreErroredQPs, RestoreLostObjects uint64
+	// past RESET); RestoreContinuedQPs the RC QPs it restored with their
+	// transport state (a planned hand-over); RestoreLostObjects those the
+	// provider could not take back (handles kept, errors raised).
+	RestoredObjects, RestoreErroredQPs, RestoreContinuedQPs, RestoreLostObjects uint64
 }
 
 type counters struct {
@@ -171,7 +172,7 @@ type counters struct {
 	gidRefusals                    atomic.Uint64
 	journalRecords                 atomic.Uint64
 	restored, restoreErrored       atomic.Uint64
-	restoreLost                    atomic.Uint64
+	restoreContinued, restoreLost  atomic.Uint64
 }
 
 // Device is one PVRDMA function serving one VM.
@@ -239,6 +240,9 @@ type Device struct {
 	seq     uint64
 	// rp is the restore in progress (nil but inside Restore).
 	rp *replayer
+	// handover: SaveTransports journaled transport states that are still
+	// valid (handover.go).
+	handover bool
 
 	// Scratch space for the BAR goroutine (guarded by mu): command slots
 	// and one WQE at a time.
@@ -316,7 +320,8 @@ func (d *Device) Stats() Stats {
 		Interrupts: s.interrupts.Load(), MaskedInterrupts: s.maskedInterrupts.Load(),
 		BadBARAccesses: s.badBARAccesses.Load(), GIDRefusals: s.gidRefusals.Load(),
 		JournalRecords: s.journalRecords.Load(), RestoredObjects: s.restored.Load(),
-		RestoreErroredQPs: s.restoreErrored.Load(), RestoreLostObjects: s.restoreLost.Load(),
+		RestoreErroredQPs: s.restoreErrored.Load(), RestoreContinuedQPs: s.restoreContinued.Load(),
+		RestoreLostObjects: s.restoreLost.Load(),
 	}
 }
 
@@ -350,13 +355,15 @@ func (d *Device) SetAdoptRings(on bool) bool {
 // the guest had rung all their doorbells: after a rebuild over adopted
 // rings (SetAdoptRings) it posts the work the guest posted before the
 // crash, which no doorbell will announce again. It does nothing before
-// the guest loaded a DSR.
+// the guest loaded a DSR. A hand-over in progress ends first
+// (ResumeTransports).
 func (d *Device) KickQueues() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed || d.dsr == nil {
 		return
 	}
+	d.resumeTransportsLocked()
 	d.qps.each(func(_ uint32, q *qp) {
 		d.postRecvs(q)
 		d.postSends(q)
@@ -397,6 +404,7 @@ func (d *Device) Close() error {
 // resetLocked drops all state. Objects go in dependency order so the
 // provider never sees a busy PD or CQ.
 func (d *Device) resetLocked() {
+	d.handover = false // the QPs go: nothing to resume
 	d.qps.each(func(h uint32, q *qp) { d.destroyQP(q) })
 	d.srqs.each(func(h uint32, s *srq) { d.destroySRQ(s) })
 	d.cqs.each(func(h uint32, c *cq) { d.destroyCQ(c) })

@@ -36,6 +36,13 @@
 // guest (Restore, restore.go): same handles, QPNs and keys, rings adopted
 // where the guest memory has them.
 //
+// Planned hand-over (handover.go): with the guest's doorbells and commands
+// stopped, a daemon waits for SendsDrained, journals the transport state of
+// the connected RC QPs (SaveTransports) and execs its successor, whose
+// Restore gives the new provider QPs that state back: those QPs keep their
+// connections instead of going to ERR. ResumeTransports, or the guest's
+// next BAR write, abandons a hand-over.
+//
 // Concurrency: BAR accesses (ReadBAR/WriteBAR) of one device arrive in
 // order from one goroutine, are serialised by the device and run
 // synchronously (a doorbell drains the ring and posts to the provider

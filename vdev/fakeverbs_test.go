@@ -1,6 +1,7 @@
 package vdev
 
 import (
+	"encoding/binary"
 	"fmt"
 	"sync"
 	"testing"
@@ -31,10 +32,13 @@ type fakeVerbs struct {
 	// noForce refuses QPInitAttr.QPN and MRAttr keys with ErrNotSupported,
 	// as the ibverbs relay does.
 	noForce bool
-	keys    map[uint32]bool // keys of live MRs
-	qps     []*fakeQP
-	srqs    []*fakeSRQ
-	mrs     []*fakeMR
+	// noTransport makes SaveTransport and RestoreTransport fail with
+	// ErrNotSupported.
+	noTransport bool
+	keys        map[uint32]bool // keys of live MRs
+	qps         []*fakeQP
+	srqs        []*fakeSRQ
+	mrs         []*fakeMR
 }
 
 func newFakeVerbs() *fakeVerbs {
@@ -284,6 +288,11 @@ type fakeQP struct {
 	outSends, outRecvs []uint64
 	dead               bool
 	wc                 hostverbs.WorkCompletion
+	// xport stands for the QP's transport state (PSNs): SaveTransport
+	// saves it, RestoreTransport sets it; frozen is set between
+	// SaveTransport and ResumeTransport (or a post or modify).
+	xport  uint64
+	frozen bool
 }
 
 func (q *fakeQP) QPN() uint32 { return q.qpn }
@@ -294,6 +303,7 @@ func (q *fakeQP) Modify(attr *hostverbs.QPAttr, mask hostverbs.AttrMask) error {
 	if err := q.f.check("Modify"); err != nil {
 		return err
 	}
+	q.frozen = false
 	if mask&hostverbs.AttrState != 0 {
 		switch {
 		case attr.State == hostverbs.QPStateReset:
@@ -336,6 +346,7 @@ func (q *fakeQP) PostSend(wr *hostverbs.SendWR) error {
 	if err := q.f.check("PostSend"); err != nil {
 		return err
 	}
+	q.frozen = false
 	if q.f.queueCap > 0 && len(q.sends) >= q.f.queueCap {
 		return hostverbs.ErrQueueFull
 	}
@@ -357,6 +368,7 @@ func (q *fakeQP) PostRecv(wr *hostverbs.RecvWR) error {
 	if err := q.f.check("PostRecv"); err != nil {
 		return err
 	}
+	q.frozen = false
 	if q.f.queueCap > 0 && len(q.recvs) >= q.f.queueCap {
 		return hostverbs.ErrQueueFull
 	}
@@ -445,6 +457,63 @@ func (q *fakeQP) complete(recv bool, wc hostverbs.WorkCompletion) {
 		cq = q.init.RecvCQ.(*fakeCQ)
 	}
 	cq.attr.Handler.Complete(&wc)
+}
+
+// The fake's transport state: "FAKETS", the QPN (u32), the QP state (u8)
+// and xport (u64).
+const fakeTSLen = 6 + 4 + 1 + 8
+
+// SendsDrained reports whether the fake holds no send.
+func (q *fakeQP) SendsDrained() bool {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	return len(q.outSends) == 0
+}
+
+// SaveTransport saves xport of an RC QP that holds no send and freezes it.
+func (q *fakeQP) SaveTransport() ([]byte, error) {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	switch err := q.f.check("SaveTransport"); {
+	case err != nil:
+		return nil, err
+	case q.f.noTransport || q.init.Type != hostverbs.QPTypeRC:
+		return nil, fmt.Errorf("fake save transport: %w", hostverbs.ErrNotSupported)
+	case len(q.outSends) > 0:
+		return nil, fmt.Errorf("fake save transport: %d sends: %w", len(q.outSends), hostverbs.ErrBusy)
+	}
+	q.frozen = true
+	b := append([]byte("FAKETS"), 0, 0, 0, 0, byte(q.attr.State), 0, 0, 0, 0, 0, 0, 0, 0)
+	binary.LittleEndian.PutUint32(b[6:], q.qpn)
+	binary.LittleEndian.PutUint64(b[11:], q.xport)
+	return b, nil
+}
+
+// ResumeTransport unfreezes the QP.
+func (q *fakeQP) ResumeTransport() {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	q.frozen = false
+}
+
+// RestoreTransport checks a state as untrusted and sets xport.
+func (q *fakeQP) RestoreTransport(b []byte) error {
+	q.f.mu.Lock()
+	defer q.f.mu.Unlock()
+	switch err := q.f.check("RestoreTransport"); {
+	case err != nil:
+		return err
+	case q.f.noTransport:
+		return fmt.Errorf("fake restore transport: %w", hostverbs.ErrNotSupported)
+	case len(b) != fakeTSLen || string(b[:6]) != "FAKETS":
+		return fmt.Errorf("fake restore transport: %d bytes: %w", len(b), hostverbs.ErrInvalid)
+	case binary.LittleEndian.Uint32(b[6:]) != q.qpn || hostverbs.QPState(b[10]) != q.attr.State:
+		return fmt.Errorf("fake restore transport: another QP's: %w", hostverbs.ErrInvalid)
+	case len(q.outSends) > 0:
+		return fmt.Errorf("fake restore transport: %w", hostverbs.ErrBusy)
+	}
+	q.xport = binary.LittleEndian.Uint64(b[11:])
+	return nil
 }
 
 type fakeSRQ struct {

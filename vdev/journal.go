@@ -32,6 +32,13 @@ import (
 //   - checkpoint: a u32 count; that many records follow with the snapshot
 //     flag and the checkpoint's sequence number: a compact stream equal in
 //     effect to every record up to that number (Checkpoint).
+//   - transport: a u8 payload version (1), 3 bytes 0, a u32 QP handle and
+//     the provider's transport state of that RC QP (SaveTransports, for a
+//     hand-over to another process; handover.go). Valid only while every
+//     record after it is a transport record; a checkpoint taken during a
+//     hand-over holds them last. Payload up to 8 KiB.
+//   - hand-over abort: no payload; the transport records before it are
+//     void (ResumeTransports, or the guest's next BAR write).
 //
 // Records the device emits are numbered 1, 2, ... (a restored device
 // continues the journal's numbering). Restore accepts a stream that either
@@ -48,9 +55,11 @@ const (
 	recHdrSize    = 24
 	maxRecPayload = 1024
 
-	recCommand    = 1
-	recRegister   = 2
-	recCheckpoint = 3
+	recCommand       = 1
+	recRegister      = 2
+	recCheckpoint    = 3
+	recTransport     = 4
+	recHandoverAbort = 5
 
 	recFlagSnapshot = 1
 )
@@ -360,7 +369,8 @@ func mergeModify(t hostverbs.QPType, from hostverbs.QPState, dst, src []byte) ([
 // registers, the bound GIDs and the live objects' create records in
 // dependency order (contexts, PDs, CQs with their last resize, MRs, SRQs
 // with their last modify, QPs with the modifies that lead to their
-// state). It costs O(live objects). Written to a new file, it replaces the
+// state), then during a hand-over the transport records SaveTransports
+// wrote. It costs O(live objects). Written to a new file, it replaces the
 // journal; records the sink receives from the moment Checkpoint is called
 // are appended after it (Restore skips those the checkpoint already
 // holds, by their numbers).
@@ -437,6 +447,15 @@ func (d *Device) Checkpoint() []byte {
 				Attrs: QPAttr{State: uint32(hostverbs.QPStateErr)}}, nil)
 		}
 	})
+	if d.handover {
+		// A hand-over in progress: its transport records come last,
+		// where Restore takes them.
+		d.qps.each(func(_ uint32, q *qp) {
+			if q.transport != nil {
+				put(recTransport, q.transport)
+			}
+		})
+	}
 	var cnt [4]byte
 	binary.LittleEndian.PutUint32(cnt[:], n)
 	copy(out[recHdrSize:], cnt[:])

@@ -38,6 +38,10 @@ type qp struct {
 	// that lead to its state (Checkpoint; guarded by Device.mu).
 	rec  []byte
 	mods []qpMod
+	// transport is the payload of the transport record SaveTransports
+	// wrote for a hand-over still pending (Device.handover; guarded by
+	// Device.mu).
+	transport []byte
 }
 
 // context is the provider-side context of the QP: handle and a

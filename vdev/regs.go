@@ -94,6 +94,9 @@ func (d *Device) WriteBAR(bar int, off uint64, p []byte) error {
 	if d.closed {
 		return ErrClosed
 	}
+	// The guest goes on: a hand-over in progress is abandoned before
+	// anything it does changes the device.
+	d.resumeTransportsLocked()
 	if bar == UARBAR {
 		d.doorbell(off, v)
 		return nil

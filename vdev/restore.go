@@ -5,6 +5,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"syscall"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
@@ -44,9 +46,16 @@ type RestoreReport struct {
 	Rebuilt ObjectCounts
 	// Errored is the number of QPs Restore moved to ERR, each with a
 	// QP_FATAL event, its outstanding work requests flushed: RC QPs and
-	// QPs on an SRQ that were past RESET (their peers' state is gone), and
-	// QPs whose replayed MODIFY_QP the device or provider refused.
+	// QPs on an SRQ that were past RESET (their peers' state is gone)
+	// but those continued, and QPs whose replayed MODIFY_QP the device or
+	// provider refused.
 	Errored int
+	// Continued is the number of RC QPs that kept their connection: the
+	// journal ends with their transport state (SaveTransports, a planned
+	// hand-over), which the provider took back. They stay in their state
+	// without an event; their outstanding receives and the sends the old
+	// device had not posted are posted.
+	Continued int
 	// Lost counts the objects Restore could not rebuild: the provider
 	// refused them (it cannot take given QPNs or keys, or lacks
 	// resources), their guest memory no longer holds what they need, or
@@ -73,9 +82,14 @@ const maxNotes = 32
 // other damage or contradiction fails with an error wrapping ErrJournal.
 //
 // Afterwards RC QPs and QPs on an SRQ that were past RESET are moved to
-// ERR with a QP_FATAL event and their outstanding work requests flushed;
-// UD and GSI QPs keep their state and their outstanding work requests are
-// posted. Objects the provider cannot take back are kept as lost (see
+// ERR with a QP_FATAL event and their outstanding work requests flushed,
+// but for RC QPs whose transport state the journal ends with (a planned
+// hand-over: SaveTransports, and no record after it but other transport
+// records): the provider QP gets that state back (RestoreTransport) and
+// the QP keeps its state and connection (RestoreReport.Continued; one the
+// provider refuses goes to ERR, with a note); UD and GSI QPs keep their
+// state. The outstanding work requests of the QPs that keep their state
+// are posted. Objects the provider cannot take back are kept as lost (see
 // RestoreReport.Lost). Every CQ is armed, and one holding unread CQEs
 // notified, so that no waiter misses a notification lost in the crash.
 //
@@ -98,6 +112,9 @@ func Restore(cfg Config, journal []byte) (*Device, RestoreReport, error) {
 	rp := newReplayer(d, &rep, recs)
 	d.rp = rp
 	for i, r := range recs {
+		if r.typ != recTransport && len(rp.transport) > 0 {
+			rp.voidTransports(r)
+		}
 		if err := rp.apply(i, r); err != nil {
 			d.rp = nil
 			d.resetLocked()
@@ -143,8 +160,8 @@ func parseJournal(b []byte, rep *RestoreReport) ([]jrec, uint64, error) {
 			return nil, 0, fmt.Errorf("byte %d: no record: %w", off, ErrJournal)
 		case h.version != JournalVersion:
 			return nil, 0, fmt.Errorf("byte %d: record format version %d (this is %d): %w", off, h.version, JournalVersion, ErrJournal)
-		case h.length > maxRecPayload:
-			return nil, 0, fmt.Errorf("byte %d: record of %d bytes (at most %d): %w", off, h.length, maxRecPayload, ErrJournal)
+		case h.length > recPayloadLimit(h.typ):
+			return nil, 0, fmt.Errorf("byte %d: record of %d bytes (at most %d): %w", off, h.length, recPayloadLimit(h.typ), ErrJournal)
 		}
 		end := recHdrSize + int(h.length)
 		if end > len(rest) {
@@ -178,10 +195,10 @@ func parseJournal(b []byte, rep *RestoreReport) ([]jrec, uint64, error) {
 			snapLeft = int(binary.LittleEndian.Uint32(r.payload))
 			last = r.seq
 			continue
-		case r.typ != recCommand && r.typ != recRegister:
+		case r.typ != recCommand && r.typ != recRegister && r.typ != recTransport && r.typ != recHandoverAbort:
 			return nil, 0, fmt.Errorf("byte %d: record type %d: %w", r.off, r.typ, ErrJournal)
 		case r.flags == recFlagSnapshot:
-			if snapLeft == 0 || r.seq != last {
+			if snapLeft == 0 || r.seq != last || r.typ == recHandoverAbort {
 				return nil, 0, fmt.Errorf("byte %d: snapshot record outside its checkpoint: %w", r.off, ErrJournal)
 			}
 			snapLeft--
@@ -210,6 +227,14 @@ func parseJournal(b []byte, rep *RestoreReport) ([]jrec, uint64, error) {
 	return out, last, nil
 }
 
+// recPayloadLimit is the largest payload a record of type typ may have.
+func recPayloadLimit(typ uint8) uint32 {
+	if typ == recTransport {
+		return maxTransportPayload
+	}
+	return maxRecPayload
+}
+
 func allZero(b []byte) bool {
 	for _, c := range b {
 		if c != 0 {
@@ -236,11 +261,15 @@ type replayer struct {
 	cqEff     map[int]uint32    // CREATE_CQ record index -> CQEs after its last resize
 	broken    map[uint32]error  // QPs a replayed MODIFY_QP failed on
 	gidLost   map[uint32]string // GID indices whose binding was refused
-	extra     int               // notes left out
+	// transport holds, by QP handle, the transport states of the
+	// transport records the journal ends with so far.
+	transport map[uint32][]byte
+	extra     int // notes left out
 }
 
 func newReplayer(d *Device, rep *RestoreReport, recs []jrec) *replayer {
-	rp := &replayer{d: d, rep: rep, cqEff: map[int]uint32{}, broken: map[uint32]error{}, gidLost: map[uint32]string{}}
+	rp := &replayer{d: d, rep: rep, cqEff: map[int]uint32{}, broken: map[uint32]error{}, gidLost: map[uint32]string{},
+		transport: map[uint32][]byte{}}
 	// A CQ's ring runs with the size of its last RESIZE_CQ: the ring is
 	// adopted with that geometry when the CQ is created (its prod_tail is
 	// only valid for it), the resizes then change the provider CQ only.
@@ -290,8 +319,16 @@ func (rp *replayer) note(format string, args ...any) {
 }
 
 func (rp *replayer) apply(i int, r jrec) error {
-	if r.typ == recRegister {
+	switch r.typ {
+	case recRegister:
 		return rp.register(r.payload)
+	case recTransport:
+		return rp.transportRecord(r.payload)
+	case recHandoverAbort:
+		if len(r.payload) != 0 {
+			return fmt.Errorf("hand-over abort record of %d bytes: %w", len(r.payload), ErrJournal)
+		}
+		return nil
 	}
 	return rp.command(i, r.payload)
 }
@@ -740,6 +777,11 @@ func (rp *replayer) finish() {
 		}
 		rep.Rebuilt.SRQ++
 	})
+	toErr := func(h uint32, q *qp) {
+		d.errorQP(q)
+		d.pushEvent(uint32(hostverbs.EventQPFatal), h)
+		rep.Errored++
+	}
 	d.qps.each(func(h uint32, q *qp) {
 		st := q.State()
 		switch {
@@ -751,14 +793,19 @@ func (rp *replayer) finish() {
 		case st == hostverbs.QPStateReset || st == hostverbs.QPStateErr:
 		case rp.broken[h] != nil:
 			rp.note("QP %d moved to ERR: %v", h, rp.broken[h])
-			fallthrough
+			toErr(h, q)
+		case rp.continueQP(h, q):
+			rep.Continued++
 		case q.typ == hostverbs.QPTypeRC || q.srq != nil:
-			d.errorQP(q)
-			d.pushEvent(uint32(hostverbs.EventQPFatal), h)
-			rep.Errored++
+			toErr(h, q)
 		}
 		rep.Rebuilt.QP++
 	})
+	for _, h := range slices.Sorted(maps.Keys(rp.transport)) {
+		if q, ok := d.qps.get(h); ok {
+			rp.note("transport state of QP %d ignored: the QP is in %v", h, q.State())
+		}
+	}
 	// Work the guest posted that the dead device had not consumed: posted
 	// now, or flushed in ERR.
 	d.qps.each(func(_ uint32, q *qp) {
@@ -797,9 +844,10 @@ func (rp *replayer) finish() {
 	}
 	d.stats.restored.Add(uint64(rep.Rebuilt.Total()))
 	d.stats.restoreErrored.Add(uint64(rep.Errored))
+	d.stats.restoreContinued.Add(uint64(rep.Continued))
 	d.stats.restoreLost.Add(uint64(rep.Lost.Total()))
 	d.log.Info("pvrdma: device restored from its journal", "records", rep.Records, "torn", rep.Torn,
-		"rebuilt", rep.Rebuilt.Total(), "errored_qps", rep.Errored, "lost", rep.Lost.Total())
+		"rebuilt", rep.Rebuilt.Total(), "errored_qps", rep.Errored, "continued_qps", rep.Continued, "lost", rep.Lost.Total())
 }
 
 // The handlers' side of a restore.

@@ -28,7 +28,7 @@ func restoreSeeds(w *world) map[string][]byte {
 	wrongVersion[4]++
 	reseal(wrongVersion, 0)
 	midOff, _ := recordAt(journal, countRecords(journal)/2)
-	return map[string][]byte{
+	seeds := map[string][]byte{
 		"journal":        journal,
 		"checkpoint":     cp,
 		"torn":           journal[:len(journal)-5],
@@ -36,6 +36,15 @@ func restoreSeeds(w *world) map[string][]byte {
 		"checkpoint-cut": cp[:len(cp)/2],
 		"wrong-version":  wrongVersion,
 	}
+	// A hand-over: the RC QP's transport state ends the journal and the
+	// checkpoint (the world's device then goes on).
+	if _, err := w.g.dev.SaveTransports(); err == nil {
+		seeds["handover"] = w.j.bytes()
+		seeds["handover-checkpoint"] = w.g.dev.Checkpoint()
+		w.g.dev.ResumeTransports()
+		seeds["handover-aborted"] = w.j.bytes()
+	}
+	return seeds
 }
 
 // FuzzRestore feeds Restore arbitrary journals over the guest memory of a

@@ -52,6 +52,10 @@ func (q *qp) receiveResponse(tx *txBatch, p *packet) {
 		q.dev.ctrs.inc(cntDropQPState)
 		return
 	}
+	if q.frozen.Load() {
+		q.dev.ctrs.inc(cntDropHandedOver)
+		return
+	}
 	if p.src != q.attr.AV.DGID || p.dst != q.sgid {
 		q.dev.ctrs.inc(cntDropAddress)
 		return
@@ -77,7 +81,12 @@ func (q *qp) checkSQDrained() {
 
 func (q *qp) complete(tx *txBatch, p *packet) {
 	info := p.info
-	if !p.psn.Before(q.req.sentHigh) {
+	// A PSN sequence NAK names the responder's expected PSN: at most one
+	// past what we sent, which says that it has everything (a responder
+	// whose transport state was restored after a hand-over sends one at
+	// once, RestoreTransport). Any other response names a PSN we sent.
+	nakAll := p.psn == q.req.sentHigh && p.op == roce.RCAcknowledge && p.syn == roce.NAKPSNSequenceError
+	if !p.psn.Before(q.req.sentHigh) && !nakAll {
 		q.dev.ctrs.inc(cntDropResponse) // responds to nothing we sent
 		return
 	}
@@ -214,6 +223,15 @@ func (q *qp) compAck(tx *txBatch, p *packet, w *sendWQE) {
 		switch p.syn {
 		case roce.NAKPSNSequenceError:
 			q.dev.ctrs.inc(cntRxNAKSeq)
+			if w.isReadOrAtomic() {
+				// The responder has the requests before p.psn, but the
+				// head's READ responses or atomic result are not here:
+				// a NAK acknowledges no response data. Ask again from
+				// the oldest missing one (a duplicate the responder
+				// answers from its resources).
+				q.retry(tx, q.comp.psn, false)
+				return
+			}
 			if p.psn.After(q.comp.psn) {
 				// The NAK acknowledges everything before its PSN: that
 				// is progress, and a new gap deserves its own retry.
@@ -375,7 +393,7 @@ func (q *qp) onCNP(p *packet) {
 	defer q.sqMu.Unlock()
 	cc := &q.dev.f.cc
 	switch {
-	case q.dead || cc.Disabled:
+	case q.dead || cc.Disabled, q.frozen.Load():
 	case q.state != hostverbs.QPStateRTS && q.state != hostverbs.QPStateSQD:
 		q.dev.ctrs.inc(cntDropQPState)
 	case p.src != q.attr.AV.DGID || p.dst != q.sgid:

@@ -38,6 +38,7 @@ const (
 	cntDropDupRead
 	cntDropSourceFault
 	cntDropReplayLimited
+	cntDropHandedOver
 	cntRxHeldBehindRead
 	cntRxDupRequest
 	cntRxOutOfSeq
@@ -92,6 +93,7 @@ var counterNames = [numCounters]string{
 	cntDropDupRead:       "drop_duplicate_unknown_read_atomic",
 	cntDropSourceFault:   "drop_source_unreadable",
 	cntDropReplayLimited: "drop_duplicate_read_limited",
+	cntDropHandedOver:    "drop_qp_handed_over", // its QP's transport state was saved for another process (SaveTransport)
 	cntRxHeldBehindRead:  "rx_held_behind_read",
 	cntRxDupRequest:      "rx_duplicate_requests",
 	cntRxOutOfSeq:        "rx_out_of_sequence",

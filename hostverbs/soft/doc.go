@@ -72,6 +72,18 @@
 // must therefore not hold, across PostSend, a lock that any device's
 // completion handler or event callback takes.
 //
+// # Hand-over
+//
+// RC QPs implement hostverbs.TransportSaver (transport.go): once its sends
+// have drained, a QP's transport state (PSNs, MSN, the responder's
+// READ/atomic resources) is saved and the QP frozen (it drops what it
+// receives, counted as drop_qp_handed_over), and another process restores
+// the state into a QP created with the same QPN and brought to the same
+// state, which goes on with the peer where the old one stopped: what was
+// lost in between is recovered as any packet loss, at once thanks to a
+// PSN sequence NAK the restored QP sends. DCQCN rate state is not carried:
+// the QP restarts at line rate.
+//
 // # Protocol
 //
 // RC: SEND (with immediate), RDMA WRITE (with immediate), RDMA READ (large

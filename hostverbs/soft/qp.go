@@ -58,6 +58,11 @@ type qp struct {
 	rqWC hostverbs.WorkCompletion
 	// inPump: the QP waits for its turn in the fabric's read pump.
 	inPump atomic.Bool
+	// frozen: SaveTransport handed the QP's transport state over; it
+	// drops what it receives and sends nothing until it is resumed
+	// (ResumeTransport, or any post or modify). Stored with both locks
+	// held but for a post's resume; read with either.
+	frozen atomic.Bool
 }
 
 func (d *device) createQP(p *pd, a hostverbs.QPInitAttr) (hostverbs.QP, error) {
@@ -191,6 +196,7 @@ func (q *qp) modify(tx *txBatch, attr *hostverbs.QPAttr, mask hostverbs.AttrMask
 	if q.dead {
 		return fmt.Errorf("modify qp %d: %w", q.qpn, hostverbs.ErrClosed)
 	}
+	q.frozen.Store(false) // a hand-over abandoned
 	cur := q.state
 	next := cur
 	if mask&hostverbs.AttrState != 0 {
@@ -551,6 +557,7 @@ func (q *qp) postSendLocked(tx *txBatch, wr *hostverbs.SendWR) error {
 	default:
 		return fmt.Errorf("qp %d post send in %v: %w", q.qpn, q.state, hostverbs.ErrInvalid)
 	}
+	q.frozen.Store(false) // a hand-over abandoned
 	if !q.sq.push(wr) {
 		return fmt.Errorf("qp %d post send: %w", q.qpn, hostverbs.ErrQueueFull)
 	}
@@ -576,6 +583,7 @@ func (q *qp) PostRecv(wr *hostverbs.RecvWR) error {
 	if q.state == hostverbs.QPStateReset {
 		return fmt.Errorf("qp %d post recv in RESET: %w", q.qpn, hostverbs.ErrInvalid)
 	}
+	q.frozen.Store(false) // a hand-over abandoned
 	if err := q.rq.post(wr); err != nil {
 		return fmt.Errorf("qp %d: %w", q.qpn, err)
 	}

@@ -52,6 +52,8 @@ func (q *qp) receiveRequest(tx *txBatch, p *packet) {
 	switch {
 	case q.dead:
 		q.dev.ctrs.inc(cntDropQPState)
+	case q.frozen.Load():
+		q.dev.ctrs.inc(cntDropHandedOver)
 	case q.state < hostverbs.QPStateRTR || q.state == hostverbs.QPStateErr:
 		// Requests are accepted from RTR on (IBA 10.3.1.2).
 		q.dev.ctrs.inc(cntDropQPState)

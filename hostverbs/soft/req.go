@@ -53,7 +53,7 @@ func (q *qp) reqRun(tx *txBatch) {
 	if q.state != hostverbs.QPStateRTS && q.state != hostverbs.QPStateSQD {
 		return
 	}
-	if q.req.waitRNR {
+	if q.req.waitRNR || q.frozen.Load() {
 		return
 	}
 	for q.sq.next != q.sq.tail {
