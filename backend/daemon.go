@@ -204,8 +204,13 @@ func (d *Daemon) restore() {
 		sessions = append(sessions, s)
 	}
 	d.mu.Unlock()
-	resumed := 0
-	var devices sync.WaitGroup // resumed devices rebuilt (their GIDs bound again)
+	// Gather first, then start: the hand-over bookkeeping must know how
+	// many VMs resume before the first of them is rebuilt.
+	type todo struct {
+		s *vmSession
+		r *resumable
+	}
+	var todos []todo
 	for _, s := range sessions {
 		r, err := d.keep.loadResumable(s.name)
 		if err != nil {
@@ -214,10 +219,15 @@ func (d *Daemon) restore() {
 			continue
 		}
 		if r != nil {
-			devices.Add(1)
-			s.resume(r, devices.Done)
-			resumed++
+			todos = append(todos, todo{s, r})
 		}
+	}
+	resumed := len(todos)
+	d.ho.fromEnv(resumed)
+	var devices sync.WaitGroup // resumed devices rebuilt (their GIDs bound again)
+	for _, t := range todos {
+		devices.Add(1)
+		t.s.resume(t.r, devices.Done)
 	}
 	if am := d.fabric.addrs; am != nil {
 		go func() {
@@ -227,7 +237,6 @@ func (d *Daemon) restore() {
 		}()
 	}
 	d.keep.dropInherited()
-	d.ho.fromEnv(resumed)
 	if registered > 0 || resumed > 0 {
 		d.log.Info("took over from a previous daemon", "registered", registered, "connections_resumed", resumed)
 	}
