@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -41,6 +42,8 @@ func serveProcess(tb testing.TB, names []string) string {
 		args = append(args, "--vm", n)
 	}
 	cmd := exec.Command(bin, args...)
+	// A benchmark killed before its cleanup takes its daemon with it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	var logs strings.Builder
 	cmd.Stdout, cmd.Stderr = &logs, &logs
 	require.NoError(tb, cmd.Start())
