@@ -16,6 +16,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/pvrdma-backend/pvrdma-backend/pcidev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
@@ -403,4 +405,66 @@ func (k *keeping) takeCounters(vm string) map[string]uint64 {
 		return nil
 	}
 	return c
+}
+
+// CheckState reads the state a daemon keeps in dir (<socket-dir>/state)
+// as a successor would and says whether it can take it: each VM's
+// registration, session, PCI state and device journal, and the journal
+// features need (e.g. "transport") must be among those it understands.
+// It returns a line per VM.
+func CheckState(dir string, need []string) ([]string, error) {
+	have := map[string]bool{}
+	for _, f := range vdev.JournalFeatures() {
+		have[f] = true
+	}
+	for _, f := range need {
+		if f != "" && !have[f] {
+			return nil, fmt.Errorf("this binary cannot restore %q journal records", f)
+		}
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("state directory: %w", err)
+	}
+	var lines []string
+	for _, e := range ents {
+		if !e.IsDir() || CheckVMName(e.Name()) != nil {
+			continue
+		}
+		vm := filepath.Join(dir, e.Name())
+		var req VMRequest
+		b, err := os.ReadFile(filepath.Join(vm, stateVM))
+		if err == nil {
+			err = json.Unmarshal(b, &req)
+		}
+		if err != nil {
+			return lines, fmt.Errorf("VM %s: registration: %w", e.Name(), err)
+		}
+		line := e.Name() + ": registered"
+		if b, err := os.ReadFile(filepath.Join(vm, stateSession)); err == nil {
+			var s vfiouser.Session
+			if err := json.Unmarshal(b, &s); err != nil {
+				return lines, fmt.Errorf("VM %s: session: %w", e.Name(), err)
+			}
+			if err := s.Check(); err != nil {
+				return lines, fmt.Errorf("VM %s: %w", e.Name(), err)
+			}
+			line += fmt.Sprintf(", session with %d DMA maps and %d interrupts", len(s.DMA), len(s.IRQs))
+		}
+		if b, err := os.ReadFile(filepath.Join(vm, statePCI)); err == nil {
+			if err := pcidev.CheckState(b); err != nil {
+				return lines, fmt.Errorf("VM %s: %w", e.Name(), err)
+			}
+			line += ", PCI state"
+		}
+		if b, err := os.ReadFile(filepath.Join(vm, stateJournal)); err == nil {
+			rep, err := vdev.CheckJournal(b)
+			if err != nil {
+				return lines, fmt.Errorf("VM %s: %w", e.Name(), err)
+			}
+			line += fmt.Sprintf(", journal of %d records", rep.Records)
+		}
+		lines = append(lines, line)
+	}
+	return lines, nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"sort"
 	"strconv"
 	"strings"
@@ -124,8 +125,14 @@ func (d *Daemon) upgrade(binary string) error {
 	d.mu.Unlock()
 	sort.Slice(vms, func(i, j int) bool { return vms[i].name < vms[j].name })
 
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	// Ask the new binary first whether it can take the state (formats,
+	// versions, transport records): if not, nothing is held or changed.
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
+	out, err := exec.CommandContext(ctx, binary, "check-state", "--state-dir", d.keep.dir, "--need", "transport").CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s cannot take this daemon's state (%v): %s", binary, err, strings.TrimSpace(string(out)))
+	}
 	release := func() {
 		for _, s := range vms {
 			s.srv.Release()
@@ -246,7 +253,7 @@ func (d *Daemon) upgrade(binary string) error {
 	}
 	d.log.Info("handing over", "binary", binary, "vms", len(conns), "descriptors", len(fds), "rc_qps_saved", saved,
 		"hold_and_drain", time.Since(start).Round(time.Microsecond))
-	err := syscall.Exec(binary, os.Args, env)
+	err = syscall.Exec(binary, os.Args, env)
 	// Still here: the exec failed. Serve on.
 	for _, s := range vms {
 		s.d.keep.takeCounters(s.name)

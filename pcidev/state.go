@@ -91,3 +91,16 @@ func (f *Function) RestoreState(b []byte) error {
 	f.mu.Unlock()
 	return nil
 }
+
+// CheckState reports whether this daemon reads the format of a saved state
+// (its header and version; the layout is checked against the function at
+// RestoreState).
+func CheckState(b []byte) error {
+	if len(b) < 16 || binary.LittleEndian.Uint32(b) != stateMagic {
+		return fmt.Errorf("%w: no header", ErrState)
+	}
+	if v := binary.LittleEndian.Uint16(b[4:]); v != stateVersion {
+		return fmt.Errorf("%w: version %d, this daemon reads %d", ErrState, v, stateVersion)
+	}
+	return nil
+}

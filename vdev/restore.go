@@ -1010,3 +1010,21 @@ func (lostQP) PostSend(*hostverbs.SendWR) error { return errLost }
 func (lostQP) PostRecv(*hostverbs.RecvWR) error { return errLost }
 func (lostQP) Destroy() error                   { return nil }
 func (lostQP) lostInRestore()                   {}
+
+// CheckJournal reports whether this daemon can read journal: its records'
+// framing, versions and types (not whether a guest's memory still supports
+// them; Restore checks that). A daemon handing over to another binary asks
+// it first, and keeps serving if the successor cannot read its state.
+func CheckJournal(journal []byte) (RestoreReport, error) {
+	var rep RestoreReport
+	recs, _, err := parseJournal(journal, &rep)
+	if err != nil {
+		return rep, fmt.Errorf("vdev: journal: %w", err)
+	}
+	rep.Records = len(recs)
+	return rep, nil
+}
+
+// JournalFeatures names what this daemon's Restore understands beyond the
+// journal's version: "transport" (RC transport records of a hand-over).
+func JournalFeatures() []string { return []string{"transport"} }

@@ -419,3 +419,11 @@ func (s *Session) FileNames() []string {
 	sort.Strings(names)
 	return names
 }
+
+// Check reports whether this daemon reads the session's format.
+func (s *Session) Check() error {
+	if s.Version != SessionVersion {
+		return fmt.Errorf("session version %d, this daemon reads %d: %w", s.Version, SessionVersion, ErrUnsupported)
+	}
+	return nil
+}

@@ -39,6 +39,7 @@ func commands() []command {
 		{"attach", "hot-plug the device into a running VM over QMP", runAttach},
 		{"status", "show the daemon's VMs, devices and counters", runStatus},
 		{"upgrade", "hand the running daemon over to its new binary without cutting its VMs", runUpgrade},
+		{"check-state", "(used by upgrade) say whether this binary can take a running daemon's state", runCheckState},
 		{"doctor", "check that this host has what the daemon and its VMs need", runDoctor},
 		{"libvirt-hook", "libvirt's qemu hook: refuse migrate and restore of domains with the device", func(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 			return runLibvirtHook(args, os.Stdin, stderr)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
@@ -62,4 +63,22 @@ func runUpgrade(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			return errors.New("the daemon refused or failed the hand-over and serves on: " + h.Error)
 		}
 	}
+}
+
+// runCheckState is what a daemon asks its successor before a live upgrade:
+// can this binary take the state in the directory (and the journal
+// features named)? It prints a line per VM and exits 1 with the reason if
+// not.
+func runCheckState(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlags("check-state", "[flags]", stderr)
+	dir := fs.String("state-dir", defaultSocketDir+"/state", "the daemon's state directory")
+	need := fs.String("need", "", "journal features the state uses, comma separated (transport)")
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	lines, err := backend.CheckState(*dir, strings.Split(*need, ","))
+	for _, l := range lines {
+		fmt.Fprintln(stdout, l)
+	}
+	return err
 }

@@ -182,3 +182,51 @@ func handoverVMs(b *testing.B) []int {
 	}
 	return ns
 }
+
+// TestUpgradeRefusedServesOn: a binary that cannot take the daemon's state
+// (here one that answers check-state with a refusal) is not exec'd: the
+// daemon holds nothing, says why in status, and its VMs' RDMA carries on;
+// a real hand-over after it works, and the QPs keep their connection.
+func TestUpgradeRefusedServesOn(t *testing.T) {
+	dir := serveProcess(t, []string{"r0", "r1"})
+	e := externalEnv(t, dir)
+	a, b := e.pairGIDs("r0", "r1", 1, 2, 12, 7)
+	write := func(n int) {
+		t.Helper()
+		var stop atomic.Bool
+		var done atomic.Int64
+		go func() {
+			for done.Load() < int64(n)*scaleMsg {
+				time.Sleep(time.Millisecond)
+			}
+			stop.Store(true)
+		}()
+		require.NoError(t, streamWrites(a, b, &stop, &done))
+	}
+	write(20)
+	bad := filepath.Join(t.TempDir(), "old-daemon")
+	require.NoError(t, os.WriteFile(bad, []byte("#!/bin/sh\necho 'journal version 2, this daemon reads 1' >&2\nexit 1\n"), 0o755))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ctl := backend.NewControlClient(filepath.Join(dir, "control.sock"))
+	require.NoError(t, ctl.Upgrade(ctx, bad))
+	var st backend.Status
+	require.Eventually(t, func() bool {
+		var err error
+		st, err = ctl.Status(ctx)
+		return err == nil && st.Handover != nil && st.Handover.Error != ""
+	}, 30*time.Second, 20*time.Millisecond)
+	require.Contains(t, st.Handover.Error, "cannot take this daemon's state")
+	require.Contains(t, st.Handover.Error, "journal version 2")
+	require.Zero(t, st.Handover.Generation, "no hand-over happened")
+	write(20) // the VMs were never held
+
+	require.NoError(t, ctl.Upgrade(ctx, ""))
+	require.Eventually(t, func() bool {
+		var err error
+		st, err = ctl.Status(ctx)
+		return err == nil && st.Handover != nil && st.Handover.Generation == 1 && st.Handover.PauseMS > 0
+	}, 30*time.Second, 20*time.Millisecond)
+	require.Equal(t, 2, st.Handover.Continued, "both RC QPs kept their connection")
+	write(20)
+}
