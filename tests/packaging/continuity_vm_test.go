@@ -49,9 +49,13 @@ type container struct {
 
 // bootPackaged builds the package, installs it at boot in a clean root and
 // waits until its daemon serves on the bound socket directory.
-func bootPackaged(t *testing.T) *container {
+func bootPackaged(t *testing.T, extra map[string][]byte) *container {
 	t.Helper()
 	root := cleanRoot(t)
+	for path, b := range extra {
+		require.NoError(t, os.MkdirAll(filepath.Dir(filepath.Join(root, path)), 0o755))
+		require.NoError(t, os.WriteFile(filepath.Join(root, path), b, 0o755))
+	}
 	dist := t.TempDir()
 	mk := exec.Command("make", "deb", "DIST="+dist)
 	mk.Dir = repoRoot(t)
@@ -153,7 +157,7 @@ func crashScenario(self, peer string, server bool, rounds int) string {
 func TestCrashKeepsVMs(t *testing.T) {
 	img, err := vm.EnsureImage(context.Background(), t.Logf)
 	require.NoError(t, err)
-	c := bootPackaged(t)
+	c := bootPackaged(t, nil)
 	ctx := context.Background()
 	ctl := backend.NewControlClient(filepath.Join(c.sockDir, "control.sock"))
 	for _, name := range []string{"ck1", "ck2"} {
@@ -270,18 +274,42 @@ func upgradeScenario(self, peer string, server bool) string {
 	return b.String()
 }
 
+// previousBinary builds the daemon from the commit before HEAD (a
+// downgrade is an upgrade to an older binary, and the format of the state
+// must be readable both ways).
+func previousBinary(t *testing.T) []byte {
+	t.Helper()
+	src := filepath.Join(t.TempDir(), "prev")
+	require.NoError(t, os.Mkdir(src, 0o755))
+	arch := exec.Command("sh", "-c", "git archive HEAD~1 | tar -x -C "+src)
+	arch.Dir = repoRoot(t)
+	out, err := arch.CombinedOutput()
+	require.NoError(t, err, "git archive HEAD~1:\n%s", out)
+	bin := filepath.Join(t.TempDir(), "pvrdma-backend")
+	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
+	build.Dir = src
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	out, err = build.CombinedOutput()
+	require.NoError(t, err, "build the previous commit:\n%s", out)
+	b, err := os.ReadFile(bin)
+	require.NoError(t, err)
+	return b
+}
+
 // TestUpgradeKeepsVMs: the packaged daemon, under systemd in a container,
 // serves two stock guests (QEMUs on the host) that run a data-checked
 // ibv_rc_pingpong, ib_write_bw and rping; during each, the daemon is
 // upgraded in place: `systemctl reload` (the unit's ExecReload runs
-// `pvrdma-backend upgrade`), and once `dpkg -i` of the package (its
-// postinst reloads). Each hand-over execs the binary in the same process;
+// `pvrdma-backend upgrade`), once to a binary built from the previous
+// commit (`pvrdma-backend upgrade --binary`), and once `dpkg -i` of the
+// package (its postinst reloads, back to the current binary). Each hand-over execs the binary in the same process;
 // every application completes with rc 0 and the QEMUs never see their
 // device's socket close. The test prints each hand-over's pause.
 func TestUpgradeKeepsVMs(t *testing.T) {
 	img, err := vm.EnsureImage(context.Background(), t.Logf)
 	require.NoError(t, err)
-	c := bootPackaged(t)
+	prev := previousBinary(t)
+	c := bootPackaged(t, map[string][]byte{"usr/local/bin/pvrdma-backend-prev": prev})
 	ctx := context.Background()
 	ctl := backend.NewControlClient(filepath.Join(c.sockDir, "control.sock"))
 	for _, name := range []string{"uk1", "uk2"} {
@@ -350,7 +378,7 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 	during("pingpong")
 	upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
 	time.Sleep(time.Second)
-	upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
+	upgrade("to the previous commit's binary", "pvrdma-backend", "upgrade", "--binary", "/usr/local/bin/pvrdma-backend-prev")
 	time.Sleep(time.Second)
 	upgrade("package upgrade", "dpkg", "-i", "/root/pvrdma-backend.deb")
 	during("write_bw")
