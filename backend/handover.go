@@ -214,6 +214,13 @@ func (d *Daemon) upgrade(binary string) error {
 		release()
 	}
 
+	// The PCI functions' state as of now (MSI-X pending bits change
+	// without a client write, so the kept copy may be older).
+	for _, c := range conns {
+		if c.keeper != nil {
+			c.keeper.savePCI(c.fn.SaveState())
+		}
+	}
 	// The VMs' counters carry over.
 	for _, s := range vms {
 		if st := s.status(); st.Connected {

@@ -103,7 +103,7 @@ func (c *conn) mapRegion(addr, size, offset uint64, prot guestmem.Prot, fd int) 
 	}
 	c.dmaMaps++
 	if c.trace {
-		c.log.Debug("DMA_MAP", "addr", fmt.Sprintf("%#x", addr), "size", size, "prot", prot,
+		c.log.Debug("DMA_MAP", "addr", fmt.Sprintf("%#x", addr), "size", size, "flags", uint32(prot),
 			"fd", spec.FD >= 0, "locked_bytes", c.mem.LockedBytes())
 	}
 	if n, ok := c.dev.(DMANotifier); ok {
