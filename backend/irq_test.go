@@ -5,6 +5,9 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/pcidev"
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
 // Trigger, called from whatever goroutine produced a completion, only sets
@@ -12,7 +15,7 @@ import (
 // many vectors are raised and whatever the signaller is doing, and the
 // signaller stops with the connection.
 func TestFnIRQTriggerNeverBlocks(t *testing.T) {
-	i := newFnIRQ() // no function yet: the signaller drops what it is woken for
+	i := newFnIRQ() // no function yet: the signaller keeps what it is woken for
 	done := make(chan struct{})
 	go func() {
 		for n := 0; n < 100000; n++ {
@@ -28,4 +31,39 @@ func TestFnIRQTriggerNeverBlocks(t *testing.T) {
 	i.stop()
 	i.Trigger(1) // after the connection: still returns
 	require.Len(t, i.wake, 1)
+}
+
+// TestFnIRQKeepsWhatCameBeforeTheFunction: a device rebuilt from its
+// journal raises interrupts (CQ notifications, events) before its PCI
+// function exists; they are signalled once it does, not dropped (a guest
+// waiting for a CQ event through a live upgrade would wait forever). Here
+// the function has MSI-X on and no eventfd yet, so the vector ends up
+// pending in the function, as a resumed connection's is until its
+// eventfds are assigned again.
+func TestFnIRQKeepsWhatCameBeforeTheFunction(t *testing.T) {
+	i := newFnIRQ()
+	defer i.stop()
+	i.Trigger(2)
+	time.Sleep(10 * time.Millisecond) // the signaller wakes with no function
+	fn, err := pcidev.New(&vfiouser.Host{IRQs: &vfiouser.IRQs{}}, pcidev.Config{
+		VendorID: 0x15ad, DeviceID: 0x0820, ClassCode: 0x028000,
+		BARs: [6]pcidev.BAR{0: {Size: 16 << 10, Type: pcidev.BARMem32}},
+		MSIX: &pcidev.MSIX{Vectors: 3, BAR: 0, TableOffset: 0, PBAOffset: 0x2000},
+	})
+	require.NoError(t, err)
+	require.NoError(t, fn.WriteRegion(vfiouser.RegionConfig, 0x04, []byte{0x06, 0x00})) // memory, bus master
+	msix := uint64(0)
+	for off := uint64(0x40); off < 0x100; off += 4 {
+		b := make([]byte, 1)
+		require.NoError(t, fn.ReadRegion(vfiouser.RegionConfig, off, b))
+		if b[0] == 0x11 {
+			msix = off
+			break
+		}
+	}
+	require.NotZero(t, msix)
+	require.NoError(t, fn.WriteRegion(vfiouser.RegionConfig, msix+3, []byte{0x80})) // MSI-X enable
+	i.setFn(fn)
+	require.Eventually(t, func() bool { return fn.PendingMSIX(2) }, hangBound, time.Millisecond,
+		"the vector raised before the function existed is signalled (pending: no eventfd yet)")
 }

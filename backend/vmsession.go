@@ -243,7 +243,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 			s.log.Error("the kept PCI state does not load: the guest's device starts from power-on state", "err", err)
 		}
 	}
-	irq.fn.Store(fn)
+	irq.setFn(fn)
 	c.verbs, c.dev, c.fn, c.irq = verbs, dev, fn, irq
 	s.conn, s.connGone = c, make(chan struct{})
 	if pending != nil {
@@ -573,14 +573,28 @@ func (i *fnIRQ) run() {
 			return
 		case <-i.wake:
 		}
-		bits := i.pending.Swap(0)
 		fn := i.fn.Load()
-		for v := 0; bits != 0 && fn != nil; v++ {
+		if fn == nil {
+			continue // kept until the function exists (setFn wakes us)
+		}
+		bits := i.pending.Swap(0)
+		for v := 0; bits != 0; v++ {
 			if bits&(1<<v) != 0 {
 				bits &^= 1 << v
 				fn.Trigger(v)
 			}
 		}
+	}
+}
+
+// setFn gives the signaller its function and signals what was raised
+// before it existed (a device rebuilt from its journal raises
+// notifications and events while it is rebuilt: none may be lost).
+func (i *fnIRQ) setFn(fn *pcidev.Function) {
+	i.fn.Store(fn)
+	select {
+	case i.wake <- struct{}{}:
+	default:
 	}
 }
 
