@@ -41,8 +41,13 @@ import (
 func QMPSocketPath(dir, name string) string { return filepath.Join(dir, name+".qmp") }
 
 const (
-	// qmpHandshake bounds the greeting and capabilities negotiation.
-	qmpHandshake = 10 * time.Second
+	// qmpHandshake bounds the greeting and capabilities negotiation. QEMU
+	// connects the chardev early but greets only once machine init is
+	// done: over 10 s for a TCG guest on a loaded host. A rehearsal saw a
+	// monitor closed at 10 s, then that QEMU (11.1.3) die of SIGSEGV a
+	// second later, still initialising (the close is not proven to be the
+	// cause). A silent peer holds one of the VM's 4 places this long.
+	qmpHandshake = 60 * time.Second
 	// qmpCommand bounds one command's reply.
 	qmpCommand = 10 * time.Second
 	// qmpMaxLine bounds one message from the peer (replies to the few

@@ -100,6 +100,37 @@ func bootPackaged(t *testing.T, extra map[string][]byte) *container {
 	return c
 }
 
+// register registers the VMs with the container's daemon (512 MiB each)
+// and returns its control client.
+func (c *container) register(t *testing.T, names ...string) *backend.ControlClient {
+	t.Helper()
+	ctl := backend.NewControlClient(filepath.Join(c.sockDir, "control.sock"))
+	for _, name := range names {
+		_, err := ctl.AddVM(context.Background(), backend.VMRequest{Name: name, MemBytes: 512 << 20})
+		require.NoError(t, err)
+	}
+	return ctl
+}
+
+// guest is a stock guest whose QEMU, on the host, uses the container's
+// daemon: vmxnet3 at 05.0, the device at 05.1 and the daemon's QMP
+// monitor, as qemu-args gives them; modules nil loads the PVRDMA stack.
+func (c *container) guest(name, ip, scenario string, modules []string) vm.Config {
+	dev, _ := json.Marshal(map[string]any{
+		"driver": "vfio-user-pci", "addr": "05.1", "x-no-posted-writes": true,
+		"socket": map[string]any{"type": "unix", "path": filepath.Join(c.sockDir, name+".sock")},
+	})
+	return vm.Config{
+		Name:      name,
+		NICs:      []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: backend.DefaultMAC(name).String(), IP: ip}},
+		ExtraArgs: append([]string{"-device", string(dev)}, backend.VMSpec{QMPSocket: filepath.Join(c.sockDir, name+".qmp")}.QMPArgs()...),
+		Modules:   modules,
+		Scenario:  scenario,
+		NoErrExit: true,
+		Timeout:   15 * time.Minute,
+	}
+}
+
 // daemonPID finds the packaged daemon's process (seen from the host).
 func daemonPID(t *testing.T) int {
 	t.Helper()
@@ -159,28 +190,11 @@ func TestCrashKeepsVMs(t *testing.T) {
 	require.NoError(t, err)
 	c := bootPackaged(t, nil)
 	ctx := context.Background()
-	ctl := backend.NewControlClient(filepath.Join(c.sockDir, "control.sock"))
-	for _, name := range []string{"ck1", "ck2"} {
-		_, err := ctl.AddVM(ctx, backend.VMRequest{Name: name, MemBytes: 512 << 20})
-		require.NoError(t, err)
-	}
+	ctl := c.register(t, "ck1", "ck2")
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	const rounds = 3
-	guest := func(name, ip, scenario string) vm.Config {
-		dev, _ := json.Marshal(map[string]any{
-			"driver": "vfio-user-pci", "addr": "05.1", "x-no-posted-writes": true,
-			"socket": map[string]any{"type": "unix", "path": filepath.Join(c.sockDir, name+".sock")},
-		})
-		return vm.Config{
-			Name:      name,
-			NICs:      []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: backend.DefaultMAC(name).String(), IP: ip}},
-			ExtraArgs: append([]string{"-device", string(dev)}, backend.VMSpec{QMPSocket: filepath.Join(c.sockDir, name+".qmp")}.QMPArgs()...),
-			Scenario:  scenario,
-			NoErrExit: true,
-			Timeout:   12 * time.Minute,
-		}
-	}
+	guest := func(name, ip, scenario string) vm.Config { return c.guest(name, ip, scenario, nil) }
 	vms, err := vm.StartAll(ctx, t, img, nw,
 		guest("ck1", "10.78.0.1/24", crashScenario("10.78.0.1", "", true, rounds)),
 		guest("ck2", "10.78.0.2/24", crashScenario("10.78.0.2", "10.78.0.1", false, rounds)))
@@ -311,28 +325,11 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 	prev := previousBinary(t)
 	c := bootPackaged(t, map[string][]byte{"usr/local/bin/pvrdma-backend-prev": prev})
 	ctx := context.Background()
-	ctl := backend.NewControlClient(filepath.Join(c.sockDir, "control.sock"))
-	for _, name := range []string{"uk1", "uk2"} {
-		_, err := ctl.AddVM(ctx, backend.VMRequest{Name: name, MemBytes: 512 << 20})
-		require.NoError(t, err)
-	}
+	ctl := c.register(t, "uk1", "uk2")
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
-	guest := func(name, ip, scenario string) vm.Config {
-		dev, _ := json.Marshal(map[string]any{
-			"driver": "vfio-user-pci", "addr": "05.1", "x-no-posted-writes": true,
-			"socket": map[string]any{"type": "unix", "path": filepath.Join(c.sockDir, name+".sock")},
-		})
-		return vm.Config{
-			Name:      name,
-			NICs:      []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: backend.DefaultMAC(name).String(), IP: ip}},
-			ExtraArgs: append([]string{"-device", string(dev)}, backend.VMSpec{QMPSocket: filepath.Join(c.sockDir, name+".qmp")}.QMPArgs()...),
-			Modules:   []string{"ib_core", "ib_uverbs", "vmw_pvrdma", "configfs", "iw_cm", "ib_cm", "rdma_cm", "rdma_ucm"},
-			Scenario:  scenario,
-			NoErrExit: true,
-			Timeout:   15 * time.Minute,
-		}
-	}
+	rdmaCM := []string{"ib_core", "ib_uverbs", "vmw_pvrdma", "configfs", "iw_cm", "ib_cm", "rdma_cm", "rdma_ucm"}
+	guest := func(name, ip, scenario string) vm.Config { return c.guest(name, ip, scenario, rdmaCM) }
 	vms, err := vm.StartAll(ctx, t, img, nw,
 		guest("uk1", "10.79.0.1/24", upgradeScenario("10.79.0.1", "", true)),
 		guest("uk2", "10.79.0.2/24", upgradeScenario("10.79.0.2", "10.79.0.1", false)))
