@@ -187,20 +187,26 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 		return fmt.Errorf("create QP: %w", err)
 	}
 	q.state.Store(uint32(hostverbs.QPStateReset))
-	d.live[h].Store(q)
+	d.attachQP(q, p, scq, rcq, s)
+	created = true
+	CreateQPResp{QPN: q.hv.QPN(), QPHandle: h, MaxSendWR: r.MaxSendWR, MaxRecvWR: recvWR,
+		MaxSendSGE: r.MaxSendSGE, MaxRecvSGE: recvSGE}.Encode(resp)
+	return nil
+}
+
+// attachQP makes a new QP live (completion handlers find it) and counts
+// it on the objects it uses; the GSI QP is remembered. d.mu held.
+func (d *Device) attachQP(q *qp, p *pd, scq, rcq *cq, s *srq) {
+	d.live[q.handle].Store(q)
 	p.refs++
 	scq.refs++
 	rcq.refs++
 	if s != nil {
 		s.refs++
 	}
-	if typ == hostverbs.QPTypeGSI {
+	if q.typ == hostverbs.QPTypeGSI {
 		d.gsi = q
 	}
-	created = true
-	CreateQPResp{QPN: q.hv.QPN(), QPHandle: h, MaxSendWR: r.MaxSendWR, MaxRecvWR: recvWR,
-		MaxSendSGE: r.MaxSendSGE, MaxRecvSGE: recvSGE}.Encode(resp)
-	return nil
 }
 
 // consumer builds the device side of a guest-produced queue of n WQEs of

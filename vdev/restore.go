@@ -712,16 +712,7 @@ func (rp *replayer) qpTombstone(req, want, payload []byte, h uint32) error {
 	d.qpGen++
 	q.handle, q.gen = h, d.qpGen
 	q.state.Store(uint32(hostverbs.QPStateErr))
-	d.live[h].Store(q)
-	p.refs++
-	scq.refs++
-	rcq.refs++
-	if s != nil {
-		s.refs++
-	}
-	if typ == hostverbs.QPTypeGSI {
-		d.gsi = q
-	}
+	d.attachQP(q, p, scq, rcq, s)
 	return nil
 }
 
