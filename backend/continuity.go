@@ -167,6 +167,50 @@ func (k *keeping) takeInherited(vm string) map[string]*os.File {
 	return out
 }
 
+// fabricFDPrefix names the fabric's own descriptors in the store and in a
+// hand-over: "+fabric.udp4", "+fabric.udp6" (the UDP wire's port 4791
+// sockets). No VM name starts with '+'.
+const fabricFDPrefix = "+fabric."
+
+// takeFabric removes and returns the inherited fabric descriptors. They
+// leave the store too, so that a port the next fabric does not take over
+// is free to bind again; storeFabric puts back those it took.
+func (k *keeping) takeFabric() []*os.File {
+	k.mu.Lock()
+	var out []*os.File
+	var names []string
+	for name, f := range k.inherited {
+		if strings.HasPrefix(name, fabricFDPrefix) {
+			out = append(out, f)
+			names = append(names, name)
+			delete(k.inherited, name)
+		}
+	}
+	k.mu.Unlock()
+	if k.store != nil {
+		for _, n := range names {
+			if err := k.store.Remove(n); err != nil {
+				k.log.Warn("fd store", "name", n, "err", err)
+			}
+		}
+	}
+	return out
+}
+
+// storeFabric gives the store the fabric's sockets (fabric.sockets), so
+// that a daemon restarted after a crash takes them over with what
+// arrived meanwhile.
+func (k *keeping) storeFabric(socks map[string]int) {
+	if k.store == nil {
+		return
+	}
+	for name, fd := range socks {
+		if err := k.store.Store(fabricFDPrefix+name, fd); err != nil {
+			k.log.Warn("cannot keep the fabric's socket in the fd store: a restart binds it again, and what arrives meanwhile is lost", "socket", name, "err", err)
+		}
+	}
+}
+
 // dropInherited closes the inherited descriptors nobody took (VMs no
 // longer registered, leftovers) and removes them from the store.
 func (k *keeping) dropInherited() {

@@ -1,11 +1,13 @@
 package backend
 
 import (
+	"bytes"
 	"context"
 	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -13,6 +15,8 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
@@ -124,10 +128,17 @@ func (r *notifyReceiver) names() []string {
 // runKeptDaemon runs a daemon with the store until stop is called.
 func runKeptDaemon(t *testing.T, dir string, r *notifyReceiver, inherited map[string]*os.File, vms ...VMRequest) (*Daemon, func()) {
 	t.Helper()
+	return runKeptDaemonWith(t, Config{SocketDir: dir, VMs: vms}, r, inherited)
+}
+
+// runKeptDaemonWith is runKeptDaemon with more of the configuration.
+func runKeptDaemonWith(t *testing.T, cfg Config, r *notifyReceiver, inherited map[string]*os.File) (*Daemon, func()) {
+	t.Helper()
 	store, err := OpenFDStore(r.path)
 	require.NoError(t, err)
 	logger, serving := servingLogger(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	d, err := New(Config{SocketDir: dir, VMs: vms, Logger: logger, FDStore: store, Inherited: inherited})
+	cfg.Logger, cfg.FDStore, cfg.Inherited = logger, store, inherited
+	d, err := New(cfg)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -228,4 +239,68 @@ func TestFDStoreNames(t *testing.T) {
 	}
 	_, err = OpenFDStore("")
 	assert.Error(t, err)
+}
+
+// TestFabricSocketsKept: in IP mode the daemon gives the store its UDP
+// wire's port 4791 sockets; what arrives while no daemon runs waits in
+// them, and the next daemon takes them over (instead of binding new ones)
+// and receives it.
+func TestFabricSocketsKept(t *testing.T) {
+	inNewNetns(t, func() {
+		hostNS, err := netns.Get()
+		require.NoError(t, err)
+		defer hostNS.Close()
+		peerNS, err := netns.New() // moves this thread into it
+		require.NoError(t, err)
+		defer peerNS.Close()
+		require.NoError(t, netns.Set(hostNS))
+		require.NoError(t, netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}))
+		peer, err := netlink.LinkByName("fab1")
+		require.NoError(t, err)
+		require.NoError(t, netlink.LinkSetNsFd(peer, int(peerNS)))
+		ph, err := netlink.NewHandleAt(peerNS)
+		require.NoError(t, err)
+		defer ph.Close()
+		peer, err = ph.LinkByName("fab1")
+		require.NoError(t, err)
+		pa, _ := netlink.ParseAddr("10.78.0.2/24")
+		require.NoError(t, ph.AddrAdd(peer, pa))
+		require.NoError(t, ph.LinkSetUp(peer))
+		link, err := netlink.LinkByName("fab0")
+		require.NoError(t, err)
+		ha, _ := netlink.ParseAddr("10.78.0.1/24")
+		require.NoError(t, netlink.AddrAdd(link, ha))
+		require.NoError(t, netlink.LinkSetUp(link))
+
+		r := newNotifyReceiver(t)
+		cfg := Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"}}
+		d1, stop1 := runKeptDaemonWith(t, cfg, r, nil)
+		require.Eventually(t, func() bool {
+			n := r.names()
+			return slices.Contains(n, "+fabric.udp4") && slices.Contains(n, "+fabric.udp6")
+		}, 5*time.Second, 5*time.Millisecond, "stored: %v", r.names())
+		assert.Zero(t, d1.Status().Counters["wire_rx_sockets_inherited"])
+		stop1()
+
+		// While no daemon runs, a peer sends three datagrams (not RoCE:
+		// the wire counts them as failing the ICRC).
+		require.NoError(t, netns.Set(peerNS))
+		s, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		require.NoError(t, netns.Set(hostNS))
+		require.NoError(t, err)
+		defer unix.Close(s)
+		// The veth's carrier and the peer's neighbour entry: retry the
+		// first send until the path is up.
+		to := &unix.SockaddrInet4{Port: 4791, Addr: [4]byte{10, 78, 0, 1}}
+		for i := range 3 {
+			require.NoError(t, unix.Sendto(s, bytes.Repeat([]byte{0x5a + byte(i)}, 64), 0, to))
+		}
+
+		d2, _ := runKeptDaemonWith(t, cfg, r, r.handBack(t))
+		assert.Equal(t, uint64(2), d2.Status().Counters["wire_rx_sockets_inherited"], "both receive sockets taken over")
+		require.Eventually(t, func() bool { return d2.Status().Counters["drop_bad_icrc"] == 3 }, 5*time.Second, 5*time.Millisecond,
+			"what arrived while no daemon ran is received: %v", d2.Status().Counters)
+		assert.Contains(t, r.removed, "+fabric.udp4", "taken out of the store while the fabric starts")
+		assert.Subset(t, r.names(), []string{"+fabric.udp4", "+fabric.udp6"}, "and put back")
+	})
 }

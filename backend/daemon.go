@@ -160,10 +160,11 @@ func New(cfg Config) (*Daemon, error) {
 	if err != nil {
 		return nil, err
 	}
-	fab, err := newFabric(cfg.Fabric, cfg.Logger)
+	fab, err := newFabric(cfg.Fabric, keep.takeFabric(), cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
+	keep.storeFabric(fab.sockets())
 	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{}, keep: keep,
 		budget: vdev.NewBudget(cfg.MemoryBudget, nil), locked: vdev.NewBudget(cfg.MaxLockedMemory, nil), owners: newGIDOwners(), hostAddrs: hostAddrs, access: access}
 	d.adoptAddrs()
@@ -229,6 +230,19 @@ func (d *Daemon) restore() {
 		devices.Add(1)
 		t.s.resume(t.r, devices.Done)
 	}
+	// A fabric that took its sockets over receives again once the QPs
+	// their queued packets are for are back (bounded: a VM whose device
+	// takes long must not keep the others' packets waiting).
+	go func() {
+		rebuilt := make(chan struct{})
+		go func() { devices.Wait(); close(rebuilt) }()
+		select {
+		case <-rebuilt:
+		case <-time.After(fabricResumeWait):
+			d.log.Warn("the fabric receives again before every VM's device is rebuilt", "waited", fabricResumeWait)
+		}
+		d.fabric.resumeReceive()
+	}()
 	if am := d.fabric.addrs; am != nil {
 		go func() {
 			devices.Wait()
@@ -241,6 +255,10 @@ func (d *Daemon) restore() {
 		d.log.Info("took over from a previous daemon", "registered", registered, "connections_resumed", resumed)
 	}
 }
+
+// fabricResumeWait bounds how long a fabric that took its sockets over
+// waits for the resumed devices before it receives again.
+const fabricResumeWait = 2 * time.Second
 
 // Run serves the control socket until ctx ends, then shuts everything down:
 // VMs' connections are closed (their QEMUs see EOF), sockets removed,

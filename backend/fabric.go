@@ -7,12 +7,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"sort"
 	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/ibverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 )
 
 // fabric is the daemon's verbs provider (the soft RoCE fabric, or the
@@ -23,6 +25,7 @@ type fabric struct {
 	soft     *soft.Fabric      // soft transport
 	relay    *ibverbs.Provider // ibverbs relay
 	addrs    *AddrManager      // IP mode: bound GIDs as host addresses
+	udp      *wire.UDPWire     // IP mode's UDP wire, whose sockets a successor inherits
 	rxe      string            // the rxe link the daemon created (removed at close)
 	log      *slog.Logger
 }
@@ -87,7 +90,12 @@ func (c FabricConfig) Transport() string {
 	return "soft"
 }
 
-func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
+// newFabric attaches the daemon to its fabric. inherit are the fabric
+// sockets a predecessor left (continuity.go): the UDP wire takes those it
+// can use, with what the kernel queued on them, and receives nothing
+// until resumeReceive. newFabric closes inherit in every case.
+func newFabric(cfg FabricConfig, inherit []*os.File, log *slog.Logger) (*fabric, error) {
+	defer func() { closeFiles(inherit) }() // those not passed on
 	if cfg.Netdev != "" && cfg.Bridge != "" {
 		return nil, errors.New("fabric: choose IP mode (netdev) or L2 mode (bridge), not both")
 	}
@@ -125,12 +133,19 @@ func newFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 			return nil, err
 		}
 		f.addrs = am
-		w, mtu, err := newKernelWire(cfg.Netdev, cfg.RawWire)
+		w, mtu, err := newKernelWire(cfg.Netdev, cfg.RawWire, inherit)
+		inherit = nil // newKernelWire closes them
 		if err != nil {
 			am.Close()
 			return nil, err
 		}
 		scfg.Wire, scfg.LinkMTU = w, mtu
+		if u, ok := w.(*wire.UDPWire); ok {
+			f.udp = u
+			if n := u.Adopted(); n > 0 {
+				log.Info("took over the fabric's receive sockets from the previous daemon", "sockets", n)
+			}
+		}
 	}
 	sf, err := soft.New(scfg)
 	if err != nil {
@@ -193,6 +208,29 @@ func newRelayFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 	return f, nil
 }
 
+// sockets returns the fabric's descriptors a successor inherits, by name
+// ("udp4", "udp6"); none unless it is on the UDP wire.
+func (f *fabric) sockets() map[string]int {
+	if f.udp == nil {
+		return nil
+	}
+	return f.udp.ReceiveSockets()
+}
+
+// pauseReceive leaves what arrives from the network in the kernel (for a
+// successor); resumeReceive takes it again.
+func (f *fabric) pauseReceive() {
+	if f.udp != nil {
+		f.udp.PauseReceive()
+	}
+}
+
+func (f *fabric) resumeReceive() {
+	if f.udp != nil {
+		f.udp.ResumeReceive()
+	}
+}
+
 func (f *fabric) status() FabricStatus {
 	st := FabricStatus{Mode: "local"}
 	switch {
@@ -235,6 +273,9 @@ func (f *fabric) counters() map[string]uint64 {
 	}
 	if f.addrs != nil {
 		c["netdev_addr_changes"] = f.addrs.Changes()
+	}
+	if f.udp != nil {
+		c["wire_rx_sockets_inherited"] = uint64(f.udp.Adopted())
 	}
 	return c
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -79,6 +80,40 @@ func (s *FDStore) send(state string, oob []byte) error {
 		return fmt.Errorf("notify %q: %w", strings.ReplaceAll(state, "\n", " "), err)
 	}
 	return nil
+}
+
+// Barrier waits, at most timeout, until the service manager has handled
+// every message sent before it (sd_notify_barrier(3): it closes its copy
+// of a pipe's write end once it gets there).
+func (s *FDStore) Barrier(timeout time.Duration) error {
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		return fmt.Errorf("notify barrier: %w", err)
+	}
+	defer unix.Close(p[0])
+	err := s.send("BARRIER=1", unix.UnixRights(p[1]))
+	unix.Close(p[1])
+	if err != nil {
+		return err
+	}
+	deadline := time.Now().Add(timeout)
+	for {
+		left := time.Until(deadline)
+		if left <= 0 {
+			return fmt.Errorf("notify barrier: the service manager did not answer within %v", timeout)
+		}
+		fds := []unix.PollFd{{Fd: int32(p[0])}}
+		n, err := unix.Poll(fds, int(left.Milliseconds())+1)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("notify barrier: %w", err)
+		}
+		if n > 0 && fds[0].Revents&(unix.POLLHUP|unix.POLLERR) != 0 {
+			return nil
+		}
+	}
 }
 
 // Close closes the notify socket (stored descriptors stay stored).

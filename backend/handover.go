@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -133,6 +134,8 @@ func (d *Daemon) upgrade(binary string) error {
 	if err != nil {
 		return fmt.Errorf("%s cannot take this daemon's state (%v): %s", binary, err, strings.TrimSpace(string(out)))
 	}
+	// What else the successor takes (older binaries say nothing of it).
+	takesFabric := slices.Contains(successorFeatures(string(out)), FeatureFabricSockets)
 	release := func() {
 		for _, s := range vms {
 			s.srv.Release()
@@ -207,7 +210,35 @@ func (d *Daemon) upgrade(binary string) error {
 			time.Sleep(time.Millisecond)
 		}
 	}
+	// The fabric's sockets: a successor that takes them gets what
+	// arrives from now on, queued in the kernel; for one that does not,
+	// they leave the store (its copy would keep the port bound).
+	var fabricPairs []string
+	var fabricFDs []int
+	fabricUnstored := false
+	if socks := d.fabric.sockets(); len(socks) > 0 {
+		switch {
+		case takesFabric:
+			d.fabric.pauseReceive()
+			for name, fd := range socks {
+				fabricPairs = append(fabricPairs, fabricFDPrefix+name+"="+strconv.Itoa(fd))
+				fabricFDs = append(fabricFDs, fd)
+			}
+		case d.keep.store != nil:
+			for name := range socks {
+				_ = d.keep.store.Remove(fabricFDPrefix + name)
+			}
+			if err := d.keep.store.Barrier(time.Second); err != nil {
+				d.log.Warn("hand-over: the fd store may still hold the fabric's sockets", "err", err)
+			}
+			fabricUnstored = true
+		}
+	}
 	abort := func() {
+		d.fabric.resumeReceive()
+		if fabricUnstored {
+			d.keep.storeFabric(d.fabric.sockets())
+		}
 		for _, c := range conns {
 			c.dev.ResumeTransports()
 		}
@@ -243,6 +274,8 @@ func (d *Daemon) upgrade(binary string) error {
 			fds = append(fds, fd)
 		}
 	}
+	pairs = append(pairs, fabricPairs...)
+	fds = append(fds, fabricFDs...)
 	for _, fd := range fds {
 		if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFD, 0); err != nil {
 			setCloexec(fds)
@@ -259,7 +292,7 @@ func (d *Daemon) upgrade(binary string) error {
 		_, _ = daemon.SdNotify(false, daemon.SdNotifyReloading)
 	}
 	d.log.Info("handing over", "binary", binary, "vms", len(conns), "descriptors", len(fds), "rc_qps_saved", saved,
-		"hold_and_drain", time.Since(start).Round(time.Microsecond))
+		"fabric_sockets", len(fabricFDs), "hold_and_drain", time.Since(start).Round(time.Microsecond))
 	err = syscall.Exec(binary, os.Args, env)
 	// Still here: the exec failed. Serve on.
 	for _, s := range vms {
@@ -271,6 +304,32 @@ func (d *Daemon) upgrade(binary string) error {
 		_, _ = daemon.SdNotify(false, daemon.SdNotifyReady)
 	}
 	return fmt.Errorf("exec %s: %w", binary, err)
+}
+
+// FeatureFabricSockets: the binary takes over the fabric's sockets a
+// predecessor hands it (fabricFDPrefix).
+const FeatureFabricSockets = "fabric-sockets"
+
+// HandoverFeatures are what this binary takes from a predecessor beyond
+// the journal's features; `check-state` prints them on a line of its own
+// (featuresLine), which binaries without any do not print.
+func HandoverFeatures() []string { return []string{FeatureFabricSockets} }
+
+// featuresLine starts check-state's line of hand-over features.
+const featuresLine = "handover features:"
+
+// FeaturesLine is check-state's line listing HandoverFeatures.
+func FeaturesLine() string { return featuresLine + " " + strings.Join(HandoverFeatures(), " ") }
+
+// successorFeatures reads the features line of a successor's check-state
+// output (none if it printed none).
+func successorFeatures(out string) []string {
+	for _, line := range strings.Split(out, "\n") {
+		if rest, ok := strings.CutPrefix(strings.TrimSpace(line), featuresLine); ok {
+			return strings.Fields(rest)
+		}
+	}
+	return nil
 }
 
 func setCloexec(fds []int) {

@@ -43,10 +43,10 @@ func TestRoCEv1NeedsL2(t *testing.T) {
 	assert.NoError(t, FabricConfig{}.checkRoCEMode(hostverbs.GIDTypeRoCEv1))
 	assert.ErrorIs(t, FabricConfig{CreateRXE: "eth0"}.checkRoCEMode(hostverbs.GIDTypeRoCEv1), ErrBadRoCEMode)
 	ip.RoCEMode = hostverbs.GIDTypeRoCEv1
-	_, err := newFabric(ip, slog.Default())
+	_, err := newFabric(ip, nil, slog.Default())
 	assert.ErrorIs(t, err, ErrBadRoCEMode)
 	assert.ErrorContains(t, err, "not routable")
-	_, err = newFabric(FabricConfig{RoCEMode: 7}, slog.Default())
+	_, err = newFabric(FabricConfig{RoCEMode: 7}, nil, slog.Default())
 	assert.ErrorIs(t, err, ErrBadRoCEMode)
 }
 
@@ -77,6 +77,6 @@ func TestParseCongestion(t *testing.T) {
 	// A setting soft rejects fails the fabric.
 	c, err = ParseCongestion("g=2")
 	require.NoError(t, err)
-	_, err = newFabric(FabricConfig{Congestion: c}, slog.Default())
+	_, err = newFabric(FabricConfig{Congestion: c}, nil, slog.Default())
 	assert.Error(t, err)
 }

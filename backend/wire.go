@@ -2,6 +2,7 @@ package backend
 
 import (
 	"fmt"
+	"os"
 
 	"github.com/vishvananda/netlink"
 
@@ -11,17 +12,21 @@ import (
 // newKernelWire opens the soft fabric's kernel UDP 4791 path in the
 // daemon's network namespace (UDP sockets with segmentation offload, or
 // raw sockets if raw) and reports netdev's MTU, from which the fabric
-// derives the ports' active MTU as rxe does.
-func newKernelWire(netdev string, raw bool) (wire.Wire, int, error) {
+// derives the ports' active MTU as rxe does. The UDP wire takes over the
+// port 4791 sockets of inherit (a predecessor's) and then receives
+// nothing until resumed; inherit is closed in every case.
+func newKernelWire(netdev string, raw bool, inherit []*os.File) (wire.Wire, int, error) {
 	link, err := netlink.LinkByName(netdev)
 	if err != nil {
+		closeFiles(inherit)
 		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)
 	}
 	var w wire.Wire
 	if raw {
+		closeFiles(inherit)
 		w, err = wire.NewKernelWire(wire.KernelWireConfig{Interface: netdev})
 	} else {
-		w, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: netdev})
+		w, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: netdev, Inherit: inherit, Paused: len(inherit) > 0})
 	}
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)
@@ -46,4 +51,10 @@ func newPacketWire(cfg FabricConfig) (wire.Wire, int, error) {
 		return nil, 0, fmt.Errorf("fabric bridge %s: %w", bridge, err)
 	}
 	return w, link.Attrs().MTU, nil
+}
+
+func closeFiles(fs []*os.File) {
+	for _, f := range fs {
+		_ = f.Close()
+	}
 }

@@ -80,5 +80,8 @@ func runCheckState(ctx context.Context, args []string, stdout, stderr io.Writer)
 	for _, l := range lines {
 		fmt.Fprintln(stdout, l)
 	}
+	if err == nil {
+		fmt.Fprintln(stdout, backend.FeaturesLine())
+	}
 	return err
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 )
@@ -245,4 +246,104 @@ func TestUDPWirePortTaken(t *testing.T) {
 	require.Error(t, err)
 	assert.Nil(t, w)
 	assert.Contains(t, err.Error(), "bind udp 4791")
+}
+
+// TestUDPWireInheritKeepsQueued: a wire that pauses receiving leaves what
+// arrives in the kernel; a successor that inherits its port 4791 sockets
+// (a live upgrade, systemd's descriptor store) takes them over, paused
+// until its QPs are back, and then receives every datagram that arrived
+// in between, in order. A descriptor that is not such a socket is not
+// taken.
+func TestUDPWireInheritKeepsQueued(t *testing.T) {
+	p := newTunPeer(t)
+	var w1 *wire.UDPWire
+	var err error
+	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0"}) })
+	require.NoError(t, err)
+	w1.PauseReceive()
+	bufs, lens := make([][]byte, 64), make([]int, 64)
+	for i := range bufs {
+		bufs[i] = make([]byte, 65536)
+	}
+	const n = 40
+	for i := range n {
+		_, err := p.tun.Write(buildDatagram("10.98.0.2", "10.98.0.1", roce.RCWriteOnly, 256, uint16(i), uint32(i)))
+		require.NoError(t, err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	got, err := w1.TryReceive(0, bufs, lens)
+	require.NoError(t, err)
+	assert.Zero(t, got, "a paused wire takes nothing from the kernel")
+
+	// The successor's copies, as exec or the descriptor store pass them.
+	var inherit []*os.File
+	for name, fd := range w1.ReceiveSockets() {
+		dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+		require.NoError(t, err)
+		inherit = append(inherit, os.NewFile(uintptr(dup), name))
+	}
+	require.Len(t, inherit, 2)
+	// Not a port 4791 socket: left alone.
+	other, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	inherit = append([]*os.File{os.NewFile(uintptr(other), "other")}, inherit...)
+	require.NoError(t, w1.Close())
+
+	var w2 *wire.UDPWire
+	p.ns.do(t, func() {
+		w2, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", Inherit: inherit, Paused: true})
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { w2.Close() })
+	for _, f := range inherit {
+		require.ErrorIs(t, f.Close(), os.ErrClosed, "the wire closed every inherited file")
+	}
+	assert.Equal(t, 2, w2.Adopted())
+	got, err = w2.TryReceive(0, bufs, lens)
+	require.NoError(t, err)
+	assert.Zero(t, got, "paused until the successor resumes it")
+
+	w2.ResumeReceive()
+	var psns []uint32
+	deadline := time.Now().Add(5 * time.Second)
+	for len(psns) < n && time.Now().Before(deadline) {
+		k, err := w2.TryReceive(0, bufs, lens)
+		require.NoError(t, err)
+		for i := range k {
+			var rp roce.Packet
+			require.NoError(t, rp.Parse(bufs[i][:lens[i]]))
+			psns = append(psns, uint32(rp.BTH.PSN()))
+		}
+		if k == 0 {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	want := make([]uint32, n)
+	for i := range want {
+		want[i] = uint32(i)
+	}
+	assert.Equal(t, want, psns, "every datagram queued across the hand-over, in order")
+
+	// Paused again, a receiver blocked in Receive waits at the gate and
+	// returns when the wire closes.
+	w2.PauseReceive()
+	done := make(chan error, 1)
+	go func() {
+		_, err := w2.Receive(t.Context(), 0, bufs, lens)
+		done <- err
+	}()
+	_, err = p.tun.Write(buildDatagram("10.98.0.2", "10.98.0.1", roce.RCWriteOnly, 256, 0, n))
+	require.NoError(t, err)
+	select {
+	case err := <-done:
+		t.Fatalf("a paused wire returned from Receive: %v", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	require.NoError(t, w2.Close())
+	select {
+	case err := <-done:
+		assert.ErrorIs(t, err, hostverbs.ErrClosed)
+	case <-time.After(5 * time.Second):
+		t.Fatal("Receive did not return after Close")
+	}
 }

@@ -11,6 +11,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
@@ -64,6 +65,13 @@ type UDPWire struct {
 	// sockets opened later must live too (the goroutine that opens one
 	// may run on a thread of another namespace).
 	netns *os.File
+	// adopted counts the receive sockets taken from Inherit.
+	adopted int
+	// The receive gate (PauseReceive, ResumeReceive): while paused the
+	// receivers wait on gate and leave datagrams in the kernel.
+	paused atomic.Bool
+	gateMu sync.Mutex
+	gate   chan struct{} // closed when receiving resumes
 }
 
 // UDPWireConfig parameterises NewUDPWire.
@@ -81,6 +89,19 @@ type UDPWireConfig struct {
 	// (default 4096); datagrams from further ports go through the raw
 	// fallback.
 	MaxSendSockets int
+	// Inherit are port 4791 receive sockets of a predecessor (a daemon
+	// handing over to its successor, or systemd's descriptor store after
+	// a crash), with whatever the kernel queued on them meanwhile. One
+	// that is a UDP socket of a wanted family bound to port 4791 on
+	// Interface is taken instead of a new one. NewUDPWire closes every
+	// file of Inherit (it works on duplicates) before it binds new
+	// sockets, and then tries a busy port again for a while: a copy held
+	// elsewhere (the service manager's) may still be closing.
+	Inherit []*os.File
+	// Paused opens the wire with receiving paused until ResumeReceive:
+	// datagrams wait in the sockets' buffers (a successor rebuilding
+	// the QPs they are for).
+	Paused bool
 }
 
 // udpKey names a send socket: the family (bit 16) and the source port.
@@ -142,6 +163,34 @@ func NewUDPWire(cfg UDPWireConfig) (w *UDPWire, err error) {
 	if !cfg.DisableIPv6 {
 		families = append(families, unix.AF_INET6)
 	}
+	adopted := map[int]*udpRx{}
+	defer func() {
+		if err != nil {
+			for _, rx := range adopted {
+				rx.file.Close()
+			}
+		}
+	}()
+	for _, f := range cfg.Inherit {
+		for _, fam := range families {
+			if adopted[fam] != nil {
+				continue
+			}
+			rx, aerr := adoptUDPRx(f, fam, cfg)
+			if aerr != nil {
+				err = aerr
+			}
+			if rx != nil {
+				adopted[fam] = rx
+				w.adopted++
+				break
+			}
+		}
+		f.Close()
+	}
+	if err != nil {
+		return nil, err
+	}
 	for _, fam := range families {
 		raw, err := openTx(fam, cfg.SocketBuffer, w.closedFlag)
 		if err != nil {
@@ -155,14 +204,86 @@ func NewUDPWire(cfg UDPWireConfig) (w *UDPWire, err error) {
 		if err := bindToDevice(raw.fd, cfg.Interface); err != nil {
 			return nil, err
 		}
-		rx, err := openUDPRx(fam, cfg)
-		if err != nil {
-			return nil, err
+		rx := adopted[fam]
+		if rx == nil {
+			var retry time.Duration
+			if len(cfg.Inherit) > 0 {
+				retry = 2 * time.Second
+			}
+			if rx, err = openUDPRx(fam, cfg, retry); err != nil {
+				return nil, err
+			}
 		}
 		w.rx = append(w.rx, rx)
+		rx.rxFn = func(fd uintptr) bool {
+			if w.paused.Load() {
+				rx.rxN, rx.rxErr = 0, nil // leave it queued; the receiver waits at the gate
+				return true
+			}
+			return rx.recvReady(fd)
+		}
+	}
+	w.gate = make(chan struct{})
+	if cfg.Paused {
+		w.paused.Store(true)
+	} else {
+		close(w.gate)
 	}
 	w.scratch.New = func() any { return newUDPTxScratch() }
 	return w, nil
+}
+
+// Adopted returns how many receive sockets the wire took from
+// UDPWireConfig.Inherit.
+func (w *UDPWire) Adopted() int { return w.adopted }
+
+// ReceiveSockets returns the port 4791 receive sockets' descriptors, by
+// family ("udp4", "udp6"), for a successor to inherit; the wire still
+// owns them.
+func (w *UDPWire) ReceiveSockets() map[string]int {
+	out := make(map[string]int, len(w.rx))
+	for _, s := range w.rx {
+		name := "udp4"
+		if s.v6 {
+			name = "udp6"
+		}
+		out[name] = s.fd
+	}
+	return out
+}
+
+// PauseReceive stops taking datagrams from the kernel: what arrives stays
+// in the receive sockets' buffers (up to their size) for ResumeReceive or
+// for a successor that inherits the sockets. Datagrams already read are
+// still handed out.
+func (w *UDPWire) PauseReceive() {
+	w.gateMu.Lock()
+	defer w.gateMu.Unlock()
+	if !w.paused.Swap(true) {
+		w.gate = make(chan struct{})
+	}
+}
+
+// ResumeReceive ends PauseReceive (or UDPWireConfig.Paused).
+func (w *UDPWire) ResumeReceive() {
+	w.gateMu.Lock()
+	defer w.gateMu.Unlock()
+	if w.paused.Swap(false) {
+		close(w.gate)
+	}
+}
+
+// waitGate blocks while receiving is paused; false if the wire closed.
+func (w *UDPWire) waitGate() bool {
+	w.gateMu.Lock()
+	g := w.gate
+	w.gateMu.Unlock()
+	select {
+	case <-g:
+		return true
+	case <-w.closedFlag:
+		return false
+	}
 }
 
 // Queues returns the number of receive sockets.
@@ -567,25 +688,52 @@ type rxMeta struct {
 // udpRxOOB is the control data of one received message.
 var udpRxOOB = unix.CmsgSpace(unix.SizeofInet6Pktinfo) + 3*unix.CmsgSpace(4)
 
-func openUDPRx(fam int, cfg UDPWireConfig) (s *udpRx, err error) {
+// openUDPRx opens and binds a port 4791 receive socket of family fam.
+// retryBusy keeps trying a bind that finds the port in use for that long
+// (a discarded predecessor's socket whose last copy is still closing).
+func openUDPRx(fam int, cfg UDPWireConfig, retryBusy time.Duration) (s *udpRx, err error) {
 	fd, err := unix.Socket(fam, unix.SOCK_DGRAM|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, unix.IPPROTO_UDP)
 	if err != nil {
 		return nil, fmt.Errorf("udp wire: udp %d socket: %w", roce.UDPPort, err)
 	}
-	f := os.NewFile(uintptr(fd), fmt.Sprintf("roce-udp-%d", fam))
 	defer func() {
 		if err != nil {
-			f.Close()
+			unix.Close(fd)
 		}
 	}()
-	v6 := fam == unix.AF_INET6
+	if fam == unix.AF_INET6 {
+		if err := unix.SetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1); err != nil {
+			return nil, fmt.Errorf("udp wire: IPV6_V6ONLY: %w", err)
+		}
+	}
+	if err := setupUDPRx(fd, fam, cfg); err != nil {
+		return nil, err
+	}
+	var sa unix.Sockaddr = &unix.SockaddrInet4{Port: roce.UDPPort}
+	if fam == unix.AF_INET6 {
+		sa = &unix.SockaddrInet6{Port: roce.UDPPort}
+	}
+	deadline := time.Now().Add(retryBusy)
+	for {
+		err = unix.Bind(fd, sa)
+		if err != unix.EADDRINUSE || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("udp wire: bind udp %d (is a kernel rxe device or another fabric using it?): %w", roce.UDPPort, err)
+	}
+	return newUDPRx(fd, fam)
+}
+
+// setupUDPRx sets a receive socket's options but IPV6_V6ONLY (fixed at
+// bind); an adopted socket gets them again.
+func setupUDPRx(fd, fam int, cfg UDPWireConfig) error {
 	type opt struct{ level, name, val int }
 	opts := []opt{{unix.SOL_UDP, unix.UDP_GRO, 1}}
-	var sa unix.Sockaddr = &unix.SockaddrInet4{Port: roce.UDPPort}
-	if v6 {
-		sa = &unix.SockaddrInet6{Port: roce.UDPPort}
-		opts = append(opts, opt{unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 1},
-			opt{unix.IPPROTO_IPV6, unix.IPV6_RECVPKTINFO, 1}, opt{unix.IPPROTO_IPV6, unix.IPV6_RECVTCLASS, 1},
+	if fam == unix.AF_INET6 {
+		opts = append(opts, opt{unix.IPPROTO_IPV6, unix.IPV6_RECVPKTINFO, 1}, opt{unix.IPPROTO_IPV6, unix.IPV6_RECVTCLASS, 1},
 			opt{unix.IPPROTO_IPV6, unix.IPV6_RECVHOPLIMIT, 1},
 			// rxe and HCAs send RoCE with UDP checksum 0, which IPv6
 			// otherwise forbids; the ICRC covers the packet.
@@ -596,21 +744,22 @@ func openUDPRx(fam int, cfg UDPWireConfig) (s *udpRx, err error) {
 	}
 	for _, o := range opts {
 		if err := unix.SetsockoptInt(fd, o.level, o.name, o.val); err != nil {
-			return nil, fmt.Errorf("udp wire: socket option %d/%d: %w", o.level, o.name, err)
+			return fmt.Errorf("udp wire: socket option %d/%d: %w", o.level, o.name, err)
 		}
 	}
 	mmsg.SetBuffers(fd, cfg.SocketBuffer)
-	if err := bindToDevice(fd, cfg.Interface); err != nil {
-		return nil, err
-	}
-	if err := unix.Bind(fd, sa); err != nil {
-		return nil, fmt.Errorf("udp wire: bind udp %d (is a kernel rxe device or another fabric using it?): %w", roce.UDPPort, err)
-	}
+	return bindToDevice(fd, cfg.Interface)
+}
+
+// newUDPRx wraps a set-up, bound receive socket; it owns fd from then on.
+func newUDPRx(fd, fam int) (*udpRx, error) {
+	f := os.NewFile(uintptr(fd), fmt.Sprintf("roce-udp-%d", fam))
 	rc, err := f.SyscallConn()
 	if err != nil {
+		f.Close()
 		return nil, err
 	}
-	s = &udpRx{rawSock: rawSock{fd: fd, file: f, rc: rc, v6: v6,
+	s := &udpRx{rawSock: rawSock{fd: fd, file: f, rc: rc, v6: fam == unix.AF_INET6,
 		hdrs: make([]unix.Mmsghdr, udpRxMsgs), iovs: make([]unix.Iovec, udpRxMsgs),
 		names: make([]unix.RawSockaddrInet6, udpRxMsgs), oob: make([]byte, udpRxMsgs*udpRxOOB)},
 		bufs: make([][]byte, udpRxMsgs)}
@@ -620,6 +769,72 @@ func openUDPRx(fam int, cfg UDPWireConfig) (s *udpRx, err error) {
 	}
 	s.rxFn = s.recvReady
 	return s, nil
+}
+
+// adoptUDPRx takes over a predecessor's receive socket if it is one this
+// wire would have opened: a UDP socket of family fam bound to port 4791 on
+// the configured interface. It returns nil (and f untouched) if not. The
+// wire gets a duplicate; f stays the caller's.
+func adoptUDPRx(f *os.File, fam int, cfg UDPWireConfig) (*udpRx, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return nil, nil
+	}
+	fd := -1
+	var match bool
+	if cerr := rc.Control(func(raw uintptr) {
+		match = isUDPRx(int(raw), fam, cfg.Interface)
+		if match {
+			fd, err = unix.FcntlInt(raw, unix.F_DUPFD_CLOEXEC, 0)
+		}
+	}); cerr != nil || !match {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("udp wire: take over udp %d socket: %w", roce.UDPPort, err)
+	}
+	if err := unix.SetNonblock(fd, true); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("udp wire: take over udp %d socket: %w", roce.UDPPort, err)
+	}
+	if err := setupUDPRx(fd, fam, cfg); err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	return newUDPRx(fd, fam)
+}
+
+// isUDPRx reports whether fd is a UDP socket of family fam (IPv6 only, for
+// IPv6) bound to port 4791 and to the network device iface ("": to none).
+func isUDPRx(fd, fam int, iface string) bool {
+	if fam == unix.AF_INET6 {
+		if v, err := unix.GetsockoptInt(fd, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY); err != nil || v != 1 {
+			return false
+		}
+	}
+	for _, o := range [][2]int{{unix.SO_DOMAIN, fam}, {unix.SO_TYPE, unix.SOCK_DGRAM}, {unix.SO_PROTOCOL, unix.IPPROTO_UDP}} {
+		if v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, o[0]); err != nil || v != o[1] {
+			return false
+		}
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		return false
+	}
+	switch a := sa.(type) {
+	case *unix.SockaddrInet4:
+		if a.Port != roce.UDPPort || a.Addr != [4]byte{} {
+			return false
+		}
+	case *unix.SockaddrInet6:
+		if a.Port != roce.UDPPort || a.Addr != [16]byte{} {
+			return false
+		}
+	default:
+		return false
+	}
+	dev, err := unix.GetsockoptString(fd, unix.SOL_SOCKET, unix.SO_BINDTODEVICE)
+	return err == nil && dev == iface
 }
 
 func (s *udpRx) prepare() {
@@ -658,6 +873,15 @@ func (w *UDPWire) receive(queue int, bufs [][]byte, lens []int, wait bool) (int,
 		if s.cur < s.msgs {
 			if n := w.split(s, bufs, lens); n > 0 {
 				return n, nil
+			}
+			continue
+		}
+		if w.paused.Load() {
+			if !wait {
+				return 0, nil
+			}
+			if !w.waitGate() {
+				return 0, fmt.Errorf("udp wire: %w", hostverbs.ErrClosed)
 			}
 			continue
 		}
