@@ -19,11 +19,8 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 )
 
-// serveProcess builds the daemon and runs `pvrdma-backend serve
-// --keep-state` with the named VMs in a socket directory of its own: a
-// live upgrade execs the binary, which the daemon inside a test process
-// cannot do.
-func serveProcess(tb testing.TB, names []string) string {
+// daemonBinary builds the daemon into a temporary directory of tb.
+func daemonBinary(tb testing.TB) string {
 	tb.Helper()
 	bin := filepath.Join(tb.TempDir(), "pvrdma-backend")
 	root, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}").Output()
@@ -32,16 +29,43 @@ func serveProcess(tb testing.TB, names []string) string {
 	build.Dir = strings.TrimSpace(string(root))
 	out, err := build.CombinedOutput()
 	require.NoError(tb, err, "go build:\n%s", out)
+	return bin
+}
+
+// daemonOpts are how serveProcess runs its daemon; the zero value is a
+// daemon of its own build without a fabric, in this network namespace.
+type daemonOpts struct {
+	bin   string   // the binary (daemonBinary); built if empty
+	netns string   // a named network namespace (ip netns) to run in
+	args  []string // more serve flags, e.g. --fabric-netdev
+}
+
+// serveProcess runs `pvrdma-backend serve --keep-state` with the given
+// --vm values (NAME[,gid-allow=...]) in a socket directory of its own and
+// returns the directory: a live upgrade execs the binary, which the daemon
+// inside a test process cannot do. The daemon is stopped at cleanup and
+// its log shown if tb failed.
+func serveProcess(tb testing.TB, vms []string, o daemonOpts) string {
+	tb.Helper()
+	if o.bin == "" {
+		o.bin = daemonBinary(tb)
+	}
 	dir := filepath.Join(tb.TempDir(), "sock")
 	level := "warn"
 	if os.Getenv("HOSTILE_LOG") != "" {
 		level = "info"
 	}
-	args := []string{"serve", "--socket-dir", dir, "--keep-state", "--log-level", level}
-	for _, n := range names {
-		args = append(args, "--vm", n)
+	args := []string{o.bin, "serve", "--socket-dir", dir, "--keep-state", "--log-level", level}
+	for _, v := range vms {
+		args = append(args, "--vm", v)
 	}
-	cmd := exec.Command(bin, args...)
+	args = append(args, o.args...)
+	if o.netns != "" {
+		// ip execs the daemon in the namespace: the PID, and with it the
+		// signals below and the death signal, are the daemon's.
+		args = append([]string{"ip", "netns", "exec", o.netns}, args...)
+	}
+	cmd := exec.Command(args[0], args[1:]...)
 	// A benchmark killed before its cleanup takes its daemon with it.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	var logs strings.Builder
@@ -58,10 +82,30 @@ func serveProcess(tb testing.TB, names []string) string {
 			<-done
 		}
 		if tb.Failed() {
-			tb.Logf("daemon log:\n%s", logs.String())
+			tb.Logf("log of the daemon of %s:\n%s", dir, logs.String())
 		}
 	})
 	return dir
+}
+
+// upgradeDaemon hands the daemon behind ctl over to its own binary and
+// waits (up to a minute) until the new image serves: its hand-over
+// generation is gen and, if it took VMs, its pause is known. It returns
+// the new image's hand-over status.
+func upgradeDaemon(tb testing.TB, ctl *backend.ControlClient, gen int) backend.HandoverStatus {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(tb, ctl.Upgrade(ctx, ""))
+	var h *backend.HandoverStatus
+	for h == nil || h.Generation < gen || (h.PauseMS == 0 && h.VMs > 0) {
+		time.Sleep(20 * time.Millisecond)
+		if st, err := ctl.Status(ctx); err == nil {
+			h = st.Handover
+		}
+		require.NoError(tb, ctx.Err(), "the new daemon did not serve: last hand-over status %+v", h)
+	}
+	return *h
 }
 
 // BenchmarkHandover (make bench-handover) measures the guest-visible pause
@@ -93,7 +137,7 @@ func runHandover(b *testing.B, n int) (pauseMS float64, probeMax, probeMed time.
 	for i := range names {
 		names[i] = fmt.Sprintf("h%03d", i)
 	}
-	dir := serveProcess(b, names)
+	dir := serveProcess(b, names, daemonOpts{})
 	e := externalEnv(b, dir)
 	eps := make([]*endpoint, len(names))
 	for i := 0; i < len(names); i += 2 {
@@ -131,18 +175,7 @@ func runHandover(b *testing.B, n int) (pauseMS float64, probeMax, probeMed time.
 		}
 	}()
 	time.Sleep(time.Second)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	ctl := backend.NewControlClient(filepath.Join(dir, "control.sock"))
-	require.NoError(b, ctl.Upgrade(ctx, ""))
-	var h *backend.HandoverStatus
-	for h == nil || h.Generation < 1 || (h.PauseMS == 0 && h.VMs > 0) {
-		time.Sleep(20 * time.Millisecond)
-		if st, err := ctl.Status(ctx); err == nil {
-			h = st.Handover
-		}
-		require.NoError(b, ctx.Err(), "the new daemon did not serve: last hand-over status %+v", h)
-	}
+	h := upgradeDaemon(b, e.ctl, 1)
 	time.Sleep(time.Second)
 	stop.Store(true)
 	wg.Wait()
@@ -188,7 +221,7 @@ func handoverVMs(b *testing.B) []int {
 // daemon holds nothing, says why in status, and its VMs' RDMA carries on;
 // a real hand-over after it works, and the QPs keep their connection.
 func TestUpgradeRefusedServesOn(t *testing.T) {
-	dir := serveProcess(t, []string{"r0", "r1"})
+	dir := serveProcess(t, []string{"r0", "r1"}, daemonOpts{})
 	e := externalEnv(t, dir)
 	a, b := e.pairGIDs("r0", "r1", 1, 2, 12, 7)
 	write := func(n int) {
@@ -221,12 +254,7 @@ func TestUpgradeRefusedServesOn(t *testing.T) {
 	require.Zero(t, st.Handover.Generation, "no hand-over happened")
 	write(20) // the VMs were never held
 
-	require.NoError(t, ctl.Upgrade(ctx, ""))
-	require.Eventually(t, func() bool {
-		var err error
-		st, err = ctl.Status(ctx)
-		return err == nil && st.Handover != nil && st.Handover.Generation == 1 && st.Handover.PauseMS > 0
-	}, 30*time.Second, 20*time.Millisecond)
-	require.Equal(t, 2, st.Handover.Continued, "both RC QPs kept their connection")
+	h := upgradeDaemon(t, ctl, 1)
+	require.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
 	write(20)
 }

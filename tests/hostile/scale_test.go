@@ -1,6 +1,8 @@
 package hostile
 
 import (
+	"bytes"
+	"encoding/binary"
 	"fmt"
 	"os"
 	"slices"
@@ -183,20 +185,76 @@ func runScale(b *testing.B, n int) scaleResult {
 	return r
 }
 
-// streamWrites keeps scaleWindow signaled WRITEs from src into dst's MR
-// in flight until stop, counting the bytes of each one that completes.
+// streamWrites keeps scaleWindow signaled 16 KiB WRITEs from src into
+// dst's MR in flight until stop, counting the bytes of each one that
+// completes.
 func streamWrites(src, dst *endpoint, stop *atomic.Bool, done *atomic.Int64) error {
-	q, cq := src.qp, src.scq
+	s := writeStream{src: src, dst: dst, size: scaleMsg, window: scaleWindow, stop: stop, done: done}
+	return s.run()
+}
+
+// writeStream is a stream of signaled RDMA WRITEs from src into dst: window
+// WRITEs of size bytes in flight, the i-th in slot i%window of src's MR
+// (from srcOff) and of dst's MR (from dstOff), until stop.
+type writeStream struct {
+	src, dst       *endpoint
+	size           uint64
+	window         int
+	srcOff, dstOff uint64
+	stop           *atomic.Bool
+	done           *atomic.Int64 // bytes of the WRITEs completed
+
+	// verify stamps each WRITE's payload with the stream's seed and the
+	// WRITE's wr_id and checks, when it completes (in order, RC), that its
+	// slot of dst's RAM holds exactly that payload: the slot's next WRITE
+	// is posted only then.
+	verify bool
+	seed   uint64
+
+	// gapMin, if not 0, has run record in gaps every time between two
+	// completions (or the first post and the first one) above it.
+	gapMin time.Duration
+	gaps   []streamGap
+}
+
+// streamGap is a stretch without a completion, ended at end.
+type streamGap struct {
+	end time.Time
+	d   time.Duration
+}
+
+// payload is the stamped payload of WRITE wrid: 8-byte words unique to
+// the stream, the WRITE and the word's place.
+func (s *writeStream) payload(wrid uint64) []byte {
+	b := make([]byte, s.size)
+	for i := 0; i+8 <= len(b); i += 8 {
+		binary.LittleEndian.PutUint64(b[i:], s.seed^wrid*0x9e3779b97f4a7c15^uint64(i)<<40)
+	}
+	return b
+}
+
+// run streams until stop; it returns the first error: a failed doorbell
+// or poll, an error completion, a completion out of order, a payload that
+// differs or no completion for irqTimeout.
+func (s *writeStream) run() error {
+	q, cq := s.src.qp, s.src.scq
+	w := uint64(s.window)
 	inflight := 0
-	var wrid uint64
-	idle := time.Now()
+	var wrid, oldest uint64 // the last WRITE posted and the oldest in flight
+	last := time.Now()
 	for {
-		for !stop.Load() && inflight < scaleWindow {
+		for !s.stop.Load() && inflight < s.window {
 			wrid++
-			off := uint64(wrid%scaleWindow) * scaleMsg
-			q.writeSend(writeWQE(wrid, dst.mr.iova+off, dst.mr.rkey), src.mr.sge(off, scaleMsg))
-			if err := src.v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle); err != nil {
+			off := wrid % w * s.size
+			if s.verify {
+				s.src.mr.write(s.src.v, s.srcOff+off, s.payload(wrid))
+			}
+			q.writeSend(writeWQE(wrid, s.dst.mr.iova+s.dstOff+off, s.dst.mr.rkey), s.src.mr.sge(s.srcOff+off, uint32(s.size)))
+			if err := s.src.v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle); err != nil {
 				return err
+			}
+			if inflight == 0 {
+				oldest = wrid
 			}
 			inflight++
 		}
@@ -210,14 +268,27 @@ func streamWrites(src, dst *endpoint, stop *atomic.Bool, done *atomic.Int64) err
 		case ok && e.Status != uint32(hostverbs.WCSuccess):
 			return fmt.Errorf("WRITE %d: status %d", e.WRID, e.Status)
 		case ok:
+			if s.verify {
+				if e.WRID != oldest {
+					return fmt.Errorf("WRITE %d completed, %d is the oldest in flight", e.WRID, oldest)
+				}
+				got := s.dst.mr.read(s.dst.v, s.dstOff+oldest%w*s.size, s.size)
+				if !bytes.Equal(got, s.payload(oldest)) {
+					return fmt.Errorf("WRITE %d completed, but the peer's memory holds other bytes", oldest)
+				}
+			}
+			oldest++
 			inflight--
-			done.Add(scaleMsg)
-			idle = time.Now()
-		case time.Since(idle) > irqTimeout:
+			s.done.Add(int64(s.size))
+			if d := time.Since(last); s.gapMin != 0 && d > s.gapMin {
+				s.gaps = append(s.gaps, streamGap{end: time.Now(), d: d})
+			}
+			last = time.Now()
+		case time.Since(last) > irqTimeout:
 			return fmt.Errorf("no completion for %v", irqTimeout)
 		default:
 			// rdma-core's empty poll: a POLL doorbell, then yield.
-			if err := src.v.tryDoorbell(cq.uar, vdev.UARCQOffset, vdev.UARCQPoll|cq.handle); err != nil {
+			if err := s.src.v.tryDoorbell(cq.uar, vdev.UARCQOffset, vdev.UARCQPoll|cq.handle); err != nil {
 				return err
 			}
 			time.Sleep(50 * time.Microsecond)

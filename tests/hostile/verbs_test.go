@@ -3,6 +3,7 @@ package hostile
 import (
 	"bytes"
 	"fmt"
+	"net/netip"
 	"testing"
 	"time"
 
@@ -333,15 +334,23 @@ const (
 	qpDepth = 32
 )
 
-func gidFor(n byte) hostverbs.GID {
-	return hostverbs.GID{10: 0xff, 11: 0xff, 12: 10, 13: 77, 14: 0, 15: n}
-}
+func gidFor(n byte) hostverbs.GID { return gidV4(netip.AddrFrom4([4]byte{10, 77, 0, n})) }
 
-// endpoint boots VM name and creates its objects.
+// gidV4 is the IPv4-mapped GID (::ffff:a.b.c.d) of IPv4 address a, as
+// the driver binds a guest's IPv4 address.
+func gidV4(a netip.Addr) hostverbs.GID { return hostverbs.GID(netip.AddrFrom4(a.As4()).As16()) }
+
+// endpoint boots VM name and creates its objects, its GID gidFor(n).
 func (e *env) endpoint(name string, n byte) *endpoint {
 	e.t.Helper()
+	return e.endpointGID(name, gidFor(n))
+}
+
+// endpointGID is endpoint with GID gid.
+func (e *env) endpointGID(name string, gid hostverbs.GID) *endpoint {
+	e.t.Helper()
 	v := e.boot(name)
-	p := &endpoint{v: v, gid: gidFor(n)}
+	p := &endpoint{v: v, gid: gid}
 	v.bindGID(0, p.gid)
 	p.uc = v.createUC(1)
 	p.pd = v.createPD(p.uc)
@@ -367,9 +376,16 @@ func (e *env) pairRetry(a, b string, rnrTimer, rnrRetry uint8) (*endpoint, *endp
 func (e *env) pairGIDs(a, b string, na, nb byte, rnrTimer, rnrRetry uint8) (*endpoint, *endpoint) {
 	e.t.Helper()
 	pa, pb := e.endpoint(a, na), e.endpoint(b, nb)
-	pa.qp.toRTSRetry(pb.qp.qpn, pb.gid, rnrTimer, rnrRetry)
-	pb.qp.toRTSRetry(pa.qp.qpn, pa.gid, rnrTimer, rnrRetry)
+	connectRC(pa, pb, rnrTimer, rnrRetry)
 	return pa, pb
+}
+
+// connectRC connects the QPs of a and b, which may be VMs of different
+// daemons: each QP learns the other's QPN and GID (as an application
+// exchanges them out of band) and goes to RTS.
+func connectRC(a, b *endpoint, rnrTimer, rnrRetry uint8) {
+	a.qp.toRTSRetry(b.qp.qpn, b.gid, rnrTimer, rnrRetry)
+	b.qp.toRTSRetry(a.qp.qpn, a.gid, rnrTimer, rnrRetry)
 }
 
 func (p *endpoint) Close() { p.v.Close() }
