@@ -1,6 +1,7 @@
 package hostile
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"net/netip"
@@ -166,6 +167,11 @@ func TestUpgradeKeepsRemotePeer(t *testing.T) {
 		require.GreaterOrEqual(t, h.Continued, 1, "daemon %c's hand-over %d: the RC QP did not keep its connection: %s", 'A'+host, gen[host], u.status)
 		require.Zero(t, h.Errored, "daemon %c's hand-over %d: %s", 'A'+host, gen[host], u.status)
 		require.Zero(t, h.Lost, "daemon %c's hand-over %d: %s", 'A'+host, gen[host], u.status)
+		// The fabric's port 4791 sockets were handed over (what arrived
+		// during the pause waited in them), not bound again.
+		st, err := envs[host].ctl.Status(context.Background())
+		require.NoError(t, err)
+		require.Equal(t, uint64(2), st.Counters["wire_rx_sockets_inherited"], "daemon %c's hand-over %d: fabric sockets taken over", 'A'+host, gen[host])
 		ups = append(ups, u)
 	}
 	// Bytes flow both ways after the last upgrade.
