@@ -97,6 +97,10 @@ type RegionSpec struct {
 	// Release unmaps Data and closes FD. It is called once, after the region
 	// is removed and no access is in flight.
 	Release func() error
+	// LockAll, set by MapFDOnFault, locks every page of Data now (they are
+	// locked as first touched until then). It may run while the region is
+	// in use, and does nothing once Release has run.
+	LockAll func() error
 }
 
 // region is one live mapping. Accessors count themselves in inflight while

@@ -44,7 +44,8 @@ type daemonOpts struct {
 // --vm values (NAME[,gid-allow=...]) in a socket directory of its own and
 // returns the directory: a live upgrade execs the binary, which the daemon
 // inside a test process cannot do. The daemon is stopped at cleanup and
-// its log shown if tb failed.
+// its log shown if tb failed. HOSTILE_LOG set: the log is at level info;
+// set to a path, it is written there.
 func serveProcess(tb testing.TB, vms []string, o daemonOpts) string {
 	tb.Helper()
 	if o.bin == "" {
@@ -70,6 +71,14 @@ func serveProcess(tb testing.TB, vms []string, o daemonOpts) string {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	var logs strings.Builder
 	cmd.Stdout, cmd.Stderr = &logs, &logs
+	if path := os.Getenv("HOSTILE_LOG"); strings.HasPrefix(path, "/") {
+		// HOSTILE_LOG=/path: the daemons' logs go to that file whole
+		// (test output truncates long logs).
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+		require.NoError(tb, err)
+		tb.Cleanup(func() { f.Close() })
+		cmd.Stdout, cmd.Stderr = f, f
+	}
 	require.NoError(tb, cmd.Start())
 	tb.Cleanup(func() {
 		_ = cmd.Process.Signal(os.Interrupt)
