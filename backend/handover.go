@@ -38,6 +38,9 @@ const (
 	// EnvHandoverStart is when the predecessor stopped taking messages
 	// (Unix nanoseconds), for the pause the new daemon reports.
 	EnvHandoverStart = "PVRDMA_HANDOVER_START"
+	// EnvHandoverExec is when the predecessor exec'd this binary (Unix
+	// nanoseconds): with EnvHandoverStart it splits the pause.
+	EnvHandoverExec = "PVRDMA_HANDOVER_EXEC"
 	// EnvGeneration counts the hand-overs since the service started.
 	EnvGeneration = "PVRDMA_GENERATION"
 )
@@ -55,7 +58,13 @@ type HandoverStatus struct {
 	Binary     string `json:"binary,omitempty"`
 	// PauseMS is from the predecessor holding its VMs to the last VM's
 	// device served again here.
-	PauseMS    float64 `json:"pause_ms,omitempty"`
+	PauseMS float64 `json:"pause_ms,omitempty"`
+	// The pause's parts: the predecessor saving (hold to exec), this
+	// binary starting (exec to its daemon set up, fabric and VMs
+	// registered), and the VMs' devices rebuilt (to the last served).
+	SaveMS     float64 `json:"save_ms,omitempty"`
+	StartMS    float64 `json:"start_ms,omitempty"`
+	ResumeMS   float64 `json:"resume_ms,omitempty"`
 	VMs        int     `json:"vms,omitempty"`
 	Continued  int     `json:"qps_continued,omitempty"`
 	Errored    int     `json:"qps_errored,omitempty"`
@@ -73,6 +82,7 @@ type handover struct {
 	// is the predecessor's hold time (EnvHandoverStart).
 	resumePending int
 	start         time.Time
+	started       time.Time // when this image's daemon was set up
 }
 
 // StartUpgrade hands the daemon over to binary (the daemon's own path if
@@ -286,6 +296,7 @@ func (d *Daemon) upgrade(binary string) error {
 	env := handoverEnv(os.Environ(), map[string]string{
 		EnvHandoverFDs:   strings.Join(pairs, ","),
 		EnvHandoverStart: strconv.FormatInt(held.UnixNano(), 10),
+		EnvHandoverExec:  "", // set just before the exec
 		EnvGeneration:    strconv.Itoa(d.ho.status.Generation + 1),
 	})
 	if d.keep.store != nil {
@@ -293,6 +304,11 @@ func (d *Daemon) upgrade(binary string) error {
 	}
 	d.log.Info("handing over", "binary", binary, "vms", len(conns), "descriptors", len(fds), "rc_qps_saved", saved,
 		"fabric_sockets", len(fabricFDs), "hold_and_drain", time.Since(start).Round(time.Microsecond))
+	for i, kv := range env {
+		if strings.HasPrefix(kv, EnvHandoverExec+"=") {
+			env[i] = EnvHandoverExec + "=" + strconv.FormatInt(time.Now().UnixNano(), 10)
+		}
+	}
 	err = syscall.Exec(binary, os.Args, env)
 	// Still here: the exec failed. Serve on.
 	for _, s := range vms {
@@ -387,11 +403,20 @@ func (h *handover) fromEnv(vms int) {
 	h.status.Generation = gen
 	if ns, err := strconv.ParseInt(os.Getenv(EnvHandoverStart), 10, 64); err == nil && ns > 0 {
 		h.start = time.Unix(0, ns)
+		h.started = time.Now()
 		h.resumePending = vms
 		h.status.VMs = vms
+		if ex, err := strconv.ParseInt(os.Getenv(EnvHandoverExec), 10, 64); err == nil && ex >= ns {
+			h.status.SaveMS = ms(time.Unix(0, ex).Sub(h.start))
+			h.status.StartMS = ms(h.started.Sub(time.Unix(0, ex)))
+		}
 	}
 	_ = os.Unsetenv(EnvHandoverStart)
+	_ = os.Unsetenv(EnvHandoverExec)
 }
+
+// ms is d in milliseconds, to the microsecond.
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // resumed records a VM's device served again after a hand-over.
 func (h *handover) resumed(continued, errored, lost int) {
@@ -404,7 +429,8 @@ func (h *handover) resumed(continued, errored, lost int) {
 	h.status.Errored += errored
 	h.status.Lost += lost
 	if h.resumePending--; h.resumePending <= 0 {
-		h.status.PauseMS = float64(time.Since(h.start).Microseconds()) / 1000
+		h.status.PauseMS = ms(time.Since(h.start))
+		h.status.ResumeMS = ms(time.Since(h.started))
 		h.start = time.Time{}
 	}
 }

@@ -55,8 +55,8 @@ func runUpgrade(ctx context.Context, args []string, stdout, stderr io.Writer) er
 			if h.PauseMS == 0 && h.VMs > 0 {
 				continue // still resuming its VMs
 			}
-			fmt.Fprintf(stdout, "handed over (generation %d): %d VMs resumed, pause %.1f ms, RC QPs kept %d, errored %d, objects lost %d\n",
-				h.Generation, h.VMs, h.PauseMS, h.Continued, h.Errored, h.Lost)
+			fmt.Fprintf(stdout, "handed over (generation %d): %d VMs resumed, pause %.1f ms (saving %.1f, starting %.1f, resuming %.1f), RC QPs kept %d, errored %d, objects lost %d\n",
+				h.Generation, h.VMs, h.PauseMS, h.SaveMS, h.StartMS, h.ResumeMS, h.Continued, h.Errored, h.Lost)
 			return nil
 		}
 		if h.Error != "" && (before.Handover == nil || h.Error != before.Handover.Error) {

@@ -361,8 +361,9 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 		for vm, n := range doorbells(pre) {
 			assert.GreaterOrEqual(t, doorbells(st)[vm], n, "%s: the counters carry over", vm)
 		}
-		t.Logf("hand-over %d (%s): pause %.1f ms, %d VMs, RC QPs kept %d, errored %d, objects lost %d", upgrades, how,
-			st.Handover.PauseMS, st.Handover.VMs, st.Handover.Continued, st.Handover.Errored, st.Handover.Lost)
+		t.Logf("hand-over %d (%s): pause %.1f ms (saving %.1f, starting %.1f, resuming %.1f), %d VMs, RC QPs kept %d, errored %d, objects lost %d",
+			upgrades, how, st.Handover.PauseMS, st.Handover.SaveMS, st.Handover.StartMS, st.Handover.ResumeMS,
+			st.Handover.VMs, st.Handover.Continued, st.Handover.Errored, st.Handover.Lost)
 		assert.Zero(t, st.Handover.Errored, "no RC QP errored by a planned hand-over")
 	}
 	during := func(step string) {
