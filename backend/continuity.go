@@ -1,6 +1,7 @@
 package backend
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,6 +14,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -116,7 +118,7 @@ func (k *keeping) forgetVM(vm string) {
 
 // forgetConn removes the state of a VM's connection once its QEMU left.
 func (k *keeping) forgetConn(vm string) {
-	for _, n := range []string{stateSession, statePCI, stateJournal} {
+	for _, n := range []string{stateSession, statePCI, stateJournal, stateCounters} {
 		_ = os.Remove(filepath.Join(k.vmDir(vm), n))
 	}
 }
@@ -426,8 +428,48 @@ func (d *Daemon) adoptAddrs() {
 	}
 }
 
-// stateCounters holds a VM's counters at a hand-over, for its successor.
+// stateCounters holds a VM's counters for its successor: written at a
+// hand-over, and every Config.CounterCheckpoint while the VM is
+// connected, so a crash loses at most that much of them.
 const stateCounters = "counters.json"
+
+// checkpointCounters saves the connected VMs' counters every
+// Config.CounterCheckpoint until ctx ends (nothing if no state is kept).
+func (d *Daemon) checkpointCounters(ctx context.Context) {
+	if !d.keep.active() {
+		return
+	}
+	every := d.cfg.CounterCheckpoint
+	if every <= 0 {
+		every = 2 * time.Second
+	}
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		d.mu.Lock()
+		vms := make([]*vmSession, 0, len(d.vms))
+		for _, s := range d.vms {
+			vms = append(vms, s)
+		}
+		d.mu.Unlock()
+		for _, s := range vms {
+			s.mu.Lock()
+			c := s.conn
+			s.mu.Unlock()
+			if c == nil || c.keeper == nil || c.keeper.leaving.Load() {
+				continue
+			}
+			if st := s.status(); st.Connected {
+				d.keep.saveCounters(s.name, st.Counters)
+			}
+		}
+	}
+}
 
 // saveCounters records a VM's counters for the successor of a hand-over.
 func (k *keeping) saveCounters(vm string, c map[string]uint64) {

@@ -3,6 +3,7 @@ package backend
 import (
 	"bytes"
 	"context"
+	"errors"
 	"log/slog"
 	"net"
 	"os"
@@ -303,4 +304,53 @@ func TestFabricSocketsKept(t *testing.T) {
 		assert.Contains(t, r.removed, "+fabric.udp4", "taken out of the store while the fabric starts")
 		assert.Subset(t, r.names(), []string{"+fabric.udp4", "+fabric.udp6"}, "and put back")
 	})
+}
+
+// TestCountersOutliveRestart: a connected VM's counters are checkpointed
+// while it runs (Config.CounterCheckpoint), so the daemon that takes the
+// connection back after a crash or restart counts on from them; and they
+// go with the connection when its QEMU leaves.
+func TestCountersOutliveRestart(t *testing.T) {
+	r := newNotifyReceiver(t)
+	dir := t.TempDir()
+	vm := VMRequest{Name: "kc1", MemBytes: 64 << 20}
+	cfg := Config{SocketDir: dir, VMs: []VMRequest{vm}, CounterCheckpoint: 20 * time.Millisecond}
+	d1, stop1 := runKeptDaemonWith(t, cfg, r, nil)
+	c := dialVM(t, filepath.Join(dir, "kc1.sock"))
+	defer c.Close()
+	require.NoError(t, c.Write32(vfiouser.RegionConfig, 4, 0x0006))
+	// BAR1 reads wider than the register window: refused, and counted.
+	const bad = 5
+	for range bad {
+		_, err := c.RegionRead(1, 2, 16)
+		require.Error(t, err)
+	}
+	counter := func(d *Daemon) uint64 {
+		st := d.Status()
+		if len(st.VMs) != 1 || !st.VMs[0].Connected {
+			return 0
+		}
+		return st.VMs[0].Counters["bad_bar_accesses"]
+	}
+	require.Equal(t, uint64(bad), counter(d1))
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(filepath.Join(dir, "state", "kc1", "counters.json"))
+		return err == nil
+	}, 5*time.Second, 5*time.Millisecond, "the counters are checkpointed")
+	time.Sleep(50 * time.Millisecond) // a checkpoint after the last access
+	stop1()
+
+	cfg.VMs = nil // registered again from the state directory
+	d2, _ := runKeptDaemonWith(t, cfg, r, r.handBack(t))
+	require.Eventually(t, func() bool { return counter(d2) == bad }, 10*time.Second, 10*time.Millisecond,
+		"the successor counts on from the checkpoint: %d", counter(d2))
+	_, err := c.RegionRead(1, 2, 16)
+	require.Error(t, err)
+	assert.Equal(t, uint64(bad+1), counter(d2))
+
+	c.Close()
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(filepath.Join(dir, "state", "kc1", "counters.json"))
+		return errors.Is(err, os.ErrNotExist)
+	}, 10*time.Second, 10*time.Millisecond, "the connection's counters go with it")
 }

@@ -75,6 +75,10 @@ type Config struct {
 	// descriptor store: a live upgrade (StartUpgrade) then works, a crash
 	// still cuts the connections. On with an FDStore.
 	KeepState bool
+	// CounterCheckpoint is how often connected VMs' counters are saved
+	// for a successor when state is kept (0: every 2 s): a crash loses
+	// at most that much of them.
+	CounterCheckpoint time.Duration
 	// Executable is the daemon's binary, which a live upgrade execs by
 	// default (its path: after a package upgrade it is the new binary).
 	Executable string
@@ -273,6 +277,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	srv := &http.Server{Handler: ControlHandler(d), ReadHeaderTimeout: 5 * time.Second}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
+	go d.checkpointCounters(ctx)
 	d.log.Info("serving", "socket_dir", d.cfg.SocketDir, "fabric", d.fabric.status().Mode, "vms", len(d.cfg.VMs),
 		"fd_store", d.keep.store != nil)
 	if d.cfg.OnReady != nil {
