@@ -152,6 +152,15 @@ func daemonPID(t *testing.T) int {
 	return 0
 }
 
+// doorbells are the VMs' doorbell counters in a status.
+func doorbells(st backend.Status) map[string]uint64 {
+	m := map[string]uint64{}
+	for _, v := range st.VMs {
+		m[v.Name] = v.Counters["doorbells"]
+	}
+	return m
+}
+
 // crashScenario: for each round, a long ping-pong the daemon is killed
 // under (it must end, with or without an error, never hang), then a fresh
 // ping-pong and ib_write_bw on the same device (they must pass).
@@ -339,13 +348,6 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 	require.NoError(t, err)
 	pid := st0.PID // in the container's PID namespace
 	upgrades := 0
-	doorbells := func(st backend.Status) map[string]uint64 {
-		m := map[string]uint64{}
-		for _, v := range st.VMs {
-			m[v.Name] = v.Counters["doorbells"]
-		}
-		return m
-	}
 	upgrade := func(how string, args ...string) {
 		t.Helper()
 		pre, err := ctl.Status(ctx)
