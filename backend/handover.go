@@ -22,13 +22,15 @@ import (
 // in its own process (the PID, and with it systemd's view of the service,
 // stays). The old image stops taking messages from every VM at a message
 // boundary (vfiouser.Server.Hold: QEMU's requests wait in the sockets),
-// waits (bounded) until every QP's sends are drained, journals each RC
-// QP's transport state (vdev SaveTransports), keeps the connections'
-// descriptors open across exec and names them in EnvHandoverFDs. The new
-// image takes them as a restarted daemon takes them from systemd's store
-// (continuity.go), rebuilds every device from its journal (RC QPs whose
-// transport state was saved keep their connections) and serves. If the
-// exec fails, the old image releases its VMs and serves on.
+// waits (bounded) until every QP's sends are drained, journals the
+// receives each SRQ's provider holds and each RC QP's transport state
+// (vdev SaveTransportsFor, limited to the journal features the new binary
+// says it restores), keeps the connections' descriptors open across exec
+// and names them in EnvHandoverFDs. The new image takes them as a
+// restarted daemon takes them from systemd's store (continuity.go),
+// rebuilds every device from its journal (RC QPs whose transport state was
+// saved keep their connections, on an SRQ or not) and serves. If the exec
+// fails, the old image releases its VMs and serves on.
 
 // Environment of a daemon exec'd by its predecessor.
 const (
@@ -137,15 +139,15 @@ func (d *Daemon) upgrade(binary string) error {
 	sort.Slice(vms, func(i, j int) bool { return vms[i].name < vms[j].name })
 
 	// Ask the new binary first whether it can take the state (formats,
-	// versions, transport records): if not, nothing is held or changed.
+	// versions, hand-over records): if not, nothing is held or changed.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, binary, "check-state", "--state-dir", d.keep.dir, "--need", "transport").CombinedOutput()
+	features, err := d.successorFeatures(ctx, binary)
 	if err != nil {
-		return fmt.Errorf("%s cannot take this daemon's state (%v): %s", binary, err, strings.TrimSpace(string(out)))
+		return err
 	}
 	// What else the successor takes (older binaries say nothing of it).
-	takesFabric := slices.Contains(successorFeatures(string(out)), FeatureFabricSockets)
+	takesFabric := slices.Contains(features, FeatureFabricSockets)
 	release := func() {
 		for _, s := range vms {
 			s.srv.Release()
@@ -198,18 +200,21 @@ func (d *Daemon) upgrade(binary string) error {
 	for len(pending) > 0 {
 		var again []*vmConn
 		for _, c := range pending {
-			rep, err := c.dev.SaveTransports()
+			rep, err := c.dev.SaveTransportsFor(features)
 			saved += rep.Saved
 			if err != nil {
 				d.log.Warn("hand-over: no transport state saved; the VM's RC QPs come back in the error state", "err", err)
 				continue
 			}
-			if len(rep.Failed) == 0 {
+			if len(rep.Failed) == 0 && len(rep.FailedSRQs) == 0 {
 				continue
 			}
 			if time.Now().Before(retryUntil) {
 				again = append(again, c)
 				continue
+			}
+			for h, ferr := range rep.FailedSRQs {
+				d.log.Warn("hand-over: the receives an SRQ's provider holds are lost", "srq_handle", h, "err", ferr)
 			}
 			for h, ferr := range rep.Failed {
 				d.log.Warn("hand-over: an RC QP comes back in the error state", "qp_handle", h, "err", ferr)
@@ -337,15 +342,40 @@ const featuresLine = "handover features:"
 // FeaturesLine is check-state's line listing HandoverFeatures.
 func FeaturesLine() string { return featuresLine + " " + strings.Join(HandoverFeatures(), " ") }
 
-// successorFeatures reads the features line of a successor's check-state
-// output (none if it printed none).
-func successorFeatures(out string) []string {
+// featuresIn reads the features line of a successor's check-state output
+// (none if it printed none).
+func featuresIn(out string) []string {
 	for _, line := range strings.Split(out, "\n") {
 		if rest, ok := strings.CutPrefix(strings.TrimSpace(line), featuresLine); ok {
 			return strings.Fields(rest)
 		}
 	}
 	return nil
+}
+
+// successorFeatures asks binary (check-state) whether it can take this
+// daemon's state and which hand-over records it restores: transport
+// states and SRQ receives, or transport states alone (an older binary: its
+// RC QPs on an SRQ then come back in the error state, as it would bring
+// them back); and what else it takes (HandoverFeatures, from its output).
+// An error says why it cannot take the state at all.
+func (d *Daemon) successorFeatures(ctx context.Context, binary string) ([]string, error) {
+	check := func(features []string) ([]byte, error) {
+		return exec.CommandContext(ctx, binary, "check-state", "--state-dir", d.keep.dir,
+			"--need", strings.Join(features, ",")).CombinedOutput()
+	}
+	all := []string{"transport", "srq"}
+	out, err := check(all)
+	if err == nil {
+		return append(all, featuresIn(string(out))...), nil
+	}
+	out2, err2 := check(all[:1])
+	if err2 != nil {
+		return nil, fmt.Errorf("%s cannot take this daemon's state (%v): %s", binary, err, strings.TrimSpace(string(out)))
+	}
+	d.log.Warn("hand-over: the new binary cannot restore SRQ receives; RC QPs on an SRQ come back in the error state",
+		"binary", binary, "reason", strings.TrimSpace(string(out)))
+	return append(all[:1:1], featuresIn(string(out2))...), nil
 }
 
 func setCloexec(fds []int) {

@@ -319,7 +319,7 @@ func (s *vmSession) restoreDevice(cfg vdev.Config, journal []byte) (*vdev.Device
 	}
 	s.log.Info("device rebuilt from its journal", "took", time.Since(start).Round(time.Microsecond),
 		"records", rep.Records, "rebuilt", fmt.Sprintf("%+v", rep.Rebuilt), "qps_continued", rep.Continued, "qps_errored", rep.Errored,
-		"lost", fmt.Sprintf("%+v", rep.Lost), "torn", rep.Torn)
+		"srq_recvs_restored", rep.SRQRecvs, "lost", fmt.Sprintf("%+v", rep.Lost), "torn", rep.Torn)
 	for _, n := range rep.Notes {
 		s.log.Warn("device restore", "note", n)
 	}

@@ -58,3 +58,26 @@ type TransportSaver interface {
 	// and leaves the QP untouched.
 	RestoreTransport(state []byte) error
 }
+
+// SRQSaver is implemented by provider SRQs whose posted receives can be
+// handed over to another process with the QPs that use them (an upgrade
+// under running guests). A device model releases an SRQ's receive work
+// requests to the provider when it posts them, so the receives the
+// provider holds exist nowhere else: SaveRecvs returns them, and the new
+// process posts them again, in the order given, to an SRQ created like
+// this one, before any newer receive and before its QPs go on.
+type SRQSaver interface {
+	// SaveRecvs freezes the SRQ and returns the receive work requests it
+	// holds that no QP has taken, in the order QPs would take them, each
+	// with its WRID and SGEs as posted (the SGL is the caller's). From
+	// then on no QP takes a receive from it, so the list stays exact: a
+	// connected QP drops a request that needs one (as if lost on the
+	// wire; the peer resends it to the next process), a UD QP drops the
+	// datagram. A receive a QP took before (a message partly received)
+	// stays that QP's. Saving a frozen SRQ again returns the same list.
+	SaveRecvs() ([]RecvWR, error)
+	// ResumeRecvs undoes SaveRecvs (a hand-over abandoned): QPs take
+	// receives from the SRQ again. Posting to the SRQ or modifying it
+	// resumes it too. It does nothing on an SRQ that is not frozen.
+	ResumeRecvs()
+}

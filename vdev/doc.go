@@ -36,12 +36,14 @@
 // guest (Restore, restore.go): same handles, QPNs and keys, rings adopted
 // where the guest memory has them.
 //
-// Planned hand-over (handover.go): with the guest's doorbells and commands
-// stopped, a daemon waits for SendsDrained, journals the transport state of
-// the connected RC QPs (SaveTransports) and execs its successor, whose
-// Restore gives the new provider QPs that state back: those QPs keep their
-// connections instead of going to ERR. ResumeTransports, or the guest's
-// next BAR write, abandons a hand-over.
+// Planned hand-over (handover.go, handover_srq.go): with the guest's
+// doorbells and commands stopped, a daemon waits for SendsDrained,
+// journals the receives the SRQs' providers hold and the transport state
+// of the connected RC QPs (SaveTransports) and execs its successor, whose
+// Restore posts those receives again and gives the new provider QPs that
+// state back: those QPs, on an SRQ or not, keep their connections instead
+// of going to ERR. ResumeTransports, or the guest's next BAR write,
+// abandons a hand-over.
 //
 // Concurrency: BAR accesses (ReadBAR/WriteBAR) of one device arrive in
 // order from one goroutine, are serialised by the device and run

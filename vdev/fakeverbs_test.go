@@ -516,15 +516,23 @@ func (q *fakeQP) RestoreTransport(b []byte) error {
 	return nil
 }
 
+// fakeSRQ holds every receive posted to it (recvs, oldest first) until a
+// test takes some (takeRecvs); frozen is set between SaveRecvs and
+// ResumeRecvs (or a post or modify).
 type fakeSRQ struct {
-	f     *fakeVerbs
-	attr  hostverbs.SRQAttr
-	recvs []hostverbs.RecvWR
+	f      *fakeVerbs
+	attr   hostverbs.SRQAttr
+	recvs  []hostverbs.RecvWR
+	frozen bool
 }
 
 func (s *fakeSRQ) PostRecv(wr *hostverbs.RecvWR) error {
 	s.f.mu.Lock()
 	defer s.f.mu.Unlock()
+	if err := s.f.check("SRQPostRecv"); err != nil {
+		return err
+	}
+	s.frozen = false
 	if s.f.queueCap > 0 && len(s.recvs) >= s.f.queueCap {
 		return hostverbs.ErrQueueFull
 	}
@@ -534,9 +542,46 @@ func (s *fakeSRQ) PostRecv(wr *hostverbs.RecvWR) error {
 	return nil
 }
 
+// SaveRecvs returns the receives the fake holds and freezes it (noTransport:
+// it cannot).
+func (s *fakeSRQ) SaveRecvs() ([]hostverbs.RecvWR, error) {
+	s.f.mu.Lock()
+	defer s.f.mu.Unlock()
+	switch err := s.f.check("SaveRecvs"); {
+	case err != nil:
+		return nil, err
+	case s.f.noTransport:
+		return nil, fmt.Errorf("fake save recvs: %w", hostverbs.ErrNotSupported)
+	}
+	s.frozen = true
+	out := make([]hostverbs.RecvWR, len(s.recvs))
+	for i, r := range s.recvs {
+		out[i] = hostverbs.RecvWR{WRID: r.WRID, SGL: append([]hostverbs.SGE(nil), r.SGL...)}
+	}
+	return out, nil
+}
+
+// ResumeRecvs unfreezes the fake.
+func (s *fakeSRQ) ResumeRecvs() {
+	s.f.mu.Lock()
+	defer s.f.mu.Unlock()
+	s.frozen = false
+}
+
+// takeRecvs removes the n oldest receives, as QPs take them, and returns
+// their WRIDs.
+func (s *fakeSRQ) takeRecvs(n int) []uint64 {
+	s.f.mu.Lock()
+	defer s.f.mu.Unlock()
+	ids := recvIDs(s.recvs[:n])
+	s.recvs = s.recvs[n:]
+	return ids
+}
+
 func (s *fakeSRQ) Modify(attr hostverbs.SRQAttr, mask hostverbs.SRQAttrMask) error {
 	s.f.mu.Lock()
 	defer s.f.mu.Unlock()
+	s.frozen = false
 	if mask&hostverbs.SRQAttrLimit != 0 {
 		s.attr.Limit = attr.Limit
 	}

@@ -514,6 +514,13 @@ func (g *guest) createSRQ(pd, n, sge, limit, uar uint32) *gsrq {
 }
 
 func (s *gsrq) postRecv(wrid uint64, sges ...SGE) {
+	s.writeRecv(wrid, sges...)
+	s.g.doorbell(s.uar, UARSRQOffset, UARSRQRecv|s.handle)
+}
+
+// writeRecv writes a receive in the SRQ's ring without ringing its
+// doorbell.
+func (s *gsrq) writeRecv(wrid uint64, sges ...SGE) {
 	g := s.g
 	state := s.pages[0] + 8
 	tail := g.u32(state)
@@ -524,7 +531,6 @@ func (s *gsrq) postRecv(wrid uint64, sges ...SGE) {
 		sg.Encode(g.raw[gpa+RQWQEHdrSize+uint64(i)*SGESize:])
 	}
 	g.put32(state, drvInc(tail, s.n))
-	g.doorbell(s.uar, UARSRQOffset, UARSRQRecv|s.handle)
 }
 
 // events drains the async event ring with the driver's arithmetic

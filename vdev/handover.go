@@ -13,21 +13,24 @@ import (
 // A planned hand-over to another process (an upgrade under running
 // guests) keeps RC connections: the daemon stops reading the guest's
 // doorbells and commands, waits until SendsDrained, calls SaveTransports,
-// which journals each connected RC QP's transport state (and freezes the
-// provider QP, so the state stays true), and the next process rebuilds the
-// device with Restore, which restores those states into the new provider
-// QPs instead of moving the QPs to ERR. A hand-over abandoned before the
-// new process runs ends with ResumeTransports, or by itself at the guest's
-// next BAR write: either journals a record that voids the saved states.
+// which journals the receives each SRQ's provider holds (handover_srq.go)
+// and each connected RC QP's transport state (and freezes the provider
+// SRQs and QPs, so the states stay true), and the next process rebuilds
+// the device with Restore, which posts the SRQs' receives again and
+// restores the transport states into the new provider QPs instead of
+// moving the QPs to ERR. A hand-over abandoned before the new process runs
+// ends with ResumeTransports, or by itself at the guest's next BAR write:
+// either journals a record that voids the saved states.
 //
 // Why a transport record can be trusted: it is written while nothing else
 // changes the device (no doorbell, no command), and the provider QP is
 // frozen from that moment, so its state is the QP's last. Restore uses it
-// only if every record after it in the journal is another transport record
-// (a checkpoint puts them last): any command, register write, reset or
-// hand-over abort after it means the device went on and the state is
-// stale. Doorbells are not journaled, but the first BAR write after
-// SaveTransports voids the states before it is applied.
+// only if every record after it in the journal is another hand-over
+// record, transport or SRQ receives (a checkpoint puts them last): any
+// command, register write, reset or hand-over abort after it means the
+// device went on and the state is stale. Doorbells are not journaled,
+// but the first BAR write after SaveTransports voids the states before
+// it is applied.
 
 // Transport record payload: a version byte, 3 bytes 0, the QP handle
 // (u32), then the provider's blob (hostverbs.TransportSaver).
@@ -50,10 +53,18 @@ type TransportReport struct {
 	// whose state could not be saved to why: an error wrapping
 	// hostverbs.ErrBusy (sends, READ responses or a message still in
 	// progress: a later call may save it), hostverbs.ErrNotSupported (the
-	// provider cannot, or the QP uses an SRQ, whose receives would not
-	// survive), or another. A restore moves them to ERR with a QP_FATAL
+	// provider cannot, or the QP uses an SRQ whose receives could not be
+	// saved), or another. A restore moves them to ERR with a QP_FATAL
 	// event, as after a crash.
 	Failed map[uint32]error
+	// SavedSRQs counts the SRQs whose receives the journal holds for the
+	// hand-over (saved by this call or an earlier one).
+	SavedSRQs int
+	// FailedSRQs maps the handle of each SRQ whose receives could not be
+	// saved to why (the provider cannot, or another error); the
+	// receives its provider holds are lost to the next process, and the
+	// connected RC QPs on it are in Failed.
+	FailedSRQs map[uint32]error
 }
 
 // SendsDrained reports whether no QP of the device has send work in its
@@ -92,33 +103,64 @@ func (q *qp) sendsDrained() bool {
 	return w.ring.Outstanding() == 0
 }
 
-// SaveTransports journals, for the hand-over, the transport state of every
-// RC QP in RTR, RTS or SQD whose provider implements
-// hostverbs.TransportSaver, one transport record per QP, and leaves those
-// provider QPs frozen (they drop what they receive: the peer resends it to
-// the next process). The send WQEs of every QP whose provider reports its
-// sends drained are released from the ring (an unsignaled send that
-// completed in silence would otherwise be posted again by the next
-// process). QPs of other types or states need no transport state; those
+// SaveTransports journals, for the hand-over, the receives every SRQ's
+// provider holds (hostverbs.SRQSaver; SRQ receive records, see
+// handover_srq.go) and the transport state of every RC QP in RTR, RTS or
+// SQD whose provider implements hostverbs.TransportSaver, one transport
+// record per QP, and leaves those provider SRQs and QPs frozen (they drop
+// what they receive, or what needs a receive of the SRQ: the peer resends
+// it to the next process). An RC QP on an SRQ is saved only if its SRQ
+// is. The send WQEs of every QP whose provider reports its sends drained
+// are released from the ring (an unsignaled send that completed in
+// silence would otherwise be posted again by the next process). QPs of other types or states need no transport state; those
 // that fail are listed in the report. Call it with doorbells and commands
 // stopped, after SendsDrained, and again for the QPs that were busy if
-// time allows (a QP saved already is not saved twice). The error is for
-// a device that cannot hand over at all (closed, or without a journal).
+// time allows (a QP or SRQ saved already is not saved twice). The error
+// is for a device that cannot hand over at all (closed, or without a
+// journal). It is SaveTransportsFor(JournalFeatures()).
 func (d *Device) SaveTransports() (TransportReport, error) {
+	return d.SaveTransportsFor(JournalFeatures())
+}
+
+// SaveTransportsFor is SaveTransports for a successor whose Restore
+// understands only the journal features named (JournalFeatures of its
+// binary, as its check-state accepts them): without "transport" nothing
+// is saved and it fails with ErrNotSupported; without "srq" no SRQ's
+// receives are saved, and the RC QPs on an SRQ are not saved either
+// (Failed: ErrNotSupported), so they come back in ERR as that successor
+// would bring them back.
+func (d *Device) SaveTransportsFor(features []string) (TransportReport, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	rep := TransportReport{Failed: map[uint32]error{}}
+	rep := TransportReport{Failed: map[uint32]error{}, FailedSRQs: map[uint32]error{}}
 	switch {
 	case d.closed:
 		return rep, fmt.Errorf("vdev: save transports: %w", ErrClosed)
 	case d.journal == nil:
 		return rep, fmt.Errorf("vdev: save transports: the device has no journal: %w", hostverbs.ErrNotSupported)
+	case !slices.Contains(features, featureTransport):
+		return rep, fmt.Errorf("vdev: save transports: the successor cannot restore transport records: %w", hostverbs.ErrNotSupported)
+	}
+	withSRQ := slices.Contains(features, featureSRQ)
+	if withSRQ {
+		// SRQs first: a frozen SRQ gives no receive, so a busy QP on it
+		// finishes the message it has and then stays quiescent.
+		d.srqs.each(func(h uint32, s *srq) {
+			if isLost(s.hv) {
+				return
+			}
+			if err := d.saveSRQ(h, s); err != nil {
+				rep.FailedSRQs[h] = err
+				return
+			}
+			rep.SavedSRQs++
+		})
 	}
 	d.qps.each(func(h uint32, q *qp) {
 		if q.sq == nil || isLost(q.hv) {
 			return
 		}
-		saved, err := d.saveTransport(h, q)
+		saved, err := d.saveTransport(h, q, withSRQ, rep.FailedSRQs)
 		switch {
 		case saved:
 			rep.Saved++
@@ -133,8 +175,9 @@ func (d *Device) SaveTransports() (TransportReport, error) {
 }
 
 // saveTransport saves one QP's transport state, if it has one to save.
-// mu held.
-func (d *Device) saveTransport(h uint32, q *qp) (bool, error) {
+// A QP on an SRQ needs its SRQ saved (withSRQ; srqErr says why one is
+// not). mu held.
+func (d *Device) saveTransport(h uint32, q *qp, withSRQ bool, srqErr map[uint32]error) (bool, error) {
 	if q.typ != hostverbs.QPTypeRC {
 		return false, nil
 	}
@@ -146,8 +189,14 @@ func (d *Device) saveTransport(h uint32, q *qp) (bool, error) {
 	if q.transport != nil {
 		return true, nil
 	}
-	if q.srq != nil {
-		return false, fmt.Errorf("QP %d uses an SRQ, whose receives the provider held would be lost: %w", h, hostverbs.ErrNotSupported)
+	switch {
+	case q.srq == nil:
+	case !withSRQ:
+		return false, fmt.Errorf("QP %d uses an SRQ, whose receives the successor cannot restore: %w", h, hostverbs.ErrNotSupported)
+	case srqErr[q.srq.handle] != nil:
+		return false, fmt.Errorf("QP %d: its SRQ's receives not saved: %w", h, srqErr[q.srq.handle])
+	case q.srq.saved == nil:
+		return false, fmt.Errorf("QP %d: its SRQ %d is lost: %w", h, q.srq.handle, hostverbs.ErrNotSupported)
 	}
 	ts, ok := q.hv.(hostverbs.TransportSaver)
 	if !ok {
@@ -173,9 +222,10 @@ func (d *Device) saveTransport(h uint32, q *qp) (bool, error) {
 	return true, nil
 }
 
-// ResumeTransports abandons a hand-over: the QPs SaveTransports froze
-// process packets again (what they dropped meanwhile is resent by their
-// peers) and a record voiding their saved states is journaled. The
+// ResumeTransports abandons a hand-over: the QPs and SRQs SaveTransports
+// froze process packets and give receives again (what they dropped
+// meanwhile is resent by their peers) and a record voiding their saved
+// states is journaled. The
 // guest's next BAR write does the same by itself; call it when the
 // daemon resumes the guest without handing over. It does nothing if no
 // state is saved.
@@ -200,6 +250,7 @@ func (d *Device) resumeTransportsLocked() {
 			ts.ResumeTransport()
 		}
 	})
+	d.resumeSRQs()
 	d.emit(make([]byte, recHdrSize), recHandoverAbort)
 }
 
@@ -243,19 +294,34 @@ func (rp *replayer) transportRecord(p []byte) error {
 	return nil
 }
 
-// voidTransports drops the transport states kept so far: record r follows
-// them, so the device went on after they were saved.
+// handoverRecord reports whether records of type typ are a hand-over's
+// saved state, which only other such records may follow.
+func handoverRecord(typ uint8) bool { return typ == recTransport || typ == recSRQRecvs }
+
+// handoverPending reports whether the replay keeps hand-over states.
+func (rp *replayer) handoverPending() bool { return len(rp.transport) > 0 || len(rp.srqRecvs) > 0 }
+
+// voidTransports drops the transport states and SRQ receives kept so
+// far: record r follows them, so the device went on after they were
+// saved.
 func (rp *replayer) voidTransports(r jrec) {
 	if r.typ != recHandoverAbort {
+		for _, h := range slices.Sorted(maps.Keys(rp.srqRecvs)) {
+			if !rp.srqRecvs[h].ignored {
+				rp.note("receives of SRQ %d ignored: record %d follows them", h, r.seq)
+			}
+		}
 		for _, h := range slices.Sorted(maps.Keys(rp.transport)) {
 			rp.note("transport state of QP %d ignored: record %d follows it", h, r.seq)
 		}
 	}
 	clear(rp.transport)
+	clear(rp.srqRecvs)
 }
 
 // continueQP restores the transport state the journal ends with into a
-// connected RC QP rebuilt by the replay, which then keeps its state.
+// connected RC QP rebuilt by the replay, which then keeps its state. A QP
+// on an SRQ needs the SRQ's receives restored (repostSRQs).
 func (rp *replayer) continueQP(h uint32, q *qp) bool {
 	blob, ok := rp.transport[h]
 	if !ok {
@@ -265,8 +331,10 @@ func (rp *replayer) continueQP(h uint32, q *qp) bool {
 	var err error
 	ts, isSaver := q.hv.(hostverbs.TransportSaver)
 	switch st := q.State(); {
-	case q.typ != hostverbs.QPTypeRC || q.srq != nil:
-		err = errors.New("not an RC QP of its own receive queue")
+	case q.typ != hostverbs.QPTypeRC:
+		err = errors.New("not an RC QP")
+	case q.srq != nil && !rp.srqKept[q.srq.handle]:
+		err = fmt.Errorf("the receives of its SRQ %d were not restored", q.srq.handle)
 	case st != hostverbs.QPStateRTR && st != hostverbs.QPStateRTS && st != hostverbs.QPStateSQD:
 		err = fmt.Errorf("in %v", st)
 	case !isSaver:

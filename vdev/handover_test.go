@@ -13,13 +13,16 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft"
 )
 
 // hoWorld is a guest with an RC QP that has done some work and has work
 // outstanding when the daemon hands over: receives in the provider, a
 // send and a receive written but not rung, and an unsignaled send the
 // provider completed in silence (still in the ring); beside it an RC QP
-// on an SRQ, a UD QP and an RC QP in RESET.
+// on an SRQ whose provider holds receives (one was taken and completed,
+// which fired its limit; one more is written but not rung), a UD QP and
+// an RC QP in RESET.
 type hoWorld struct {
 	g                    *guest
 	fv                   *fakeVerbs
@@ -29,9 +32,10 @@ type hoWorld struct {
 	rc, rcSRQ, ud, idle  *gqp
 	srq                  *gsrq
 	sendsAfter, recvsOut []uint64 // what the next process must post
+	srqHeld, srqAfter    []uint64 // the SRQ's receives: held by the provider, in the ring
 }
 
-func buildHandover(t *testing.T) *hoWorld {
+func buildHandover(t testing.TB) *hoWorld {
 	fv := newFakeVerbs()
 	g, j := newJournaledGuest(t, fv, 8<<20)
 	w := &hoWorld{g: g, fv: fv, j: j}
@@ -44,7 +48,7 @@ func buildHandover(t *testing.T) *hoWorld {
 	w.mr = g.regMR(pd, 0x7f0000000000, 64<<10, 0xf)
 	w.rc = g.createQP(qpSpec{pd: pd, scq: w.cq, rcq: w.cq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 1, recvSGE: 1, uar: 1})
 	w.rc.toRTS(0x99, gidB, 0)
-	w.srq = g.createSRQ(pd, 16, 1, 0, 1)
+	w.srq = g.createSRQ(pd, 16, 1, 4, 1)
 	w.rcSRQ = g.createQP(qpSpec{pd: pd, scq: w.cq, rcq: w.cq, srq: w.srq, typ: hostverbs.QPTypeRC, sendWR: 16, sendSGE: 1, uar: 1})
 	w.rcSRQ.toRTS(0x9a, gidB, 0)
 	w.ud = g.createQP(qpSpec{pd: pd, scq: w.cq, rcq: w.cq, typ: hostverbs.QPTypeUD, sendWR: 16, recvWR: 16, sendSGE: 1, recvSGE: 1, uar: 1})
@@ -70,6 +74,19 @@ func buildHandover(t *testing.T) *hoWorld {
 	fv.mu.Lock()
 	fq.xport = 0x5eed
 	fv.mu.Unlock()
+
+	for i := range uint64(4) {
+		w.srq.postRecv(30+i, SGE{Addr: w.mr.iova + 4096*(i+1), Length: 256, LKey: w.mr.lkey})
+	}
+	fs := fv.srqs[0]
+	require.Equal(t, []uint64{30}, fs.takeRecvs(1))
+	fakeQPOf(t, fv, w.rcSRQ.qpn).complete(true, hostverbs.WorkCompletion{WRID: 30, Opcode: hostverbs.WCRecv})
+	require.EqualValues(t, 30, w.cq.mustPoll().WRID)
+	fv.mu.Lock()
+	fs.attr.Limit = 0 // fired as the receive was taken, and disarmed
+	fv.mu.Unlock()
+	w.srq.writeRecv(34, SGE{Addr: w.mr.iova + 4096*5, Length: 256, LKey: w.mr.lkey})
+	w.srqHeld, w.srqAfter = []uint64{31, 32, 33}, []uint64{34}
 	require.EqualValues(t, 1, w.rc.sqConsumed(), "the unsignaled send holds its slot")
 	g.events()
 	return w
@@ -117,18 +134,44 @@ func (w *hoWorld) frozen(t *testing.T) bool {
 	return q.frozen
 }
 
+func (w *hoWorld) srqFrozen() bool {
+	w.fv.mu.Lock()
+	defer w.fv.mu.Unlock()
+	return w.fv.srqs[0].frozen
+}
+
 // checkContinued checks a device restored over fv from a journal that
-// ends with the RC QP's transport state.
+// ends with the SRQ's receives and the RC QPs' transport states.
 func (w *hoWorld) checkContinued(t *testing.T, fv *fakeVerbs, rep RestoreReport) {
 	t.Helper()
 	g := w.g
 	assert.Empty(t, rep.Notes)
-	assert.Equal(t, 1, rep.Continued)
-	assert.Equal(t, 1, rep.Errored, "the QP on the SRQ")
-	assert.EqualValues(t, 1, g.dev.Stats().RestoreContinuedQPs)
-	assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventQPFatal), Info: w.rcSRQ.handle}}, g.events(), "no QP_FATAL for the QP that goes on")
-	assert.Equal(t, map[uint32]hostverbs.QPState{w.rc.handle: hostverbs.QPStateRTS, w.rcSRQ.handle: hostverbs.QPStateErr,
+	assert.Equal(t, 2, rep.Continued, "the RC QP and the RC QP on the SRQ")
+	assert.Zero(t, rep.Errored)
+	assert.Equal(t, len(w.srqHeld), rep.SRQRecvs)
+	assert.EqualValues(t, 2, g.dev.Stats().RestoreContinuedQPs)
+	assert.Empty(t, g.events(), "no QP_FATAL for the QPs that go on")
+	assert.Equal(t, map[uint32]hostverbs.QPState{w.rc.handle: hostverbs.QPStateRTS, w.rcSRQ.handle: hostverbs.QPStateRTS,
 		w.ud.handle: hostverbs.QPStateRTS, w.idle.handle: hostverbs.QPStateReset}, qpStates(g.dev))
+
+	// The SRQ: the receives the old provider held, posted again first,
+	// then the one in the ring; its limit as the provider had it.
+	require.Len(t, fv.srqs, 1)
+	fs := fv.srqs[0]
+	fv.mu.Lock()
+	assert.Equal(t, append(slices.Clone(w.srqHeld), w.srqAfter...), recvIDs(fs.recvs))
+	for i, r := range fs.recvs {
+		assert.Equal(t, []hostverbs.SGE{{Addr: w.mr.iova + 4096*uint64(i+2), Length: 256, LKey: w.mr.lkey}}, r.SGL)
+	}
+	assert.Zero(t, fs.attr.Limit, "the limit fired before the hand-over stays disarmed")
+	fv.mu.Unlock()
+	assert.Equal(t, w.srqHeld[:1], fs.takeRecvs(1))
+	fakeQPOf(t, fv, w.rcSRQ.qpn).complete(true, hostverbs.WorkCompletion{WRID: w.srqHeld[0], Opcode: hostverbs.WCRecv, ByteLen: 9})
+	e := w.cq.mustPoll()
+	assert.Equal(t, w.srqHeld[0], e.WRID)
+	assert.EqualValues(t, 9, e.ByteLen)
+	assert.Equal(t, w.rcSRQ.handle, uint32(e.QP))
+
 	fq := fakeQPOf(t, fv, w.rc.qpn)
 	fv.mu.Lock()
 	assert.Equal(t, hostverbs.QPStateRTS, fq.attr.State)
@@ -139,7 +182,7 @@ func (w *hoWorld) checkContinued(t *testing.T, fv *fakeVerbs, rep RestoreReport)
 	assert.Equal(t, w.recvsOut, guestRecvIDs(w.rc, r), "the outstanding receives are posted again")
 	// Work goes on.
 	fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv})
-	e := w.cq.mustPoll()
+	e = w.cq.mustPoll()
 	assert.EqualValues(t, 2, e.WRID)
 	assert.EqualValues(t, hostverbs.WCSuccess, e.Status)
 	fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
@@ -149,16 +192,20 @@ func (w *hoWorld) checkContinued(t *testing.T, fv *fakeVerbs, rep RestoreReport)
 	w.rc.postSend(wqe(hostverbs.WRRDMAWrite, 13, hostverbs.SendSignaled), SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey})
 	s, _ = fq.take()
 	assert.Equal(t, []uint64{13}, guestSendIDs(w.rc, s))
-	assert.NotEqual(t, recTransport, lastRecordType(g.dev.Checkpoint()), "the restored device's checkpoint holds no transport state")
+	cp := recordTypes(g.dev.Checkpoint())
+	assert.NotContains(t, cp, recTransport, "the restored device's checkpoint holds no transport state")
+	assert.NotContains(t, cp, recSRQRecvs)
 }
 
 // TestHandoverFake: with doorbells stopped, the device's sends drain;
-// SaveTransports journals the connected RC QP's transport state (not
-// twice), freezes its provider QP and releases the send completed in
-// silence; a device restored from the journal, or from a checkpoint taken
-// then, gives the provider QP its state back and keeps the QP in RTS
-// without an event, posts its outstanding receives and the send never
-// posted, and not the one completed.
+// SaveTransports journals the receives the SRQ's provider holds and the
+// connected RC QPs' transport states (not twice), freezes the provider
+// SRQ and QPs and releases the send completed in silence; a device
+// restored from the journal, or from a checkpoint taken then, posts the
+// SRQ's receives again, gives the provider QPs their state back and keeps
+// the QPs (the one on the SRQ too) in RTS without an event, posts their
+// outstanding receives and the send never posted, and not the one
+// completed.
 func TestHandoverFake(t *testing.T) {
 	w := buildHandover(t)
 	g := w.g
@@ -166,20 +213,20 @@ func TestHandoverFake(t *testing.T) {
 	n := len(w.j.recs)
 	rep, err := g.dev.SaveTransports()
 	require.NoError(t, err)
-	assert.Equal(t, 1, rep.Saved)
-	require.Len(t, rep.Failed, 1)
-	assert.ErrorIs(t, rep.Failed[w.rcSRQ.handle], hostverbs.ErrNotSupported)
+	want := TransportReport{Saved: 2, Failed: map[uint32]error{}, SavedSRQs: 1, FailedSRQs: map[uint32]error{}}
+	assert.Equal(t, want, rep)
 	assert.True(t, w.frozen(t))
+	assert.True(t, w.srqFrozen())
 	assert.EqualValues(t, 2, w.rc.sqConsumed(), "the send completed in silence released")
-	assert.Equal(t, n+1, len(w.j.recs))
+	assert.Equal(t, n+3, len(w.j.recs), "one SRQ receive record, two transport records")
 	rep, err = g.dev.SaveTransports()
 	require.NoError(t, err)
-	assert.Equal(t, 1, rep.Saved)
-	assert.Equal(t, n+1, len(w.j.recs), "saved once")
+	assert.Equal(t, want, rep)
+	assert.Equal(t, n+3, len(w.j.recs), "saved once")
 	journal := w.j.bytes()
-	assert.Equal(t, recTransport, lastRecordType(journal))
+	assert.Equal(t, []int{recSRQRecvs, recTransport, recTransport}, recordTypes(journal)[n:])
 	cp := g.dev.Checkpoint()
-	assert.Equal(t, recTransport, lastRecordType(cp))
+	assert.Equal(t, []int{recSRQRecvs, recTransport, recTransport}, recordTypes(cp)[countRecords(cp)-3:])
 	mem := slices.Clone(g.raw)
 
 	for _, src := range []struct {
@@ -246,9 +293,11 @@ func TestHandoverVoided(t *testing.T) {
 		}, false, false, ""},
 		{"saved again after an abort", func(t *testing.T, w *hoWorld) []byte {
 			w.g.dev.ResumeTransports()
+			assert.False(t, w.srqFrozen())
 			rep, err := w.g.dev.SaveTransports()
 			require.NoError(t, err)
-			assert.Equal(t, 1, rep.Saved)
+			assert.Equal(t, 2, rep.Saved)
+			assert.Equal(t, 1, rep.SavedSRQs)
 			return w.j.bytes()
 		}, true, true, ""},
 	} {
@@ -258,6 +307,7 @@ func TestHandoverVoided(t *testing.T) {
 			require.NoError(t, err)
 			journal := tc.after(t, w)
 			assert.Equal(t, tc.frozen, w.frozen(t), "the provider QP frozen while the hand-over stands")
+			assert.Equal(t, tc.frozen, w.srqFrozen(), "the provider SRQ frozen while the hand-over stands")
 			if !tc.continued && tc.note == "" {
 				assert.Contains(t, recordTypes(journal), recHandoverAbort)
 			}
@@ -270,11 +320,14 @@ func TestHandoverVoided(t *testing.T) {
 			}
 			assert.Zero(t, rep.Continued)
 			assert.Equal(t, 2, rep.Errored)
+			assert.Zero(t, rep.SRQRecvs, "the SRQ's saved receives are void too")
 			assert.Equal(t, hostverbs.QPStateErr, qpStates(w.g.dev)[w.rc.handle])
 			assert.Contains(t, w.g.events(), EQE{Type: uint32(hostverbs.EventQPFatal), Info: w.rc.handle})
 			if tc.note != "" {
-				require.Len(t, rep.Notes, 1)
-				assert.Contains(t, rep.Notes[0], tc.note)
+				require.Len(t, rep.Notes, 3, "the SRQ's receives and two transport states")
+				for _, n := range rep.Notes {
+					assert.Contains(t, n, tc.note)
+				}
 			} else {
 				assert.Empty(t, rep.Notes)
 			}
@@ -283,9 +336,10 @@ func TestHandoverVoided(t *testing.T) {
 }
 
 // TestHandoverRefused: a QP with a send in the provider is not drained
-// and its state is not saved (busy; a restore errors it); once its send
-// completes it is; a provider that cannot save, and a device without a
-// journal, are refused.
+// and its state is not saved (busy; a restore errors it, while the QP on
+// the SRQ goes on); once its send completes it is; a provider that cannot
+// save (QPs or SRQs), a successor that cannot restore SRQ receives or
+// transport states, and a device without a journal, are refused.
 func TestHandoverRefused(t *testing.T) {
 	w := buildHandover(t)
 	g := w.g
@@ -294,15 +348,17 @@ func TestHandoverRefused(t *testing.T) {
 	assert.False(t, g.dev.SendsDrained())
 	rep, err := g.dev.SaveTransports()
 	require.NoError(t, err)
-	assert.Zero(t, rep.Saved)
+	assert.Equal(t, 1, rep.Saved, "the QP on the SRQ")
 	assert.ErrorIs(t, rep.Failed[w.rc.handle], hostverbs.ErrBusy)
 	assert.False(t, w.frozen(t))
 	journal := w.j.bytes()
-	assert.NotContains(t, recordTypes(journal), recTransport)
+	assert.Equal(t, 1, slices.Index(recordTypes(journal), recTransport)-slices.Index(recordTypes(journal), recSRQRecvs))
 	rrep, err := g.restart(newFakeVerbs(), journal, nil)
 	require.NoError(t, err)
-	assert.Zero(t, rrep.Continued)
-	assert.Equal(t, 2, rrep.Errored)
+	assert.Equal(t, 1, rrep.Continued)
+	assert.Equal(t, 1, rrep.Errored)
+	assert.Equal(t, hostverbs.QPStateErr, qpStates(g.dev)[w.rc.handle])
+	assert.Equal(t, hostverbs.QPStateRTS, qpStates(g.dev)[w.rcSRQ.handle])
 
 	// Once its sends complete, it is saved.
 	w2 := buildHandover(t)
@@ -314,14 +370,41 @@ func TestHandoverRefused(t *testing.T) {
 	assert.True(t, w2.g.dev.SendsDrained())
 	rep, err = w2.g.dev.SaveTransports()
 	require.NoError(t, err)
-	assert.Equal(t, 1, rep.Saved)
+	assert.Equal(t, 2, rep.Saved)
 
 	w3 := buildHandover(t)
 	w3.fv.noTransport = true
 	rep, err = w3.g.dev.SaveTransports()
 	require.NoError(t, err)
 	assert.Zero(t, rep.Saved)
+	assert.Zero(t, rep.SavedSRQs)
 	assert.ErrorIs(t, rep.Failed[w3.rc.handle], hostverbs.ErrNotSupported)
+	assert.ErrorIs(t, rep.Failed[w3.rcSRQ.handle], hostverbs.ErrNotSupported)
+	assert.ErrorIs(t, rep.FailedSRQs[w3.srq.handle], hostverbs.ErrNotSupported)
+	assert.False(t, w3.srqFrozen())
+
+	// The SRQ's provider fails: its QP is not saved, the other QP is.
+	w4 := buildHandover(t)
+	w4.fv.failNext("SaveRecvs", hostverbs.ErrClosed)
+	rep, err = w4.g.dev.SaveTransports()
+	require.NoError(t, err)
+	assert.Equal(t, 1, rep.Saved)
+	assert.ErrorIs(t, rep.FailedSRQs[w4.srq.handle], hostverbs.ErrClosed)
+	assert.ErrorIs(t, rep.Failed[w4.rcSRQ.handle], hostverbs.ErrClosed)
+	assert.NotContains(t, recordTypes(w4.j.bytes()), recSRQRecvs)
+
+	// A successor without "srq": the QP on the SRQ is not saved, nor its
+	// SRQ; without "transport" nothing is.
+	w5 := buildHandover(t)
+	rep, err = w5.g.dev.SaveTransportsFor([]string{"transport"})
+	require.NoError(t, err)
+	assert.Equal(t, 1, rep.Saved)
+	assert.Zero(t, rep.SavedSRQs)
+	assert.ErrorIs(t, rep.Failed[w5.rcSRQ.handle], hostverbs.ErrNotSupported)
+	assert.False(t, w5.srqFrozen())
+	assert.NotContains(t, recordTypes(w5.j.bytes()), recSRQRecvs)
+	_, err = w5.g.dev.SaveTransportsFor([]string{"srq"})
+	assert.ErrorIs(t, err, hostverbs.ErrNotSupported)
 
 	mem4, _ := guestmem.NewFlat(0, 1<<20)
 	d, err := New(Config{Memory: mem4, Verbs: newFakeVerbs(), IRQ: &fakeIRQ{}, MAC: testMAC})
@@ -340,7 +423,7 @@ func TestHandoverRefused(t *testing.T) {
 // the QP to the crash path (ERR, QP_FATAL) with a note; never a panic.
 func TestHandoverHostileRecords(t *testing.T) {
 	w := buildHandover(t)
-	_, err := w.g.dev.SaveTransports()
+	_, err := w.g.dev.SaveTransportsFor([]string{"transport"}) // the RC QP's alone
 	require.NoError(t, err)
 	journal := w.j.bytes()
 	cp := w.g.dev.Checkpoint()
@@ -433,28 +516,10 @@ func restoreWith(w *hoWorld, b []byte) (RestoreReport, error) {
 func TestHandoverSoft(t *testing.T) {
 	f := newSoftFabric(t)
 	peer := newSoftSide(t, f, "vm-b", gidB)
-	open := func(name string, mem *guestmem.Memory, dev *atomicDevice) hostverbs.Device {
-		sd, err := f.Open(hostverbs.DeviceConfig{Name: name, Memory: mem, MAC: testMAC,
-			Events: func(ev hostverbs.AsyncEvent) {
-				if d := dev.Load(); d != nil {
-					d.HandleEvent(ev)
-				}
-			}})
-		require.NoError(t, err)
-		return sd
-	}
 	var dev1 atomicDevice
-	mem, raw := guestmem.NewFlat(0, guestRAMSize)
-	sd1 := open("vm-a", mem, &dev1)
-	g := &guest{t: t, mem: mem, raw: raw, verbs: sd1, irq: &fakeIRQ{}, next: 1 << 20}
-	j := &journalBuf{}
-	d1, err := New(Config{Memory: mem, Verbs: sd1, IRQ: g.irq, MAC: testMAC, Journal: j.sink})
-	require.NoError(t, err)
-	dev1.Store(d1)
-	g.dev = d1
-	t.Cleanup(func() { _ = sd1.Close() })
-	g.probe()
-	g.bindGID(0, gidA)
+	g, j, sd1 := newHandoverSoftGuest(t, f, "vm-a", &dev1)
+	d1 := dev1.Load()
+	mem := g.mem
 	a := &softSide{g: g, gid: gidA}
 	uc := g.createUC(1)
 	a.pd = g.createPD(uc)
@@ -529,12 +594,11 @@ func TestHandoverSoft(t *testing.T) {
 	eventuallyTrue(t, d1.SendsDrained)
 	rep, err := d1.SaveTransports()
 	require.NoError(t, err)
-	require.Equal(t, TransportReport{Saved: 1, Failed: map[uint32]error{}}, rep)
+	require.Equal(t, TransportReport{Saved: 1, Failed: map[uint32]error{}, FailedSRQs: map[uint32]error{}}, rep)
 	// exec: the old provider device goes with the process.
 	require.NoError(t, sd1.Close())
 	var dev2 atomicDevice
-	sd2 := open("vm-a", mem, &dev2)
-	t.Cleanup(func() { _ = sd2.Close() })
+	sd2 := openHandoverSoft(t, f, "vm-a", mem, &dev2)
 	rrep, err := g.restart(sd2, j.bytes(), nil)
 	require.NoError(t, err)
 	dev2.Store(g.dev)
@@ -572,4 +636,136 @@ func eventuallyTrue(t *testing.T, cond func() bool) {
 		time.Sleep(time.Millisecond)
 	}
 	t.Fatal("condition not met in 10 s")
+}
+
+// TestHandoverSoftSRQ hands over a guest of the soft provider whose RC QP
+// receives through an SRQ, as the next process does after exec: the
+// receives the old provider's SRQ held are posted again in the new one,
+// before those written in the ring during the hand-over; a SEND the
+// frozen QP dropped arrives after it; and every SEND of the stream
+// arrives exactly once, in order, in the SRQ's next receive, with its
+// data, the QP staying in RTS without an event.
+func TestHandoverSoftSRQ(t *testing.T) {
+	f := newSoftFabric(t)
+	peer := newSoftSide(t, f, "vm-b", gidB)
+	var dev1 atomicDevice
+	g, j, sd1 := newHandoverSoftGuest(t, f, "vm-a", &dev1)
+	uc := g.createUC(1)
+	pd := g.createPD(uc)
+	scq, rcq := g.createCQ(uc, 256), g.createCQ(uc, 256)
+	mr := g.regMR(pd, 0x7f0000000123, 256<<10, 0xf)
+	srq := g.createSRQ(pd, 32, 1, 0, 1)
+	qa := g.createQP(qpSpec{pd: pd, scq: scq, rcq: rcq, srq: srq, typ: hostverbs.QPTypeRC, sendWR: 16, sendSGE: 1, uar: 1})
+	qa.toRTS(peer.qp.qpn, peer.gid, 0)
+	peer.qp.toRTS(qa.qpn, gidA, 0)
+	g.events()
+
+	// Receive k takes message k into its own 4 KiB of the MR.
+	const recvBase = 1000
+	recvSGE := func(k int) SGE { return SGE{Addr: mr.iova + uint64(k)*4096, Length: 4096, LKey: mr.lkey} }
+	msg := func(k int) []byte { return randBytes(100+k*251, int64(k)) }
+	sent := 0
+	send := func() {
+		t.Helper()
+		data := msg(sent)
+		peer.mr.write(peer.g, uint64(sent)*4096, data)
+		peer.qp.postSend(wqe(hostverbs.WRSend, uint64(sent), hostverbs.SendSignaled), peer.sge(uint64(sent)*4096, uint32(len(data))))
+		sent++
+	}
+	got := 0
+	arrives := func() {
+		t.Helper()
+		e := waitCQE(t, rcq)
+		require.EqualValues(t, hostverbs.WCSuccess, e.Status, "message %d", got)
+		require.EqualValues(t, recvBase+got, e.WRID, "message %d in the SRQ's next receive", got)
+		require.Equal(t, qa.handle, uint32(e.QP))
+		data := msg(got)
+		require.EqualValues(t, len(data), e.ByteLen)
+		require.True(t, bytes.Equal(data, mr.read(g, uint64(got)*4096, uint64(len(data)))), "message %d's data", got)
+		got++
+	}
+	for k := range 8 {
+		srq.postRecv(recvBase+uint64(k), recvSGE(k))
+	}
+	for range 3 {
+		send()
+		arrives()
+	}
+	// The hand-over: doorbells stop (the receives written now are the
+	// next process's to post), sends drain, states are saved.
+	srq.writeRecv(recvBase+8, recvSGE(8))
+	srq.writeRecv(recvBase+9, recvSGE(9))
+	eventuallyTrue(t, dev1.Load().SendsDrained)
+	rep, err := dev1.Load().SaveTransports()
+	require.NoError(t, err)
+	assert.Equal(t, 1, rep.Saved)
+	assert.Empty(t, rep.Failed)
+	// The peer goes on: the frozen QP drops its SEND.
+	send()
+	// exec: the old provider device goes with the process.
+	require.NoError(t, sd1.Close())
+	var dev2 atomicDevice
+	sd2 := openHandoverSoft(t, f, "vm-a", g.mem, &dev2)
+	rrep, err := g.restart(sd2, j.bytes(), nil)
+	require.NoError(t, err)
+	dev2.Store(g.dev)
+	assert.Equal(t, 1, rrep.Continued, "%q", rrep.Notes)
+	assert.Zero(t, rrep.Errored)
+	assert.Empty(t, rrep.Notes)
+	assert.Empty(t, g.events(), "no QP_FATAL")
+	assert.Equal(t, hostverbs.QPStateRTS, qpStates(g.dev)[qa.handle])
+
+	// The dropped SEND arrives, once, in the first receive the old SRQ
+	// held; the stream goes on through the rest, the receives written
+	// during the hand-over and new ones.
+	arrives()
+	for k := 10; k < 14; k++ {
+		srq.postRecv(recvBase+uint64(k), recvSGE(k))
+	}
+	for sent < 14 {
+		send()
+		arrives()
+	}
+	for range sent {
+		e := waitCQE(t, peer.scq)
+		require.EqualValues(t, hostverbs.WCSuccess, e.Status)
+	}
+	_, ok := rcq.poll()
+	assert.False(t, ok, "no CQE left over")
+	_, ok = peer.scq.poll()
+	assert.False(t, ok)
+	assert.Equal(t, hostverbs.QPStateRTS, qpStates(g.dev)[qa.handle])
+	assert.Empty(t, g.events())
+}
+
+// openHandoverSoft opens a soft provider device for guest memory mem
+// whose events go to the device in dev.
+func openHandoverSoft(t *testing.T, f *soft.Fabric, name string, mem *guestmem.Memory, dev *atomicDevice) hostverbs.Device {
+	t.Helper()
+	sd, err := f.Open(hostverbs.DeviceConfig{Name: name, Memory: mem, MAC: testMAC,
+		Events: func(ev hostverbs.AsyncEvent) {
+			if d := dev.Load(); d != nil {
+				d.HandleEvent(ev)
+			}
+		}})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = sd.Close() })
+	return sd
+}
+
+// newHandoverSoftGuest is a probed guest (GID gidA) of a journaled device
+// over a soft provider device of f, as a daemon that can hand over has.
+func newHandoverSoftGuest(t *testing.T, f *soft.Fabric, name string, dev *atomicDevice) (*guest, *journalBuf, hostverbs.Device) {
+	t.Helper()
+	mem, raw := guestmem.NewFlat(0, guestRAMSize)
+	sd := openHandoverSoft(t, f, name, mem, dev)
+	g := &guest{t: t, mem: mem, raw: raw, verbs: sd, irq: &fakeIRQ{}, next: 1 << 20}
+	j := &journalBuf{}
+	d, err := New(Config{Memory: mem, Verbs: sd, IRQ: g.irq, MAC: testMAC, Journal: j.sink})
+	require.NoError(t, err)
+	dev.Store(d)
+	g.dev = d
+	g.probe()
+	g.bindGID(0, gidA)
+	return g, j, sd
 }

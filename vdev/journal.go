@@ -35,10 +35,15 @@ import (
 //   - transport: a u8 payload version (1), 3 bytes 0, a u32 QP handle and
 //     the provider's transport state of that RC QP (SaveTransports, for a
 //     hand-over to another process; handover.go). Valid only while every
-//     record after it is a transport record; a checkpoint taken during a
-//     hand-over holds them last. Payload up to 8 KiB.
-//   - hand-over abort: no payload; the transport records before it are
-//     void (ResumeTransports, or the guest's next BAR write).
+//     record after it is a transport or SRQ receive record; a checkpoint
+//     taken during a hand-over holds them last. Payload up to 8 KiB.
+//   - hand-over abort: no payload; the transport and SRQ receive records
+//     before it are void (ResumeTransports, or the guest's next BAR
+//     write).
+//   - SRQ receives: the receives an SRQ's provider held, for a hand-over
+//     (SaveTransports; format in handover_srq.go), one record or more per
+//     SRQ. Valid, as transport records, only while every record after it
+//     is a transport or SRQ receive record. Payload up to 64 KiB.
 //
 // Records the device emits are numbered 1, 2, ... (a restored device
 // continues the journal's numbering). Restore accepts a stream that either
@@ -60,6 +65,7 @@ const (
 	recCheckpoint    = 3
 	recTransport     = 4
 	recHandoverAbort = 5
+	recSRQRecvs      = 6
 
 	recFlagSnapshot = 1
 )
@@ -369,11 +375,11 @@ func mergeModify(t hostverbs.QPType, from hostverbs.QPState, dst, src []byte) ([
 // registers, the bound GIDs and the live objects' create records in
 // dependency order (contexts, PDs, CQs with their last resize, MRs, SRQs
 // with their last modify, QPs with the modifies that lead to their
-// state), then during a hand-over the transport records SaveTransports
-// wrote. It costs O(live objects). Written to a new file, it replaces the
-// journal; records the sink receives from the moment Checkpoint is called
-// are appended after it (Restore skips those the checkpoint already
-// holds, by their numbers).
+// state), then during a hand-over the SRQ receive and transport records
+// SaveTransports wrote. It costs O(live objects). Written to a new file,
+// it replaces the journal; records the sink receives from the moment
+// Checkpoint is called are appended after it (Restore skips those the
+// checkpoint already holds, by their numbers).
 func (d *Device) Checkpoint() []byte {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -448,8 +454,13 @@ func (d *Device) Checkpoint() []byte {
 		}
 	})
 	if d.handover {
-		// A hand-over in progress: its transport records come last,
-		// where Restore takes them.
+		// A hand-over in progress: its SRQ receive and transport records
+		// come last, where Restore takes them.
+		d.srqs.each(func(_ uint32, s *srq) {
+			for _, p := range s.saved {
+				put(recSRQRecvs, p)
+			}
+		})
 		d.qps.each(func(_ uint32, q *qp) {
 			if q.transport != nil {
 				put(recTransport, q.transport)

@@ -52,10 +52,15 @@ type RestoreReport struct {
 	Errored int
 	// Continued is the number of RC QPs that kept their connection: the
 	// journal ends with their transport state (SaveTransports, a planned
-	// hand-over), which the provider took back. They stay in their state
-	// without an event; their outstanding receives and the sends the old
-	// device had not posted are posted.
+	// hand-over), which the provider took back, and, for a QP on an SRQ,
+	// with its SRQ's receives. They stay in their state without an event;
+	// their outstanding receives and the sends the old device had not
+	// posted are posted.
 	Continued int
+	// SRQRecvs is the number of receives SRQs held in the old provider
+	// that the journal ends with (SaveTransports) and that were posted
+	// again.
+	SRQRecvs int
 	// Lost counts the objects Restore could not rebuild: the provider
 	// refused them (it cannot take given QPNs or keys, or lacks
 	// resources), their guest memory no longer holds what they need, or
@@ -84,11 +89,13 @@ const maxNotes = 32
 // Afterwards RC QPs and QPs on an SRQ that were past RESET are moved to
 // ERR with a QP_FATAL event and their outstanding work requests flushed,
 // but for RC QPs whose transport state the journal ends with (a planned
-// hand-over: SaveTransports, and no record after it but other transport
+// hand-over: SaveTransports, and no record after it but other hand-over
 // records): the provider QP gets that state back (RestoreTransport) and
 // the QP keeps its state and connection (RestoreReport.Continued; one the
 // provider refuses goes to ERR, with a note); UD and GSI QPs keep their
-// state. The outstanding work requests of the QPs that keep their state
+// state. The receives the journal ends with for an SRQ (the hand-over's
+// SRQ receive records) are posted to it again first; an RC QP on an SRQ
+// continues only if they were. The outstanding work requests of the QPs that keep their state
 // are posted. Objects the provider cannot take back are kept as lost (see
 // RestoreReport.Lost). Every CQ is armed, and one holding unread CQEs
 // notified, so that no waiter misses a notification lost in the crash.
@@ -112,7 +119,7 @@ func Restore(cfg Config, journal []byte) (*Device, RestoreReport, error) {
 	rp := newReplayer(d, &rep, recs)
 	d.rp = rp
 	for i, r := range recs {
-		if r.typ != recTransport && len(rp.transport) > 0 {
+		if !handoverRecord(r.typ) && rp.handoverPending() {
 			rp.voidTransports(r)
 		}
 		if err := rp.apply(i, r); err != nil {
@@ -195,7 +202,7 @@ func parseJournal(b []byte, rep *RestoreReport) ([]jrec, uint64, error) {
 			snapLeft = int(binary.LittleEndian.Uint32(r.payload))
 			last = r.seq
 			continue
-		case r.typ != recCommand && r.typ != recRegister && r.typ != recTransport && r.typ != recHandoverAbort:
+		case r.typ != recCommand && r.typ != recRegister && !handoverRecord(r.typ) && r.typ != recHandoverAbort:
 			return nil, 0, fmt.Errorf("byte %d: record type %d: %w", r.off, r.typ, ErrJournal)
 		case r.flags == recFlagSnapshot:
 			if snapLeft == 0 || r.seq != last || r.typ == recHandoverAbort {
@@ -229,8 +236,11 @@ func parseJournal(b []byte, rep *RestoreReport) ([]jrec, uint64, error) {
 
 // recPayloadLimit is the largest payload a record of type typ may have.
 func recPayloadLimit(typ uint8) uint32 {
-	if typ == recTransport {
+	switch typ {
+	case recTransport:
 		return maxTransportPayload
+	case recSRQRecvs:
+		return maxSRQRecPayload
 	}
 	return maxRecPayload
 }
@@ -262,14 +272,18 @@ type replayer struct {
 	broken    map[uint32]error  // QPs a replayed MODIFY_QP failed on
 	gidLost   map[uint32]string // GID indices whose binding was refused
 	// transport holds, by QP handle, the transport states of the
-	// transport records the journal ends with so far.
+	// transport records the journal ends with so far; srqRecvs, by SRQ
+	// handle, the receives of its SRQ receive records; srqKept the SRQs
+	// whose receives were posted again (finish).
 	transport map[uint32][]byte
+	srqRecvs  map[uint32]*savedRecvs
+	srqKept   map[uint32]bool
 	extra     int // notes left out
 }
 
 func newReplayer(d *Device, rep *RestoreReport, recs []jrec) *replayer {
 	rp := &replayer{d: d, rep: rep, cqEff: map[int]uint32{}, broken: map[uint32]error{}, gidLost: map[uint32]string{},
-		transport: map[uint32][]byte{}}
+		transport: map[uint32][]byte{}, srqRecvs: map[uint32]*savedRecvs{}, srqKept: map[uint32]bool{}}
 	// A CQ's ring runs with the size of its last RESIZE_CQ: the ring is
 	// adopted with that geometry when the CQ is created (its prod_tail is
 	// only valid for it), the resizes then change the provider CQ only.
@@ -324,6 +338,8 @@ func (rp *replayer) apply(i int, r jrec) error {
 		return rp.register(r.payload)
 	case recTransport:
 		return rp.transportRecord(r.payload)
+	case recSRQRecvs:
+		return rp.srqRecord(r.payload)
 	case recHandoverAbort:
 		if len(r.payload) != 0 {
 			return fmt.Errorf("hand-over abort record of %d bytes: %w", len(r.payload), ErrJournal)
@@ -768,6 +784,9 @@ func (rp *replayer) finish() {
 		}
 		rep.Rebuilt.SRQ++
 	})
+	// The receives SRQs held in the old provider, before any QP goes on
+	// and before the SRQ rings' newer WQEs.
+	rp.repostSRQs()
 	toErr := func(h uint32, q *qp) {
 		d.errorQP(q)
 		d.pushEvent(uint32(hostverbs.EventQPFatal), h)
@@ -1016,6 +1035,15 @@ func CheckJournal(journal []byte) (RestoreReport, error) {
 	return rep, nil
 }
 
+// Journal features (JournalFeatures).
+const (
+	featureTransport = "transport"
+	featureSRQ       = "srq"
+)
+
 // JournalFeatures names what this daemon's Restore understands beyond the
-// journal's version: "transport" (RC transport records of a hand-over).
-func JournalFeatures() []string { return []string{"transport"} }
+// journal's version: "transport" (RC transport records of a hand-over)
+// and "srq" (SRQ receive records of a hand-over). A daemon asks its
+// successor (check-state) and saves only what it understands
+// (SaveTransportsFor).
+func JournalFeatures() []string { return []string{featureTransport, featureSRQ} }

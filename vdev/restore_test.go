@@ -206,7 +206,7 @@ func buildWorld(t testing.TB, size uint64) *world {
 	}
 	w.srq.postRecv(800, sge)
 	w.srqRecvs = []uint64{801}
-	w.writeSRQRecv(801, sge)
+	w.srq.writeRecv(801, sge)
 	g.events()
 	g.notifications()
 
@@ -223,20 +223,6 @@ func buildWorld(t testing.TB, size uint64) *world {
 	w.gids = d.GIDs()
 	w.objects = d.Objects()
 	return w
-}
-
-// writeSRQRecv writes an SRQ receive without ringing its doorbell.
-func (w *world) writeSRQRecv(wrid uint64, sges ...SGE) {
-	s, g := w.srq, w.g
-	state := s.pages[0] + 8
-	tail := g.u32(state)
-	off := uint64(tail&(s.n-1)) * uint64(s.stride)
-	gpa := s.pages[1+off/4096] + off%4096
-	RQWQEHdr{WRID: wrid, NumSGE: uint32(len(sges))}.Encode(g.raw[gpa:])
-	for i, sg := range sges {
-		sg.Encode(g.raw[gpa+RQWQEHdrSize+uint64(i)*SGESize:])
-	}
-	g.put32(state, drvInc(tail, s.n))
 }
 
 func fakeQPOf(t testing.TB, fv *fakeVerbs, qpn uint32) *fakeQP {

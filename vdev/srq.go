@@ -25,6 +25,9 @@ type srq struct {
 	// rec and modRec are the journal payloads of its CREATE_SRQ and last
 	// MODIFY_SRQ (Checkpoint).
 	rec, modRec []byte
+	// saved holds the payloads of the SRQ receive records SaveTransports
+	// wrote for a hand-over still pending (Device.handover), nil if none.
+	saved [][]byte
 }
 
 // srqTypeBasic is IB_SRQT_BASIC, the only SRQ type the driver creates.

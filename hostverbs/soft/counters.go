@@ -39,6 +39,7 @@ const (
 	cntDropSourceFault
 	cntDropReplayLimited
 	cntDropHandedOver
+	cntDropSRQHandedOver
 	cntRxHeldBehindRead
 	cntRxDupRequest
 	cntRxOutOfSeq
@@ -93,7 +94,8 @@ var counterNames = [numCounters]string{
 	cntDropDupRead:       "drop_duplicate_unknown_read_atomic",
 	cntDropSourceFault:   "drop_source_unreadable",
 	cntDropReplayLimited: "drop_duplicate_read_limited",
-	cntDropHandedOver:    "drop_qp_handed_over", // its QP's transport state was saved for another process (SaveTransport)
+	cntDropHandedOver:    "drop_qp_handed_over",  // its QP's transport state was saved for another process (SaveTransport)
+	cntDropSRQHandedOver: "drop_srq_handed_over", // it needs a receive of an SRQ whose receives were saved for another process (SaveRecvs)
 	cntRxHeldBehindRead:  "rx_held_behind_read",
 	cntRxDupRequest:      "rx_duplicate_requests",
 	cntRxOutOfSeq:        "rx_out_of_sequence",

@@ -82,7 +82,11 @@
 // state, which goes on with the peer where the old one stopped: what was
 // lost in between is recovered as any packet loss, at once thanks to a
 // PSN sequence NAK the restored QP sends. DCQCN rate state is not carried:
-// the QP restarts at line rate.
+// the QP restarts at line rate. SRQs implement hostverbs.SRQSaver: the
+// receives no QP has taken are returned, oldest first, and the SRQ frozen
+// (a request or datagram that needs one of its receives is dropped,
+// counted as drop_srq_handed_over, rather than RNR NAKed), for the next
+// process to post again.
 //
 // # Protocol
 //

@@ -2,6 +2,7 @@ package soft
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -177,7 +178,12 @@ type srq struct {
 	rq    recvQueue
 	limit uint32 // 0 = disarmed
 	refs  atomic.Int32
+	// frozen: SaveRecvs handed the receives over; no QP takes one until
+	// ResumeRecvs, a post or a modify.
+	frozen bool
 }
+
+var _ hostverbs.SRQSaver = (*srq)(nil)
 
 func (s *srq) PostRecv(wr *hostverbs.RecvWR) error {
 	s.mu.Lock()
@@ -185,7 +191,31 @@ func (s *srq) PostRecv(wr *hostverbs.RecvWR) error {
 	if s.dev.isClosed() {
 		return fmt.Errorf("srq post recv: %w", hostverbs.ErrClosed)
 	}
+	s.frozen = false // a hand-over abandoned
 	return s.rq.post(wr)
+}
+
+// SaveRecvs freezes the SRQ and returns the receives no QP has taken,
+// oldest (the next to be taken) first.
+func (s *srq) SaveRecvs() ([]hostverbs.RecvWR, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.dev.isClosed() {
+		return nil, fmt.Errorf("save srq receives: %w", hostverbs.ErrClosed)
+	}
+	s.frozen = true
+	out := make([]hostverbs.RecvWR, 0, s.rq.len())
+	s.rq.each(func(w *recvWQE) {
+		out = append(out, hostverbs.RecvWR{WRID: w.wrID, SGL: slices.Clone(w.sgl)})
+	})
+	return out, nil
+}
+
+// ResumeRecvs undoes SaveRecvs.
+func (s *srq) ResumeRecvs() {
+	s.mu.Lock()
+	s.frozen = false
+	s.mu.Unlock()
 }
 
 func (s *srq) Modify(attr hostverbs.SRQAttr, mask hostverbs.SRQAttrMask) error {
@@ -197,6 +227,7 @@ func (s *srq) Modify(attr hostverbs.SRQAttr, mask hostverbs.SRQAttrMask) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.frozen = false // a hand-over abandoned
 	if mask&hostverbs.SRQAttrLimit != 0 {
 		if attr.Limit > uint32(s.rq.cap()) {
 			return fmt.Errorf("modify srq: limit %d above max_wr %d: %w", attr.Limit, s.rq.cap(), hostverbs.ErrInvalid)
@@ -228,10 +259,16 @@ func (s *srq) Destroy() error {
 }
 
 // take pops the next receive WQE into dst. The limit event fires once
-// when fewer than limit WQEs remain, then disarms (IBA 11.5.2.3).
-func (s *srq) take(dst *recvWQE) bool {
+// when fewer than limit WQEs remain, then disarms (IBA 11.5.2.3). A
+// frozen SRQ (SaveRecvs) gives none and says so: the caller drops the
+// packet rather than answer it (no RNR NAK), as a frozen QP does.
+func (s *srq) take(dst *recvWQE) (ok, frozen bool) {
 	s.mu.Lock()
-	ok := s.rq.take(dst)
+	if s.frozen {
+		s.mu.Unlock()
+		return false, true
+	}
+	ok = s.rq.take(dst)
 	fire := false
 	if ok && s.limit > 0 && uint32(s.rq.len()) < s.limit {
 		s.limit = 0
@@ -241,7 +278,7 @@ func (s *srq) take(dst *recvWQE) bool {
 	if fire {
 		s.dev.event(hostverbs.EventSRQLimitReached, s.ctx, 0)
 	}
-	return ok
+	return ok, false
 }
 
 func (d *device) isClosed() bool { return d.closedFlag.Load() }

@@ -117,7 +117,11 @@ func (q *qp) receiveUD(tx *txBatch, p *packet) {
 	r := &q.resp
 	var got bool
 	if q.srq != nil {
-		got = q.srq.take(&r.wqe)
+		var frozen bool
+		if got, frozen = q.srq.take(&r.wqe); frozen {
+			q.dev.ctrs.inc(cntDropSRQHandedOver)
+			return
+		}
 	} else {
 		got = q.rq.take(&r.wqe)
 	}

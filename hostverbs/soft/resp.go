@@ -161,16 +161,23 @@ func (q *qp) respondRC(tx *txBatch, p *packet) {
 	}
 }
 
-// takeRecvWQE makes the next receive WQE current; false means none (RNR).
-// A WQE whose SGL fails the local checks is a class A error.
-func (q *qp) takeRecvWQE(tx *txBatch, p *packet) (ok, failed bool) {
+// takeRecvWQE makes the next receive WQE current; ok false means none
+// (RNR). done means the packet is dealt with and the caller stops: a WQE
+// whose SGL fails the local checks is a class A error, and a request that
+// needs a receive of a frozen SRQ (SaveRecvs) is dropped as if lost,
+// nothing changed, so that the peer resends it to the next process.
+func (q *qp) takeRecvWQE(tx *txBatch, p *packet) (ok, done bool) {
 	r := &q.resp
 	if r.haveWQE {
 		return true, false
 	}
 	var got bool
 	if q.srq != nil {
-		got = q.srq.take(&r.wqe)
+		var frozen bool
+		if got, frozen = q.srq.take(&r.wqe); frozen {
+			q.dev.ctrs.inc(cntDropSRQHandedOver)
+			return false, true
+		}
 	} else {
 		got = q.rq.take(&r.wqe)
 	}
@@ -198,8 +205,8 @@ func (q *qp) sendRNRNAK(tx *txBatch, p *packet) {
 
 func (q *qp) respSend(tx *txBatch, p *packet) {
 	r := &q.resp
-	ok, failed := q.takeRecvWQE(tx, p)
-	if failed {
+	ok, done := q.takeRecvWQE(tx, p)
+	if done {
 		return
 	}
 	if !ok {
@@ -266,8 +273,8 @@ func (q *qp) respWrite(tx *txBatch, p *packet) {
 		return
 	}
 	if info.Has(roce.MaskRecvWQE) {
-		ok, failed := q.takeRecvWQE(tx, p)
-		if failed {
+		ok, done := q.takeRecvWQE(tx, p)
+		if done {
 			return
 		}
 		if !ok {

@@ -61,6 +61,14 @@ func (r *recvQueue) take(dst *recvWQE) bool {
 	return true
 }
 
+// each calls fn for every queued WQE, oldest first, leaving the queue as
+// it is.
+func (r *recvQueue) each(fn func(w *recvWQE)) {
+	for i := r.head; i != r.tail; i++ {
+		fn(&r.slots[i%uint32(len(r.slots))])
+	}
+}
+
 // drain calls fn for every queued WQE, oldest first, and empties the queue.
 func (r *recvQueue) drain(fn func(w *recvWQE)) {
 	for r.head != r.tail {
