@@ -92,15 +92,12 @@ type RegionSpec struct {
 	// Memory owns Data and FD from a successful Add on: Release undoes both.
 	FD     int
 	Offset int64
-	// Locked is the number of bytes of Data that are mlocked (accounting).
+	// Locked is the number of bytes of Data charged as locked (MapFD locks
+	// on fault: the whole range counts from the start).
 	Locked uint64
 	// Release unmaps Data and closes FD. It is called once, after the region
 	// is removed and no access is in flight.
 	Release func() error
-	// LockAll, set by MapFDOnFault, locks every page of Data now (they are
-	// locked as first touched until then). It may run while the region is
-	// in use, and does nothing once Release has run.
-	LockAll func() error
 }
 
 // region is one live mapping. Accessors count themselves in inflight while

@@ -58,10 +58,7 @@ type conn struct {
 	negotiated bool
 	peer       peerCaps
 	dmaMaps    int
-	// lockLater are the full locks of regions a resume mapped with
-	// lock-on-fault (mapRegion), run once the connection is served.
-	lockLater []func() error
-	warnedRAM bool
+	warnedRAM  bool
 	// fdMaps are the file ranges mapped, by file: one range of a file
 	// may be mapped once (aliases would lock the same pages many times).
 	fdMu   sync.Mutex

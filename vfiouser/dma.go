@@ -44,7 +44,7 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 	if d.Flags&DMAFlagWrite != 0 {
 		prot |= guestmem.ProtWrite
 	}
-	if err := c.mapRegion(d.Address, d.Size, d.Offset, prot, fd, false); err != nil {
+	if err := c.mapRegion(d.Address, d.Size, d.Offset, prot, fd); err != nil {
 		return 0, err
 	}
 	if fd >= 0 {
@@ -57,9 +57,8 @@ func (c *conn) handleDMAMap(m *ownedMsg) (int, error) {
 
 // mapRegion maps [addr, addr+size) of guest memory: from fd at offset (fd
 // >= 0; the region owns fd once this succeeds), or as a range reached by
-// DMA messages. The device is told. onFault locks the pages as they are
-// touched (guestmem.MapFDOnFault) and queues the full lock in lockLater.
-func (c *conn) mapRegion(addr, size, offset uint64, prot guestmem.Prot, fd int, onFault bool) error {
+// DMA messages. The device is told.
+func (c *conn) mapRegion(addr, size, offset uint64, prot guestmem.Prot, fd int) error {
 	if c.dmaMaps >= c.cfg.MaxDMAMaps {
 		return fmt.Errorf("DMA_MAP: %d mappings already (max_dma_maps): %w", c.dmaMaps, ErrInvalid)
 	}
@@ -77,11 +76,7 @@ func (c *conn) mapRegion(addr, size, offset uint64, prot guestmem.Prot, fd int, 
 		if err := c.claimFile(id, span); err != nil {
 			return fmt.Errorf("DMA_MAP %#x+%#x: %w", addr, size, err)
 		}
-		if onFault {
-			spec, err = guestmem.MapFDOnFault(base, size, prot, fd, int64(offset))
-		} else {
-			spec, err = guestmem.MapFD(base, size, prot, fd, int64(offset))
-		}
+		spec, err = guestmem.MapFD(base, size, prot, fd, int64(offset))
 		if err != nil {
 			c.releaseFile(id, span)
 			return fmt.Errorf("DMA_MAP %#x+%#x: %w", addr, size, err)
@@ -107,9 +102,6 @@ func (c *conn) mapRegion(addr, size, offset uint64, prot guestmem.Prot, fd int, 
 		return fmt.Errorf("DMA_MAP %#x+%#x: %w", addr, size, err)
 	}
 	c.dmaMaps++
-	if spec.LockAll != nil {
-		c.lockLater = append(c.lockLater, spec.LockAll)
-	}
 	if c.trace {
 		c.log.Debug("DMA_MAP", "addr", fmt.Sprintf("%#x", addr), "size", size, "flags", uint32(prot),
 			"fd", spec.FD >= 0, "locked_bytes", c.mem.LockedBytes())

@@ -6,7 +6,6 @@ import (
 	"net"
 	"sort"
 	"strconv"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -328,25 +327,7 @@ func (s *Server) serveResumed(t transport, name string, pid int32, sess *Session
 		return fmt.Errorf("vfio-user %s: resume: %w", c.name, err)
 	}
 	c.log.Info("vfio-user connection resumed", "dma_maps", len(sess.DMA), "irqs", len(sess.IRQs))
-	if lock := c.lockLater; len(lock) > 0 {
-		c.lockLater = nil
-		go c.lockResumed(lock)
-	}
 	return s.run(c)
-}
-
-// lockResumed locks every page of the guest memory a resume mapped with
-// lock-on-fault, once the connection is served again: the pause a resume
-// costs the guest does not include populating the page tables. A region
-// unmapped meanwhile is skipped (guestmem's LockAll excludes Release).
-func (c *conn) lockResumed(lock []func() error) {
-	start := time.Now()
-	for _, l := range lock {
-		if err := l(); err != nil {
-			c.log.Warn("resumed guest memory stays locked only where the device touched it", "err", err)
-		}
-	}
-	c.log.Debug("resumed guest memory locked", "regions", len(lock), "took", time.Since(start).Round(time.Microsecond))
 }
 
 // resumeMemory negotiates from the session and maps its DMA ranges again
@@ -369,7 +350,7 @@ func (c *conn) resumeMemory(sess *Session, files map[string]int) error {
 				return fmt.Errorf("DMA map %#x+%#x: descriptor %q is another file (%s): %w", d.Addr, d.Size, d.File, got, ErrInvalid)
 			}
 		}
-		if err := c.mapRegion(d.Addr, d.Size, d.Offset, d.Prot, fd, true); err != nil {
+		if err := c.mapRegion(d.Addr, d.Size, d.Offset, d.Prot, fd); err != nil {
 			return fmt.Errorf("resume: %w", err)
 		}
 	}
