@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -64,14 +65,20 @@ func (w testWriter) Write(p []byte) (int, error) {
 // derives it for name), our device at 05.1 and the daemon's QMP monitor,
 // as qemu-args gives them.
 func pvrdmaGuest(d *backend.Daemon, name, ip, scenario string) vm.Config {
+	return pvrdmaGuestIn(filepath.Dir(d.SocketPath(name)), name, ip, scenario)
+}
+
+// pvrdmaGuestIn is pvrdmaGuest for a daemon serving the socket directory
+// dir (one in another process).
+func pvrdmaGuestIn(dir, name, ip, scenario string) vm.Config {
 	dev, _ := json.Marshal(map[string]any{
 		"driver": "vfio-user-pci", "addr": "05.1", "x-no-posted-writes": true,
-		"socket": map[string]any{"type": "unix", "path": d.SocketPath(name)},
+		"socket": map[string]any{"type": "unix", "path": backend.SocketPath(dir, name)},
 	})
 	return vm.Config{
 		Name:      name,
 		NICs:      []vm.NIC{{Model: "vmxnet3", Addr: "05.0", MAC: backend.DefaultMAC(name).String(), IP: ip}},
-		ExtraArgs: append([]string{"-device", string(dev)}, backend.VMSpec{QMPSocket: d.QMPSocketPath(name)}.QMPArgs()...),
+		ExtraArgs: append([]string{"-device", string(dev)}, backend.VMSpec{QMPSocket: backend.QMPSocketPath(dir, name)}.QMPArgs()...),
 		Scenario:  scenario,
 	}
 }

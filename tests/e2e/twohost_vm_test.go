@@ -8,6 +8,10 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -109,12 +113,87 @@ func daemonIn(t *testing.T, nw *vm.Network, fab backend.FabricConfig, names ...s
 	return d
 }
 
+// daemonProcessIn runs `pvrdma-backend serve --keep-state` (bin) in a
+// network namespace, serving the named VMs in IP mode on netdev, as a
+// process of its own: a live upgrade execs it. It returns the socket
+// directory; the daemon stops at cleanup.
+func daemonProcessIn(t *testing.T, nw *vm.Network, bin, netdev string, names ...string) string {
+	t.Helper()
+	dir := t.TempDir()
+	args := []string{"--net=" + nw.NSPath(), bin, "serve", "--socket-dir", dir, "--keep-state", "--fabric-netdev", netdev}
+	for _, n := range names {
+		args = append(args, "--vm", n)
+	}
+	// nsenter execs the daemon: the PID, and with it the signals below
+	// and the death signal, are the daemon's.
+	cmd := exec.Command("nsenter", args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.Stdout, cmd.Stderr = testWriter{t}, testWriter{t}
+	require.NoError(t, cmd.Start())
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+	})
+	require.Eventually(t, func() bool {
+		_, err := os.Stat(filepath.Join(dir, "control.sock"))
+		return err == nil
+	}, 30*time.Second, 20*time.Millisecond, "the daemon in %s did not start", nw.NSPath())
+	return dir
+}
+
+// upgradeDuring waits until every guest has printed mark (a step under
+// way), then hands the daemon behind ctl over to its own binary and waits
+// for generation gen to serve: the guests' RC connections must carry on
+// (every RC QP kept) and the fabric's sockets go with it.
+func upgradeDuring(t *testing.T, vms []*vm.VM, mark string, ctl *backend.ControlClient, gen int, who string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		for _, v := range vms {
+			if !strings.Contains(v.Output(), mark) {
+				return false
+			}
+		}
+		return true
+	}, 5*time.Minute, 50*time.Millisecond, "%s never started", mark)
+	time.Sleep(1500 * time.Millisecond) // into the step
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	require.NoError(t, ctl.Upgrade(ctx, ""))
+	var st backend.Status
+	require.Eventually(t, func() bool {
+		var err error
+		st, err = ctl.Status(ctx)
+		return err == nil && st.Handover != nil && st.Handover.Generation >= gen && (st.Handover.PauseMS > 0 || st.Handover.VMs == 0)
+	}, time.Minute, 20*time.Millisecond, "daemon %s: hand-over %d did not complete", who, gen)
+	h := st.Handover
+	t.Logf("daemon %s hand-over %d during %q: pause %.1f ms (saving %.1f, starting %.1f, resuming %.1f), RC QPs kept %d, errored %d",
+		who, gen, strings.TrimPrefix(mark, "=== "), h.PauseMS, h.SaveMS, h.StartMS, h.ResumeMS, h.Continued, h.Errored)
+	require.GreaterOrEqual(t, h.Continued, 1, "daemon %s: the guest's RC QP kept its connection: %+v", who, h)
+	require.Zero(t, h.Errored, "daemon %s: %+v", who, h)
+	require.Equal(t, uint64(2), st.Counters["wire_rx_sockets_inherited"], "daemon %s: the fabric's sockets were handed over", who)
+}
+
 // TestTwoHosts: two VMs on two backends in two network namespaces (two
 // hosts) reach each other over the kernel UDP 4791 path: each daemon adds
-// its VM's GIDs to its fabric netdev (netlink).
+// its VM's GIDs to its fabric netdev (netlink). Each daemon is a process of
+// its own, and both are upgraded live while the guests' RC traffic runs
+// (daemon A during the ping-pong, then B, then A again during
+// ib_write_bw): the connections carry on and every step passes.
 func TestTwoHosts(t *testing.T) {
 	img := image(t)
 	ctx := context.Background()
+	bin := filepath.Join(t.TempDir(), "pvrdma-backend")
+	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
+	build.Dir = repoDir(t)
+	out, err := build.CombinedOutput()
+	require.NoError(t, err, "go build: %s", out)
 	nwA, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	nwB, err := vm.NewNetwork(t, vm.NetworkConfig{})
@@ -128,26 +207,33 @@ func TestTwoHosts(t *testing.T) {
 			return os.WriteFile("/proc/sys/net/ipv4/conf/all/arp_ignore", []byte("1"), 0o644)
 		}))
 	}
-	dA := daemonIn(t, nwA, backend.FabricConfig{Netdev: "fabA"}, "ha1")
-	dB := daemonIn(t, nwB, backend.FabricConfig{Netdev: "fabB"}, "hb1")
+	dirA := daemonProcessIn(t, nwA, bin, "fabA", "ha1")
+	dirB := daemonProcessIn(t, nwB, bin, "fabB", "hb1")
+	ctlA := backend.NewControlClient(filepath.Join(dirA, "control.sock"))
+	ctlB := backend.NewControlClient(filepath.Join(dirB, "control.sock"))
 
 	steps := []step{
-		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 500 -s 4096", "ibv_rc_pingpong -d $dev -g $g -n 500 -s 4096 $peer"},
-		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536 $peer"},
+		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 8000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 8000 -s 4096 -c $peer"},
+		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -D 8 -s 65536", "ib_write_bw -d $dev -x $g -F -D 8 -s 65536 $peer"},
 	}
-	a := pvrdmaGuest(dA, "ha1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, steps))
-	b := pvrdmaGuest(dB, "hb1", "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, steps))
+	a := pvrdmaGuestIn(dirA, "ha1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, steps))
+	b := pvrdmaGuestIn(dirB, "hb1", "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, steps))
 	a.NoErrExit, b.NoErrExit = true, true
 	a.Timeout, b.Timeout = 6*time.Minute, 6*time.Minute
 	va, err := vm.Start(ctx, t, img, nwA, a)
 	require.NoError(t, err)
 	vb, err := vm.Start(ctx, t, img, nwB, b)
 	require.NoError(t, err)
+	vms := []*vm.VM{va, vb}
+	upgradeDuring(t, vms, "=== rc_pingpong", ctlA, 1, "A")
+	upgradeDuring(t, vms, "=== rc_pingpong", ctlB, 1, "B")
+	upgradeDuring(t, vms, "=== ib_write_bw", ctlA, 2, "A")
 	res, err := vm.WaitAll(ctx, va, vb)
 	require.NoError(t, err)
 	checkSteps(t, res, steps)
-	for _, d := range []*backend.Daemon{dA, dB} {
-		st := d.Status()
+	for _, ctl := range []*backend.ControlClient{ctlA, ctlB} {
+		st, err := ctl.Status(ctx)
+		require.NoError(t, err)
 		t.Logf("fabric %s counters: %v", st.Fabric.Netdev, st.Counters)
 	}
 	for i, r := range res {
