@@ -171,7 +171,8 @@ func (k *keeping) takeInherited(vm string) map[string]*os.File {
 
 // fabricFDPrefix names the fabric's own descriptors in the store and in a
 // hand-over: "+fabric.udp4", "+fabric.udp6" (the UDP wire's port 4791
-// sockets). No VM name starts with '+'.
+// sockets, IP mode) or "+fabric.packet" (the packet wire's socket on the
+// bridge, L2 mode). No VM name starts with '+'.
 const fabricFDPrefix = "+fabric."
 
 // takeFabric removes and returns the inherited fabric descriptors. They

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -20,6 +21,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser/vfiousertest"
 )
@@ -273,16 +275,6 @@ func TestFabricSocketsKept(t *testing.T) {
 		require.NoError(t, netlink.AddrAdd(link, ha))
 		require.NoError(t, netlink.LinkSetUp(link))
 
-		r := newNotifyReceiver(t)
-		cfg := Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"}}
-		d1, stop1 := runKeptDaemonWith(t, cfg, r, nil)
-		require.Eventually(t, func() bool {
-			n := r.names()
-			return slices.Contains(n, "+fabric.udp4") && slices.Contains(n, "+fabric.udp6")
-		}, 5*time.Second, 5*time.Millisecond, "stored: %v", r.names())
-		assert.Zero(t, d1.Status().Counters["wire_rx_sockets_inherited"])
-		stop1()
-
 		// While no daemon runs, a peer sends three datagrams (not RoCE:
 		// the wire counts them as failing the ICRC).
 		require.NoError(t, netns.Set(peerNS))
@@ -290,20 +282,97 @@ func TestFabricSocketsKept(t *testing.T) {
 		require.NoError(t, netns.Set(hostNS))
 		require.NoError(t, err)
 		defer unix.Close(s)
-		// The veth's carrier and the peer's neighbour entry: retry the
-		// first send until the path is up.
-		to := &unix.SockaddrInet4{Port: 4791, Addr: [4]byte{10, 78, 0, 1}}
-		for i := range 3 {
-			require.NoError(t, unix.Sendto(s, bytes.Repeat([]byte{0x5a + byte(i)}, 64), 0, to))
+		send := func() {
+			to := &unix.SockaddrInet4{Port: 4791, Addr: [4]byte{10, 78, 0, 1}}
+			for i := range 3 {
+				require.NoError(t, unix.Sendto(s, bytes.Repeat([]byte{0x5a + byte(i)}, 64), 0, to))
+			}
+		}
+		checkFabricSocketsKept(t, FabricConfig{Netdev: "fab0"}, []string{"udp4", "udp6"}, send)
+	})
+}
+
+// TestFabricPacketSocketKept: in L2 mode the daemon gives the store its
+// packet wire's socket on the bridge; the frames it captures while no
+// daemon runs wait in it, and the next daemon takes it over (instead of
+// opening a new one) and receives them.
+func TestFabricPacketSocketKept(t *testing.T) {
+	inNewNetns(t, func() {
+		br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: "fabbr"}}
+		require.NoError(t, netlink.LinkAdd(br))
+		require.NoError(t, netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}))
+		for _, name := range []string{"fab0", "fab1", "fabbr"} {
+			link, err := netlink.LinkByName(name)
+			require.NoError(t, err)
+			if name == "fab0" {
+				require.NoError(t, netlink.LinkSetMaster(link, br))
+			}
+			require.NoError(t, netlink.LinkSetUp(link))
+		}
+		// Carrier reaches the bridge through linkwatch (up to a second).
+		// Polled here: the namespace is this thread's.
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			link, err := netlink.LinkByName("fabbr")
+			require.NoError(t, err)
+			if link.Attrs().OperState == netlink.OperUp {
+				break
+			}
+			require.True(t, time.Now().Before(deadline), "the bridge has no carrier")
 		}
 
-		d2, _ := runKeptDaemonWith(t, cfg, r, r.handBack(t))
-		assert.Equal(t, uint64(2), d2.Status().Counters["wire_rx_sockets_inherited"], "both receive sockets taken over")
-		require.Eventually(t, func() bool { return d2.Status().Counters["drop_bad_icrc"] == 3 }, 5*time.Second, 5*time.Millisecond,
-			"what arrived while no daemon ran is received: %v", d2.Status().Counters)
-		assert.Contains(t, r.removed, "+fabric.udp4", "taken out of the store while the fabric starts")
-		assert.Subset(t, r.names(), []string{"+fabric.udp4", "+fabric.udp6"}, "and put back")
+		// A host on the segment (behind fab1) sends three frames while no
+		// daemon runs: RoCE v2, but without their ICRC.
+		s, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+		require.NoError(t, err)
+		defer unix.Close(s)
+		peer, err := netlink.LinkByName("fab1")
+		require.NoError(t, err)
+		send := func() {
+			nf := roce.NetFields{Src: netip.MustParseAddr("::ffff:10.78.0.2").As16(), Dst: netip.MustParseAddr("::ffff:10.78.0.1").As16(),
+				HopLimit: 64, SrcPort: 0xc0de}
+			for i := range 3 {
+				tf := roce.TransportFields{BTH: roce.BTHFields{Opcode: roce.RCSendOnly, PKey: roce.DefaultPKey, DestQP: 0x77, PSN: roce.PSN(i)}}
+				d, _ := roce.Build(make([]byte, roce.DatagramSize(true, roce.RCSendOnly, 64)), &nf, &tf, 64)
+				frame := append([]byte{0x52, 0x54, 0, 0, 0, 1, 0x52, 0x54, 0, 0, 0, 2, 0x08, 0x00}, d...) // to 52:54:00:00:00:01, IPv4
+				require.NoError(t, unix.Sendto(s, frame, 0, &unix.SockaddrLinklayer{Ifindex: peer.Attrs().Index, Halen: 6}))
+			}
+		}
+		checkFabricSocketsKept(t, FabricConfig{Bridge: "fabbr"}, []string{"packet"}, send)
 	})
+}
+
+// checkFabricSocketsKept runs a daemon on fab under the store and checks
+// that it stores the fabric's sockets (names, none inherited), stops it,
+// has send put three packets with a bad ICRC on the fabric, and checks
+// that the next daemon takes the sockets over and receives them (counted
+// as dropped for their ICRC).
+func checkFabricSocketsKept(t *testing.T, fab FabricConfig, names []string, send func()) {
+	t.Helper()
+	var stored []string
+	for _, n := range names {
+		stored = append(stored, fabricFDPrefix+n)
+	}
+	r := newNotifyReceiver(t)
+	cfg := Config{SocketDir: t.TempDir(), Fabric: fab}
+	d1, stop1 := runKeptDaemonWith(t, cfg, r, nil)
+	require.Eventually(t, func() bool {
+		n := r.names()
+		return !slices.ContainsFunc(stored, func(s string) bool { return !slices.Contains(n, s) })
+	}, 5*time.Second, 5*time.Millisecond, "stored: %v", r.names())
+	assert.Zero(t, d1.Status().Counters["wire_rx_sockets_inherited"])
+	stop1()
+
+	send()
+
+	d2, _ := runKeptDaemonWith(t, cfg, r, r.handBack(t))
+	assert.Equal(t, uint64(len(names)), d2.Status().Counters["wire_rx_sockets_inherited"], "every receive socket taken over")
+	require.Eventually(t, func() bool { return d2.Status().Counters["drop_bad_icrc"] == 3 }, 5*time.Second, 5*time.Millisecond,
+		"what arrived while no daemon ran is received: %v", d2.Status().Counters)
+	r.mu.Lock()
+	removed := slices.Clone(r.removed)
+	r.mu.Unlock()
+	assert.Contains(t, removed, stored[0], "taken out of the store while the fabric starts")
+	assert.Subset(t, r.names(), stored, "and put back")
 }
 
 // TestCountersOutliveRestart: a connected VM's counters are checkpointed

@@ -14,7 +14,6 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/ibverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft"
-	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 )
 
 // fabric is the daemon's verbs provider (the soft RoCE fabric, or the
@@ -25,7 +24,7 @@ type fabric struct {
 	soft     *soft.Fabric      // soft transport
 	relay    *ibverbs.Provider // ibverbs relay
 	addrs    *AddrManager      // IP mode: bound GIDs as host addresses
-	udp      *wire.UDPWire     // IP mode's UDP wire, whose sockets a successor inherits
+	handover handoverWire      // the wire whose sockets a successor inherits (UDP or packet wire)
 	rxe      string            // the rxe link the daemon created (removed at close)
 	log      *slog.Logger
 }
@@ -90,10 +89,21 @@ func (c FabricConfig) Transport() string {
 	return "soft"
 }
 
+// handoverWire is a wire whose receive sockets outlive the process
+// (wire.UDPWire, wire.PacketWire): a successor inherits them with what
+// the kernel queued on them while receiving was paused.
+type handoverWire interface {
+	ReceiveSockets() map[string]int
+	Adopted() int
+	PauseReceive()
+	ResumeReceive()
+}
+
 // newFabric attaches the daemon to its fabric. inherit are the fabric
-// sockets a predecessor left (continuity.go): the UDP wire takes those it
-// can use, with what the kernel queued on them, and receives nothing
-// until resumeReceive. newFabric closes inherit in every case.
+// sockets a predecessor left (continuity.go): the UDP wire (IP mode) or
+// the packet wire (L2 mode) takes those it can use, with what the kernel
+// queued on them, and receives nothing until resumeReceive. newFabric
+// closes inherit in every case.
 func newFabric(cfg FabricConfig, inherit []*os.File, log *slog.Logger) (*fabric, error) {
 	defer func() { closeFiles(inherit) }() // those not passed on
 	if cfg.Netdev != "" && cfg.Bridge != "" {
@@ -120,7 +130,8 @@ func newFabric(cfg FabricConfig, inherit []*os.File, log *slog.Logger) (*fabric,
 	f := &fabric{cfg: cfg, log: log}
 	scfg := soft.Config{DefaultTOS: cfg.DefaultTOS, Congestion: cfg.Congestion, Logger: log.With("component", "fabric")}
 	if cfg.Bridge != "" {
-		w, mtu, err := newPacketWire(cfg)
+		w, mtu, err := newPacketWire(cfg, inherit)
+		inherit = nil // newPacketWire closes them
 		if err != nil {
 			return nil, err
 		}
@@ -140,11 +151,11 @@ func newFabric(cfg FabricConfig, inherit []*os.File, log *slog.Logger) (*fabric,
 			return nil, err
 		}
 		scfg.Wire, scfg.LinkMTU = w, mtu
-		if u, ok := w.(*wire.UDPWire); ok {
-			f.udp = u
-			if n := u.Adopted(); n > 0 {
-				log.Info("took over the fabric's receive sockets from the previous daemon", "sockets", n)
-			}
+	}
+	if h, ok := scfg.Wire.(handoverWire); ok {
+		f.handover = h
+		if n := h.Adopted(); n > 0 {
+			log.Info("took over the fabric's receive sockets from the previous daemon", "sockets", n)
 		}
 	}
 	sf, err := soft.New(scfg)
@@ -209,25 +220,26 @@ func newRelayFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 }
 
 // sockets returns the fabric's descriptors a successor inherits, by name
-// ("udp4", "udp6"); none unless it is on the UDP wire.
+// ("udp4", "udp6" on the UDP wire, "packet" on the packet wire); none on
+// other wires.
 func (f *fabric) sockets() map[string]int {
-	if f.udp == nil {
+	if f.handover == nil {
 		return nil
 	}
-	return f.udp.ReceiveSockets()
+	return f.handover.ReceiveSockets()
 }
 
 // pauseReceive leaves what arrives from the network in the kernel (for a
 // successor); resumeReceive takes it again.
 func (f *fabric) pauseReceive() {
-	if f.udp != nil {
-		f.udp.PauseReceive()
+	if f.handover != nil {
+		f.handover.PauseReceive()
 	}
 }
 
 func (f *fabric) resumeReceive() {
-	if f.udp != nil {
-		f.udp.ResumeReceive()
+	if f.handover != nil {
+		f.handover.ResumeReceive()
 	}
 }
 
@@ -274,8 +286,8 @@ func (f *fabric) counters() map[string]uint64 {
 	if f.addrs != nil {
 		c["netdev_addr_changes"] = f.addrs.Changes()
 	}
-	if f.udp != nil {
-		c["wire_rx_sockets_inherited"] = uint64(f.udp.Adopted())
+	if f.handover != nil {
+		c["wire_rx_sockets_inherited"] = uint64(f.handover.Adopted())
 	}
 	return c
 }

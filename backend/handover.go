@@ -227,7 +227,8 @@ func (d *Daemon) upgrade(binary string) error {
 	}
 	// The fabric's sockets: a successor that takes them gets what
 	// arrives from now on, queued in the kernel; for one that does not,
-	// they leave the store (its copy would keep the port bound).
+	// they leave the store (its copy would keep port 4791 bound, or the
+	// bridge promiscuous with a packet socket queueing for nobody).
 	var fabricPairs []string
 	var fabricFDs []int
 	fabricUnstored := false

@@ -35,18 +35,23 @@ func newKernelWire(netdev string, raw bool, inherit []*os.File) (wire.Wire, int,
 }
 
 // newPacketWire attaches the soft fabric to a bridge (L2 mode), on the
-// fabric's VLAN if it has one, and reports the bridge's MTU.
-func newPacketWire(cfg FabricConfig) (wire.Wire, int, error) {
+// fabric's VLAN if it has one, and reports the bridge's MTU. The packet
+// wire takes over a packet socket of inherit (a predecessor's) on the
+// bridge and then receives nothing until resumed; inherit is closed in
+// every case.
+func newPacketWire(cfg FabricConfig, inherit []*os.File) (wire.Wire, int, error) {
 	bridge := cfg.Bridge
 	link, err := netlink.LinkByName(bridge)
 	if err != nil {
+		closeFiles(inherit)
 		return nil, 0, fmt.Errorf("fabric bridge %s: %w", bridge, err)
 	}
 	pcp := wire.PCPFromTrafficClass
 	if cfg.FixedPCP {
 		pcp = int(cfg.PCP)
 	}
-	w, err := wire.NewPacketWire(wire.PacketWireConfig{Interface: bridge, VLAN: cfg.VLAN, PCP: pcp})
+	w, err := wire.NewPacketWire(wire.PacketWireConfig{Interface: bridge, VLAN: cfg.VLAN, PCP: pcp,
+		Inherit: inherit, Paused: len(inherit) > 0})
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric bridge %s: %w", bridge, err)
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"syscall"
 
@@ -30,6 +31,10 @@ import (
 // transmits, so injecting with a VM's MAC leaves that MAC on the VM's port:
 // the guest's ordinary traffic is undisturbed. Nothing needs IP addresses
 // on the host.
+//
+// Its socket can outlive the process (PacketWireConfig.Inherit,
+// ReceiveSockets): a successor takes it over with the frames the kernel
+// captured meanwhile.
 type PacketWire struct {
 	fd        int
 	file      *os.File
@@ -40,6 +45,10 @@ type PacketWire struct {
 	closeOnce sync.Once
 	closed    chan struct{}
 	scratch   sync.Pool
+	adopted   int // 1 if the socket was taken from Inherit
+	// rxGate (PauseReceive, ResumeReceive): while paused the receiver
+	// waits at it and leaves frames in the kernel; sending goes on.
+	rxGate
 
 	// Receive state (one reader: queue 0).
 	rxHdrs  []unix.Mmsghdr
@@ -72,6 +81,20 @@ type PacketWireConfig struct {
 	// PCPFromTrafficClass (each frame's DSCP's class selector: the top
 	// three bits of its traffic class).
 	PCP int
+	// Inherit are packet sockets of a predecessor (a daemon handing over
+	// to its successor, or systemd's descriptor store after a crash), with
+	// the frames the kernel captured on them meanwhile. The first that is
+	// a raw AF_PACKET socket bound to Interface (the same device: its
+	// index) is taken instead of a new one; its filter, buffers and
+	// options are set again as for a new socket, and if it was filtering
+	// for something else (another VLAN) the frames it queued are dropped.
+	// NewPacketWire closes every file of Inherit (it works on a
+	// duplicate).
+	Inherit []*os.File
+	// Paused opens the wire with receiving paused until ResumeReceive:
+	// frames wait in the socket's buffer (a successor rebuilding the QPs
+	// they are for).
+	Paused bool
 }
 
 // PCPFromTrafficClass as PacketWireConfig.PCP derives each frame's
@@ -96,9 +119,14 @@ const (
 	dscpClassSelectorPCP = 5 // a traffic class's top three bits (DSCP >> 3)
 )
 
-// NewPacketWire opens a promiscuous packet socket on cfg.Interface. It
-// needs CAP_NET_RAW.
+// NewPacketWire opens a promiscuous packet socket on cfg.Interface, or
+// takes over one of cfg.Inherit. It needs CAP_NET_RAW.
 func NewPacketWire(cfg PacketWireConfig) (w *PacketWire, err error) {
+	defer func() {
+		for _, f := range cfg.Inherit {
+			f.Close()
+		}
+	}()
 	ifi, err := net.InterfaceByName(cfg.Interface)
 	if err != nil {
 		return nil, fmt.Errorf("packet wire: %w", err)
@@ -112,37 +140,50 @@ func NewPacketWire(cfg PacketWireConfig) (w *PacketWire, err error) {
 	if cfg.PCP < PCPFromTrafficClass || cfg.PCP > 7 {
 		return nil, fmt.Errorf("packet wire: PCP %d: want 0-7: %w", cfg.PCP, hostverbs.ErrInvalid)
 	}
-	// Protocol 0 receives nothing until bind, so the filter is in place
-	// before the first frame can be queued.
-	fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("packet wire: socket: %w", err)
-	}
-	w = &PacketWire{fd: fd, ifindex: ifi.Index, closed: make(chan struct{}), vlan: cfg.VLAN, pcp: cfg.PCP}
+	w = &PacketWire{fd: -1, ifindex: ifi.Index, closed: make(chan struct{}), vlan: cfg.VLAN, pcp: cfg.PCP}
 	defer func() {
-		if err != nil {
-			unix.Close(fd)
+		if err != nil && w.fd >= 0 {
+			unix.Close(w.fd)
 		}
 	}()
-	mmsg.SetBuffers(fd, cfg.SocketBuffer)
-	if err := mmsg.AttachFilter(fd, filterEthRoCE(cfg.VLAN)); err != nil {
-		return nil, fmt.Errorf("packet wire: filter: %w", err)
+	filter := filterEthRoCE(cfg.VLAN)
+	for _, f := range cfg.Inherit {
+		if w.fd, err = dupInherited(f, "packet wire: take over packet socket",
+			func(fd int) bool { return isPacketSocket(fd, ifi.Index) }); w.fd >= 0 || err != nil {
+			break
+		}
 	}
-	// Our own transmissions would otherwise come back to us as outgoing
-	// frames of the device.
-	if err := unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_IGNORE_OUTGOING, 1); err != nil {
-		return nil, fmt.Errorf("packet wire: ignore outgoing: %w", err)
+	if err != nil {
+		return nil, err
 	}
-	if err := unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons16(unix.ETH_P_ALL), Ifindex: ifi.Index}); err != nil {
-		return nil, fmt.Errorf("packet wire: bind %s: %w", cfg.Interface, err)
+	if w.fd >= 0 {
+		w.adopted = 1
+		if err := setupPacketSocket(w.fd, cfg, filter); err != nil {
+			return nil, err
+		}
+	} else {
+		// Protocol 0 receives nothing until bind, so the filter is in
+		// place before the first frame can be queued.
+		if w.fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_NONBLOCK|unix.SOCK_CLOEXEC, 0); err != nil {
+			return nil, fmt.Errorf("packet wire: socket: %w", err)
+		}
+		if err := setupPacketSocket(w.fd, cfg, filter); err != nil {
+			return nil, err
+		}
+		if err := unix.Bind(w.fd, &unix.SockaddrLinklayer{Protocol: htons16(unix.ETH_P_ALL), Ifindex: ifi.Index}); err != nil {
+			return nil, fmt.Errorf("packet wire: bind %s: %w", cfg.Interface, err)
+		}
 	}
+	// Adding the membership again to an inherited socket only counts it
+	// twice on that socket: the device's promiscuity is raised once.
 	mreq := unix.PacketMreq{Ifindex: int32(ifi.Index), Type: unix.PACKET_MR_PROMISC}
-	if err := unix.SetsockoptPacketMreq(fd, unix.SOL_PACKET, unix.PACKET_ADD_MEMBERSHIP, &mreq); err != nil {
+	if err := unix.SetsockoptPacketMreq(w.fd, unix.SOL_PACKET, unix.PACKET_ADD_MEMBERSHIP, &mreq); err != nil {
 		return nil, fmt.Errorf("packet wire: promiscuous mode on %s: %w", cfg.Interface, err)
 	}
-	w.file = os.NewFile(uintptr(fd), "roce-packet-"+cfg.Interface)
+	w.file = os.NewFile(uintptr(w.fd), "roce-packet-"+cfg.Interface)
 	if w.rc, err = w.file.SyscallConn(); err != nil {
 		w.file.Close()
+		w.fd = -1
 		return nil, fmt.Errorf("packet wire: %w", err)
 	}
 	w.rxHdrs = make([]unix.Mmsghdr, BatchSize)
@@ -151,7 +192,74 @@ func NewPacketWire(cfg PacketWireConfig) (w *PacketWire, err error) {
 	w.rxFrame = make([]FrameInfo, BatchSize)
 	w.rxFn, w.txFn = w.recvReady, w.sendReady
 	w.scratch.New = func() any { return newPacketTxScratch() }
+	if cfg.Paused {
+		w.PauseReceive()
+	}
 	return w, nil
+}
+
+// setupPacketSocket sets what a packet socket needs but its binding: the
+// buffers, the filter (replacing an inherited socket's; the frames that
+// one queued are dropped if it differs) and not to capture the device's
+// outgoing frames.
+func setupPacketSocket(fd int, cfg PacketWireConfig, filter []unix.SockFilter) error {
+	mmsg.SetBuffers(fd, cfg.SocketBuffer)
+	old, oerr := mmsg.Filter(fd)
+	if err := mmsg.AttachFilter(fd, filter); err != nil {
+		return fmt.Errorf("packet wire: filter: %w", err)
+	}
+	if oerr != nil || !slices.Equal(old, filter) {
+		// Inherited from a wire filtering for something else (another
+		// VLAN), or a new socket (nothing queued yet): what the old
+		// filter let through is not ours to take.
+		dropQueued(fd)
+	}
+	// Our own transmissions would otherwise come back to us as outgoing
+	// frames of the device.
+	if err := unix.SetsockoptInt(fd, unix.SOL_PACKET, unix.PACKET_IGNORE_OUTGOING, 1); err != nil {
+		return fmt.Errorf("packet wire: ignore outgoing: %w", err)
+	}
+	return nil
+}
+
+// dropQueued discards the frames queued on the non-blocking socket fd (at
+// most maxDropQueued: frames still arriving do not keep it going).
+func dropQueued(fd int) {
+	var b [1]byte
+	for range maxDropQueued {
+		if _, _, err := unix.Recvfrom(fd, b[:], unix.MSG_TRUNC); err != nil && err != unix.EINTR {
+			return
+		}
+	}
+}
+
+// maxDropQueued exceeds the frames a socket buffer can hold.
+const maxDropQueued = 1 << 20
+
+// isPacketSocket reports whether fd is a raw AF_PACKET socket bound to all
+// protocols on the network device with index ifindex.
+func isPacketSocket(fd, ifindex int) bool {
+	for _, o := range [][2]int{{unix.SO_DOMAIN, unix.AF_PACKET}, {unix.SO_TYPE, unix.SOCK_RAW}} {
+		if v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, o[0]); err != nil || v != o[1] {
+			return false
+		}
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		return false
+	}
+	ll, ok := sa.(*unix.SockaddrLinklayer)
+	return ok && ll.Ifindex == ifindex && ll.Protocol == htons16(unix.ETH_P_ALL)
+}
+
+// Adopted returns how many sockets the wire took from
+// PacketWireConfig.Inherit: 1 or 0.
+func (w *PacketWire) Adopted() int { return w.adopted }
+
+// ReceiveSockets returns the packet socket's descriptor, named "packet",
+// for a successor to inherit; the wire still owns it.
+func (w *PacketWire) ReceiveSockets() map[string]int {
+	return map[string]int{"packet": w.fd}
 }
 
 func htons16(v uint16) uint16 { return v<<8 | v>>8 }
@@ -334,6 +442,10 @@ func (w *PacketWire) sendReady(fd uintptr) bool {
 }
 
 func (w *PacketWire) recvReady(fd uintptr) bool {
+	if w.receivePaused() {
+		w.rxN, w.rxErr = 0, nil // leave it queued; Receive waits at the gate
+		return true
+	}
 	for {
 		w.rxN, w.rxErr = mmsg.RecvMmsg(int(fd), w.rxHdrs[:w.rxK])
 		if w.rxErr == unix.EINTR {
@@ -354,7 +466,9 @@ func (w *PacketWire) Frame(queue, i int) FrameInfo {
 }
 
 // Receive reads a batch of frames, scattering each Ethernet header aside
-// so that bufs[i] starts at the IP header.
+// so that bufs[i] starts at the IP header. While receiving is paused it
+// waits, leaving frames in the kernel, until it resumes, the wire closes
+// or ctx is done.
 func (w *PacketWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error) {
 	if queue != 0 {
 		return 0, fmt.Errorf("packet wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
@@ -368,6 +482,15 @@ func (w *PacketWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 		h.SetIovlen(2)
 	}
 	for {
+		if w.receivePaused() {
+			if !w.waitGate(w.closed, ctx.Done()) {
+				if err := ctx.Err(); err != nil {
+					return 0, err
+				}
+				return 0, fmt.Errorf("packet wire: %w", hostverbs.ErrClosed)
+			}
+			continue
+		}
 		w.rxK = k
 		err := w.rc.Read(w.rxFn)
 		n, rerr := w.rxN, w.rxErr

@@ -67,11 +67,9 @@ type UDPWire struct {
 	netns *os.File
 	// adopted counts the receive sockets taken from Inherit.
 	adopted int
-	// The receive gate (PauseReceive, ResumeReceive): while paused the
-	// receivers wait on gate and leave datagrams in the kernel.
-	paused atomic.Bool
-	gateMu sync.Mutex
-	gate   chan struct{} // closed when receiving resumes
+	// rxGate (PauseReceive, ResumeReceive): while paused the receivers
+	// wait at it and leave datagrams in the kernel.
+	rxGate
 }
 
 // UDPWireConfig parameterises NewUDPWire.
@@ -216,18 +214,15 @@ func NewUDPWire(cfg UDPWireConfig) (w *UDPWire, err error) {
 		}
 		w.rx = append(w.rx, rx)
 		rx.rxFn = func(fd uintptr) bool {
-			if w.paused.Load() {
+			if w.receivePaused() {
 				rx.rxN, rx.rxErr = 0, nil // leave it queued; the receiver waits at the gate
 				return true
 			}
 			return rx.recvReady(fd)
 		}
 	}
-	w.gate = make(chan struct{})
 	if cfg.Paused {
-		w.paused.Store(true)
-	} else {
-		close(w.gate)
+		w.PauseReceive()
 	}
 	w.scratch.New = func() any { return newUDPTxScratch() }
 	return w, nil
@@ -250,40 +245,6 @@ func (w *UDPWire) ReceiveSockets() map[string]int {
 		out[name] = s.fd
 	}
 	return out
-}
-
-// PauseReceive stops taking datagrams from the kernel: what arrives stays
-// in the receive sockets' buffers (up to their size) for ResumeReceive or
-// for a successor that inherits the sockets. Datagrams already read are
-// still handed out.
-func (w *UDPWire) PauseReceive() {
-	w.gateMu.Lock()
-	defer w.gateMu.Unlock()
-	if !w.paused.Swap(true) {
-		w.gate = make(chan struct{})
-	}
-}
-
-// ResumeReceive ends PauseReceive (or UDPWireConfig.Paused).
-func (w *UDPWire) ResumeReceive() {
-	w.gateMu.Lock()
-	defer w.gateMu.Unlock()
-	if w.paused.Swap(false) {
-		close(w.gate)
-	}
-}
-
-// waitGate blocks while receiving is paused; false if the wire closed.
-func (w *UDPWire) waitGate() bool {
-	w.gateMu.Lock()
-	g := w.gate
-	w.gateMu.Unlock()
-	select {
-	case <-g:
-		return true
-	case <-w.closedFlag:
-		return false
-	}
 }
 
 // Queues returns the number of receive sockets.
@@ -776,26 +737,10 @@ func newUDPRx(fd, fam int) (*udpRx, error) {
 // the configured interface. It returns nil (and f untouched) if not. The
 // wire gets a duplicate; f stays the caller's.
 func adoptUDPRx(f *os.File, fam int, cfg UDPWireConfig) (*udpRx, error) {
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return nil, nil
-	}
-	fd := -1
-	var match bool
-	if cerr := rc.Control(func(raw uintptr) {
-		match = isUDPRx(int(raw), fam, cfg.Interface)
-		if match {
-			fd, err = unix.FcntlInt(raw, unix.F_DUPFD_CLOEXEC, 0)
-		}
-	}); cerr != nil || !match {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("udp wire: take over udp %d socket: %w", roce.UDPPort, err)
-	}
-	if err := unix.SetNonblock(fd, true); err != nil {
-		unix.Close(fd)
-		return nil, fmt.Errorf("udp wire: take over udp %d socket: %w", roce.UDPPort, err)
+	fd, err := dupInherited(f, fmt.Sprintf("udp wire: take over udp %d socket", roce.UDPPort),
+		func(fd int) bool { return isUDPRx(fd, fam, cfg.Interface) })
+	if fd < 0 {
+		return nil, err
 	}
 	if err := setupUDPRx(fd, fam, cfg); err != nil {
 		unix.Close(fd)
@@ -876,11 +821,11 @@ func (w *UDPWire) receive(queue int, bufs [][]byte, lens []int, wait bool) (int,
 			}
 			continue
 		}
-		if w.paused.Load() {
+		if w.receivePaused() {
 			if !wait {
 				return 0, nil
 			}
-			if !w.waitGate() {
+			if !w.waitGate(w.closedFlag, nil) {
 				return 0, fmt.Errorf("udp wire: %w", hostverbs.ErrClosed)
 			}
 			continue

@@ -2,10 +2,11 @@
 
 // Package mmsg wraps the socket system calls the soft transport's wires
 // and benchmarks use and x/sys/unix does not: sendmmsg, recvmmsg, iovecs,
-// socket filters and control messages.
+// socket filters (attached, read back) and control messages.
 package mmsg
 
 import (
+	"fmt"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -56,6 +57,31 @@ func SetName6(h *unix.Msghdr, sa *unix.RawSockaddrInet6) {
 func AttachFilter(fd int, prog []unix.SockFilter) error {
 	fp := unix.SockFprog{Len: uint16(len(prog)), Filter: unsafe.SliceData(prog)}
 	return unix.SetsockoptSockFprog(fd, unix.SOL_SOCKET, unix.SO_ATTACH_FILTER, &fp)
+}
+
+// Filter returns the classic BPF socket filter attached to fd
+// (SO_GET_FILTER), nil if there is none.
+func Filter(fd int) ([]unix.SockFilter, error) {
+	// SO_GET_FILTER counts in instructions, not bytes; asked with a
+	// length of 0 it reports the program's.
+	var n uint32
+	if err := getFilter(fd, nil, &n); err != nil || n == 0 {
+		return nil, err
+	}
+	prog := make([]unix.SockFilter, n)
+	if err := getFilter(fd, &prog[0], &n); err != nil {
+		return nil, err
+	}
+	return prog[:min(int(n), len(prog))], nil
+}
+
+func getFilter(fd int, prog *unix.SockFilter, n *uint32) error {
+	_, _, e := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_GET_FILTER,
+		uintptr(unsafe.Pointer(prog)), uintptr(unsafe.Pointer(n)), 0)
+	if e != 0 {
+		return fmt.Errorf("SO_GET_FILTER: %w", e)
+	}
+	return nil
 }
 
 // Cmsgs walks the control messages in oob, calling fn with each header's
