@@ -160,6 +160,9 @@ func newFabric(cfg FabricConfig, inherit []*os.File, log *slog.Logger) (*fabric,
 	}
 	sf, err := soft.New(scfg)
 	if err != nil {
+		if scfg.Wire != nil {
+			_ = scfg.Wire.Close()
+		}
 		if f.addrs != nil {
 			f.addrs.Close()
 		}

@@ -155,6 +155,9 @@ func NewUDPWire(cfg UDPWireConfig) (w *UDPWire, err error) {
 		}
 	}()
 	if w.netns, err = os.Open("/proc/thread-self/ns/net"); err != nil {
+		for _, f := range cfg.Inherit {
+			f.Close()
+		}
 		return nil, fmt.Errorf("udp wire: network namespace: %w", err)
 	}
 	families := []int{unix.AF_INET}
