@@ -149,10 +149,12 @@ func daemonProcessIn(t *testing.T, nw *vm.Network, bin, netdev string, names ...
 }
 
 // upgradeDuring waits until every guest has printed mark (a step under
-// way), then hands the daemon behind ctl over to its own binary and waits
-// for generation gen to serve: the guests' RC connections must carry on
-// (every RC QP kept) and the fabric's sockets go with it.
-func upgradeDuring(t *testing.T, vms []*vm.VM, mark string, ctl *backend.ControlClient, gen int, who string) {
+// way; the tools' own output is buffered until they exit) and the daemons
+// (all) see the VMs' sends flowing (the RC QPs are in RTS: a WRITE test's
+// server sends nothing), then hands the daemon behind ctl over to its own
+// binary and waits for generation gen to serve: the guests' RC connections
+// must carry on (every RC QP kept) and the fabric's sockets go with it.
+func upgradeDuring(t *testing.T, vms []*vm.VM, mark string, all []*backend.ControlClient, ctl *backend.ControlClient, gen int, who string) {
 	t.Helper()
 	require.Eventually(t, func() bool {
 		for _, v := range vms {
@@ -161,8 +163,25 @@ func upgradeDuring(t *testing.T, vms []*vm.VM, mark string, ctl *backend.Control
 			}
 		}
 		return true
-	}, 5*time.Minute, 50*time.Millisecond, "%s never started", mark)
-	time.Sleep(1500 * time.Millisecond) // into the step
+	}, 5*time.Minute, 20*time.Millisecond, "%s never started", mark)
+	sends := func() uint64 {
+		var n uint64
+		for _, c := range all {
+			if st, err := c.Status(context.Background()); err == nil {
+				for _, v := range st.VMs {
+					n += v.Counters["send_wqes"]
+				}
+			}
+		}
+		return n
+	}
+	last := sends()
+	require.Eventually(t, func() bool {
+		n := sends()
+		flowing := n > last
+		last = n
+		return flowing
+	}, 2*time.Minute, 200*time.Millisecond, "no sends during %s", mark)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	require.NoError(t, ctl.Upgrade(ctx, ""))
@@ -184,8 +203,8 @@ func upgradeDuring(t *testing.T, vms []*vm.VM, mark string, ctl *backend.Control
 // hosts) reach each other over the kernel UDP 4791 path: each daemon adds
 // its VM's GIDs to its fabric netdev (netlink). Each daemon is a process of
 // its own, and both are upgraded live while the guests' RC traffic runs
-// (daemon A during the ping-pong, then B, then A again during
-// ib_write_bw): the connections carry on and every step passes.
+// (daemon A during the ping-pong, B and then A again during ib_write_bw):
+// the connections carry on and every step passes.
 func TestTwoHosts(t *testing.T) {
 	img := image(t)
 	ctx := context.Background()
@@ -213,8 +232,8 @@ func TestTwoHosts(t *testing.T) {
 	ctlB := backend.NewControlClient(filepath.Join(dirB, "control.sock"))
 
 	steps := []step{
-		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 8000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 8000 -s 4096 -c $peer"},
-		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -D 8 -s 65536", "ib_write_bw -d $dev -x $g -F -D 8 -s 65536 $peer"},
+		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 20000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 20000 -s 4096 -c $peer"},
+		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -D 12 -s 65536", "ib_write_bw -d $dev -x $g -F -D 12 -s 65536 $peer"},
 	}
 	a := pvrdmaGuestIn(dirA, "ha1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, steps))
 	b := pvrdmaGuestIn(dirB, "hb1", "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, steps))
@@ -225,9 +244,10 @@ func TestTwoHosts(t *testing.T) {
 	vb, err := vm.Start(ctx, t, img, nwB, b)
 	require.NoError(t, err)
 	vms := []*vm.VM{va, vb}
-	upgradeDuring(t, vms, "=== rc_pingpong", ctlA, 1, "A")
-	upgradeDuring(t, vms, "=== rc_pingpong", ctlB, 1, "B")
-	upgradeDuring(t, vms, "=== ib_write_bw", ctlA, 2, "A")
+	both := []*backend.ControlClient{ctlA, ctlB}
+	upgradeDuring(t, vms, "=== rc_pingpong", both, ctlA, 1, "A")
+	upgradeDuring(t, vms, "=== ib_write_bw", both, ctlB, 1, "B")
+	upgradeDuring(t, vms, "=== ib_write_bw", both, ctlA, 2, "A")
 	res, err := vm.WaitAll(ctx, va, vb)
 	require.NoError(t, err)
 	checkSteps(t, res, steps)
