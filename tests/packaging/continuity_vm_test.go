@@ -292,6 +292,8 @@ func upgradeScenario(self, peer string, server bool) string {
 	}
 	run("pingpong", "ibv_rc_pingpong -d $dev -g $g -n 30000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 30000 -s 4096 -c $peer")
 	run("write_bw", "ib_write_bw -d $dev -x $g -F -D 20 -s 65536", "ib_write_bw -d $dev -x $g -F -D 20 -s 65536 $peer")
+	// 16 RC QPs on one SRQ a side: the SRQ's receives cross the hand-over.
+	run("srq", "ibv_srq_pingpong -d $dev -g $g -n 5000 -s 4096", "ibv_srq_pingpong -d $dev -g $g -n 5000 -s 4096 $peer")
 	run("rping", "rping -s -a $self -C 3000 -v", "rping -c -a $peer -C 3000 -v")
 	b.WriteString("echo '=== end'\n")
 	return b.String()
@@ -321,7 +323,8 @@ func previousBinary(t *testing.T) []byte {
 
 // TestUpgradeKeepsVMs: the packaged daemon, under systemd in a container,
 // serves two stock guests (QEMUs on the host) that run a data-checked
-// ibv_rc_pingpong, ib_write_bw and rping; during each, the daemon is
+// ibv_rc_pingpong, ib_write_bw, ibv_srq_pingpong (16 RC QPs on an SRQ)
+// and rping; during each, the daemon is
 // upgraded in place: `systemctl reload` (the unit's ExecReload runs
 // `pvrdma-backend upgrade`), once to a binary built from the previous
 // commit (`pvrdma-backend upgrade --binary`), and once `dpkg -i` of the
@@ -348,7 +351,7 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 	require.NoError(t, err)
 	pid := st0.PID // in the container's PID namespace
 	upgrades := 0
-	upgrade := func(how string, args ...string) {
+	upgrade := func(how string, args ...string) backend.HandoverStatus {
 		t.Helper()
 		pre, err := ctl.Status(ctx)
 		require.NoError(t, err)
@@ -367,6 +370,7 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 			upgrades, how, st.Handover.PauseMS, st.Handover.SaveMS, st.Handover.StartMS, st.Handover.ResumeMS,
 			st.Handover.VMs, st.Handover.Continued, st.Handover.Errored, st.Handover.Lost)
 		assert.Zero(t, st.Handover.Errored, "no RC QP errored by a planned hand-over")
+		return *st.Handover
 	}
 	during := func(step string) {
 		mark := "=== " + step
@@ -383,6 +387,9 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 	upgrade("package upgrade", "dpkg", "-i", "/root/pvrdma-backend.deb")
 	during("write_bw")
 	upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
+	during("srq")
+	h := upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
+	assert.GreaterOrEqual(t, h.Continued, 32, "both guests' 16 RC QPs on their SRQ kept their connections")
 	during("rping")
 	upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
 
@@ -392,7 +399,7 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 	for _, r := range res {
 		require.Contains(t, r.Output, "=== end", "%s did not finish:\n%s", r.VM, r.Output)
 		assert.NotRegexp(t, `Assertion|aborted|core dumped|BUG:|Oops`, r.Console, "%s", r.VM)
-		for _, step := range []string{"pingpong", "write_bw", "rping"} {
+		for _, step := range []string{"pingpong", "write_bw", "srq", "rping"} {
 			sec := vm.Section(r.Output, step)
 			m := rcRE.FindStringSubmatch(sec)
 			if assert.NotNil(t, m, "%s %s: no status", r.VM, step) {
