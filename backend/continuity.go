@@ -429,6 +429,82 @@ func (d *Daemon) adoptAddrs() {
 	}
 }
 
+// stateReservations lists, in the state directory, the GIDs reserved to
+// each VM (gidOwners): a restarted daemon keeps them reserved, so a VM
+// whose QEMU is away cannot lose its addresses to another VM meanwhile.
+const stateReservations = "reservations.json"
+
+// saveReservations records the GID reservations (when state is kept).
+func (d *Daemon) saveReservations() {
+	if !d.keep.active() {
+		return
+	}
+	snap := d.owners.snapshot()
+	out := make(map[string][]string, len(snap))
+	for vm, as := range snap {
+		for _, a := range as {
+			out[vm] = append(out[vm], a.String())
+		}
+	}
+	b, _ := json.Marshal(out)
+	d.resMu.Lock()
+	defer d.resMu.Unlock()
+	tmp := filepath.Join(d.keep.dir, "."+stateReservations+".tmp")
+	err := os.WriteFile(tmp, b, 0o600)
+	if err == nil {
+		err = os.Rename(tmp, filepath.Join(d.keep.dir, stateReservations))
+	}
+	if err != nil {
+		d.log.Warn("cannot record the GID reservations: a restarted daemon starts without them", "err", err)
+	}
+}
+
+// adoptReservations takes back the reservations a previous daemon left.
+// Those of VMs that are not registered again are dropped after the
+// restore (dropOrphanReservations).
+func (d *Daemon) adoptReservations() {
+	if !d.keep.active() {
+		return
+	}
+	b, err := os.ReadFile(filepath.Join(d.keep.dir, stateReservations))
+	if err != nil {
+		return
+	}
+	var in map[string][]string
+	if err := json.Unmarshal(b, &in); err != nil {
+		d.log.Warn("ignoring GID reservations that do not parse", "err", err)
+		return
+	}
+	res := make(map[string][]netip.Addr, len(in))
+	for vm, list := range in {
+		for _, s := range list {
+			if a, err := netip.ParseAddr(s); err == nil {
+				res[vm] = append(res[vm], a)
+			}
+		}
+	}
+	if n := d.owners.adopt(res); n > 0 {
+		d.log.Info("took back the GID reservations a previous daemon left", "gids", n)
+	}
+}
+
+// dropOrphanReservations frees the reservations of VMs no longer
+// registered (their registration was not kept).
+func (d *Daemon) dropOrphanReservations() {
+	changed := false
+	for vm := range d.owners.snapshot() {
+		d.mu.Lock()
+		_, ok := d.vms[vm]
+		d.mu.Unlock()
+		if !ok && d.owners.release(vm) {
+			changed = true
+		}
+	}
+	if changed {
+		d.saveReservations()
+	}
+}
+
 // stateCounters holds a VM's counters for its successor: written at a
 // hand-over, and every Config.CounterCheckpoint while the VM is
 // connected, so a crash loses at most that much of them.

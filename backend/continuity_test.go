@@ -423,3 +423,51 @@ func TestCountersOutliveRestart(t *testing.T) {
 		return errors.Is(err, os.ErrNotExist)
 	}, 10*time.Second, 10*time.Millisecond, "the connection's counters go with it")
 }
+
+// TestReservationsOutliveRestart: the GIDs reserved to each VM are kept in
+// the state directory, so a daemon that takes over (a crash, an upgrade)
+// keeps refusing them to other VMs while their owner's QEMU is away; the
+// reservations of a VM no longer registered are dropped.
+func TestReservationsOutliveRestart(t *testing.T) {
+	dir := t.TempDir()
+	cfg := Config{SocketDir: dir, KeepState: true, Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	d1, err := New(cfg)
+	require.NoError(t, err)
+	for _, vm := range []string{"rv1", "rv2", "rv3"} {
+		_, err := d1.AddVM(VMRequest{Name: vm})
+		require.NoError(t, err)
+	}
+	a, b := netip.MustParseAddr("10.0.77.1"), netip.MustParseAddr("10.0.77.3")
+	all := func(netip.Addr) bool { return true }
+	// As a guest's GID binds reserve them (vmSession.checkGID).
+	for vm, ga := range map[string]netip.Addr{"rv1": a, "rv3": b} {
+		changed, err := d1.owners.reserve(vm, ga, all)
+		require.NoError(t, err)
+		require.True(t, changed)
+		d1.saveReservations()
+	}
+	// rv3's registration is gone when the next daemon starts (its
+	// reservation with it); d1 dies without an orderly stop (which would
+	// take the state directory).
+	require.NoError(t, os.RemoveAll(filepath.Join(dir, "state", "rv3")))
+
+	for _, s := range d1.vms { // their sockets go as with the process
+		s.stop()
+	}
+	d2, err := New(cfg)
+	require.NoError(t, err)
+	defer d2.close()
+	_, err = d2.owners.reserve("rv2", a, all)
+	require.ErrorIs(t, err, ErrGIDRefused, "rv1's GID stays rv1's")
+	var res []string
+	for _, v := range d2.Status().VMs {
+		if v.Name == "rv1" {
+			res = v.ReservedGIDs
+		}
+	}
+	assert.Contains(t, res, "10.0.77.1")
+	assert.NotContains(t, d2.owners.snapshot(), "rv3", "a VM no longer registered keeps nothing")
+	changed, err := d2.owners.reserve("rv2", b, all)
+	require.NoError(t, err, "so its GID is free again")
+	require.True(t, changed)
+}

@@ -103,6 +103,7 @@ type Daemon struct {
 	// owners reserves GIDs to VMs from their first bind until they are
 	// unregistered.
 	owners *gidOwners
+	resMu  sync.Mutex // serialises writes of the reservations file
 	// hostAddrs lists the addresses the host holds (replaced in tests).
 	hostAddrs func() (map[netip.Addr]string, error)
 
@@ -172,6 +173,7 @@ func New(cfg Config) (*Daemon, error) {
 	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{}, keep: keep,
 		budget: vdev.NewBudget(cfg.MemoryBudget, nil), locked: vdev.NewBudget(cfg.MaxLockedMemory, nil), owners: newGIDOwners(), hostAddrs: hostAddrs, access: access}
 	d.adoptAddrs()
+	d.adoptReservations()
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
 			d.close()
@@ -255,6 +257,7 @@ func (d *Daemon) restore() {
 		}()
 	}
 	d.keep.dropInherited()
+	d.dropOrphanReservations()
 	if registered > 0 || resumed > 0 {
 		d.log.Info("took over from a previous daemon", "registered", registered, "connections_resumed", resumed)
 	}
@@ -410,7 +413,9 @@ func (d *Daemon) RemoveVM(name string) error {
 		return fmt.Errorf("VM %s: %w", name, ErrNoVM)
 	}
 	s.stop()
-	d.owners.release(name)
+	if d.owners.release(name) {
+		d.saveReservations()
+	}
 	d.keep.forgetVM(name)
 	return nil
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"sort"
 	"strings"
 	"sync"
 	"syscall"
@@ -249,16 +250,17 @@ func newGIDOwners() *gidOwners { return &gidOwners{owner: map[netip.Addr]*gidRes
 // reserve records a as vm's, refusing it if another VM holds it. At the
 // per-VM cap it frees vm's least recently bound GID that holding(a) says
 // the VM no longer holds, or refuses.
-func (o *gidOwners) reserve(vm string, a netip.Addr, holding func(netip.Addr) bool) error {
+// It reports whether the set of reservations changed.
+func (o *gidOwners) reserve(vm string, a netip.Addr, holding func(netip.Addr) bool) (bool, error) {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	o.seq++
 	if r := o.owner[a]; r != nil {
 		if r.vm != vm {
-			return fmt.Errorf("%v: reserved by another VM: %w (%w)", a, ErrGIDRefused, syscall.EBUSY)
+			return false, fmt.Errorf("%v: reserved by another VM: %w (%w)", a, ErrGIDRefused, syscall.EBUSY)
 		}
 		r.used = o.seq
-		return nil
+		return false, nil
 	}
 	n := 0
 	var victim netip.Addr
@@ -274,23 +276,75 @@ func (o *gidOwners) reserve(vm string, a netip.Addr, holding func(netip.Addr) bo
 	}
 	if n >= maxReservedGIDs {
 		if !victim.IsValid() {
-			return fmt.Errorf("%v: the VM holds %d GIDs already: %w", a, n, ErrGIDRefused)
+			return false, fmt.Errorf("%v: the VM holds %d GIDs already: %w", a, n, ErrGIDRefused)
 		}
 		delete(o.owner, victim)
 	}
 	o.owner[a] = &gidReservation{vm: vm, used: o.seq}
-	return nil
+	return true, nil
 }
 
-// release frees every GID reserved to vm.
-func (o *gidOwners) release(vm string) {
+// release frees every GID reserved to vm; it reports whether there were any.
+func (o *gidOwners) release(vm string) bool {
 	o.mu.Lock()
 	defer o.mu.Unlock()
+	n := len(o.owner)
 	for a, r := range o.owner {
 		if r.vm == vm {
 			delete(o.owner, a)
 		}
 	}
+	return len(o.owner) != n
+}
+
+// snapshot returns the reservations by VM, each VM's GIDs least recently
+// bound first.
+func (o *gidOwners) snapshot() map[string][]netip.Addr {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	type entry struct {
+		a    netip.Addr
+		used uint64
+	}
+	by := map[string][]entry{}
+	for a, r := range o.owner {
+		by[r.vm] = append(by[r.vm], entry{a, r.used})
+	}
+	out := make(map[string][]netip.Addr, len(by))
+	for vm, es := range by {
+		sort.Slice(es, func(i, j int) bool { return es[i].used < es[j].used })
+		for _, e := range es {
+			out[vm] = append(out[vm], e.a)
+		}
+	}
+	return out
+}
+
+// adopt takes the reservations a previous daemon recorded (snapshot):
+// each GID goes to its VM unless another VM holds it already, at most
+// maxReservedGIDs a VM (the most recently bound kept). It returns how many
+// it took.
+func (o *gidOwners) adopt(res map[string][]netip.Addr) int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	n := 0
+	for vm, as := range res {
+		if CheckVMName(vm) != nil {
+			continue
+		}
+		if len(as) > maxReservedGIDs {
+			as = as[len(as)-maxReservedGIDs:]
+		}
+		for _, a := range as {
+			if !a.IsValid() || o.owner[a] != nil {
+				continue
+			}
+			o.seq++
+			o.owner[a] = &gidReservation{vm: vm, used: o.seq}
+			n++
+		}
+	}
+	return n
 }
 
 // reserved lists vm's reserved GIDs.

@@ -103,20 +103,37 @@ func TestGIDReservationsCapped(t *testing.T) {
 	o := newGIDOwners()
 	addr := func(i int) netip.Addr { return netip.AddrFrom4([4]byte{10, 1, byte(i >> 8), byte(i)}) }
 	all := func(netip.Addr) bool { return true }
-	require.NoError(t, o.reserve("other", addr(1000), all))
-	for i := range maxReservedGIDs {
-		require.NoError(t, o.reserve("vm", addr(i), all))
+	reserve := func(vm string, a netip.Addr, holding func(netip.Addr) bool) error {
+		_, err := o.reserve(vm, a, holding)
+		return err
 	}
-	require.ErrorIs(t, o.reserve("vm", addr(500), all), ErrGIDRefused, "all held")
-	require.NoError(t, o.reserve("vm", addr(0), all), "rebinding a reserved GID is always fine")
+	require.NoError(t, reserve("other", addr(1000), all))
+	for i := range maxReservedGIDs {
+		require.NoError(t, reserve("vm", addr(i), all))
+	}
+	require.ErrorIs(t, reserve("vm", addr(500), all), ErrGIDRefused, "all held")
+	changed, err := o.reserve("vm", addr(0), all)
+	require.NoError(t, err, "rebinding a reserved GID is always fine")
+	require.False(t, changed)
 	held := func(a netip.Addr) bool { return a != addr(1) && a != addr(0) }
-	require.NoError(t, o.reserve("vm", addr(500), held))
+	require.NoError(t, reserve("vm", addr(500), held))
 	res := o.reserved("vm")
 	require.Len(t, res, maxReservedGIDs)
 	require.NotContains(t, res, addr(1), "the least recently bound unheld GID was given up")
 	require.Contains(t, res, addr(0), "addr(0) was bound more recently")
-	require.ErrorIs(t, o.reserve("vm", addr(1000), held), ErrGIDRefused, "another VM's")
-	o.release("vm")
+	require.ErrorIs(t, reserve("vm", addr(1000), held), ErrGIDRefused, "another VM's")
+
+	// A successor adopting the snapshot keeps the same reservations, in
+	// the same order of use.
+	snap := o.snapshot()
+	o2 := newGIDOwners()
+	require.Equal(t, maxReservedGIDs+1, o2.adopt(snap))
+	require.Equal(t, snap, o2.snapshot())
+	require.ErrorIs(t, func() error { _, err := o2.reserve("other", addr(0), all); return err }(), ErrGIDRefused,
+		"adopted reservations are enforced")
+
+	require.True(t, o.release("vm"))
+	require.False(t, o.release("vm"))
 	require.Empty(t, o.reserved("vm"))
 	require.Equal(t, []netip.Addr{addr(1000)}, o.reserved("other"))
 }

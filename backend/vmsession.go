@@ -395,7 +395,10 @@ func (s *vmSession) checkGID(c *vmConn, e hostverbs.GIDEntry) error {
 		}
 	}
 	if err == nil {
-		err = s.d.owners.reserve(s.name, a, c.holds)
+		var changed bool
+		if changed, err = s.d.owners.reserve(s.name, a, c.holds); changed {
+			s.d.saveReservations()
+		}
 	}
 	if err != nil {
 		s.refusals.Add(1)
