@@ -232,10 +232,19 @@ func TestGIDNeighbourRefused(t *testing.T) {
 		bind := func(a string) error {
 			return s.checkGID(c, hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr(a)), Type: hostverbs.GIDTypeRoCEv2})
 		}
+		// Another network of the host's, on another device.
+		require.NoError(t, netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "mgmt0"}, PeerName: "mgmt1"}))
+		mgmt, err := netlink.LinkByName("mgmt0")
+		require.NoError(t, err)
+		ma, _ := netlink.ParseAddr("10.91.0.1/24")
+		require.NoError(t, netlink.AddrAdd(mgmt, ma))
+		require.NoError(t, netlink.LinkSetUp(mgmt))
 		for a, why := range map[string]string{
 			"10.80.0.254": "answered an ARP probe on fab0",
 			"10.80.0.253": "a gateway of the host's routes",
 			"10.80.0.252": "the host's neighbour on fab0",
+			"10.90.0.5":   "through the gateway 10.80.0.253", // a remote server's
+			"10.91.0.5":   "through mgmt0",
 		} {
 			err := bind(a)
 			assert.ErrorIs(t, err, ErrGIDRefused, a)
@@ -253,6 +262,8 @@ func TestGIDNeighbourRefused(t *testing.T) {
 			return l.Attrs().Name
 		}
 		assert.Equal(t, "fab0", routeDev("10.80.0.254"), "the host still reaches its neighbour on the fabric")
+		assert.Equal(t, "fab0", routeDev("10.90.0.5"), "and the remote network through its gateway")
+		assert.Equal(t, "mgmt0", routeDev("10.91.0.5"), "and its other network where it was")
 		assert.Empty(t, d.fabric.addrs.Owned(), "nothing was added")
 
 		require.NoError(t, bind("10.80.0.77"), "a free address")

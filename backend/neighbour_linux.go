@@ -75,6 +75,31 @@ func (m *AddrManager) InUse(a netip.Addr) error {
 			}
 		}
 	}
+	// The host's own route to a must not change: a becomes a host address
+	// only where the host reaches it directly on the fabric netdev, or
+	// not at all. Reached through a gateway, it is a remote host's (a
+	// server on another subnet a co-tenant talks to); through another
+	// device, it belongs to that network.
+	if !a.IsLinkLocalUnicast() {
+		m.mu.Lock()
+		rs, err := m.h.RouteGet(a.AsSlice())
+		m.mu.Unlock()
+		if err == nil && len(rs) > 0 {
+			r := rs[0]
+			if r.LinkIndex != link.Attrs().Index {
+				dev := fmt.Sprint(r.LinkIndex)
+				m.mu.Lock()
+				if l, err := m.h.LinkByIndex(r.LinkIndex); err == nil {
+					dev = l.Attrs().Name
+				}
+				m.mu.Unlock()
+				return fmt.Errorf("%v: the host reaches it through %s, not the fabric netdev %s: %w", a, dev, link.Attrs().Name, ErrAddrInUse)
+			}
+			if gw, ok := netip.AddrFromSlice(r.Gw); ok && gw.IsValid() && !gw.IsUnspecified() {
+				return fmt.Errorf("%v: the host reaches it through the gateway %v (a remote network's address): %w", a, gw.Unmap(), ErrAddrInUse)
+			}
+		}
+	}
 	if !a.Is4() {
 		return nil
 	}
