@@ -12,7 +12,7 @@ GO ?= go
 UNIT_TIMEOUT ?= 20m
 VM_TIMEOUT ?= 40m
 
-.PHONY: all build bin deps image test unit vmtest demo bench bench-vm bench-scale bench-handover soak check clean-cache deb
+.PHONY: all build bin deps image test unit vmtest demo bench bench-vm bench-scale bench-handover bench-hosts soak check clean-cache deb
 
 all: build
 
@@ -86,6 +86,13 @@ bench-scale:
 # its median in the same run, and the RC QPs that kept their connections.
 bench-handover:
 	$(GO) test -run '^$$' -bench 'Handover' -benchtime 1x -timeout 10m ./tests/hostile
+
+# Four hosts (network namespaces, a daemon each, two fake-driver VMs each), every VM
+# streaming verified WRITEs to every VM of the other hosts: in IP mode across a router
+# (two subnets) and in L2 mode across a kernel VXLAN overlay. The all-to-all aggregate
+# and Jain's fairness across hosts and across the 48 streams. Needs root.
+bench-hosts:
+	$(GO) test -run '^$$' -bench 'ManyHosts' -benchtime 1x -timeout 10m ./tests/hostile
 
 # A longer soak than the test suite's 200 sessions: VM sessions in a row
 # (connect, traffic, disconnect), then goroutines, fds, locked memory and RSS

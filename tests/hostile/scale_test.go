@@ -165,16 +165,14 @@ func runScale(b *testing.B, n int) scaleResult {
 	}
 
 	r := scaleResult{idle: idle, busy: busy}
-	var sum, sumSq float64
+	var sum float64
+	vms := make([]float64, n)
 	for i := range bytes {
-		x := float64(bytes[i].Load())
-		sum += x
-		sumSq += x * x
+		vms[i] = float64(bytes[i].Load())
+		sum += vms[i]
 	}
 	r.aggregateMBps = sum / elapsed.Seconds() / 1e6
-	if sumSq > 0 {
-		r.jain = sum * sum / (float64(n) * sumSq)
-	}
+	r.jain = jain(vms)
 	if len(lat) > 0 {
 		slices.Sort(lat)
 		r.p50, r.p99 = lat[len(lat)/2], lat[len(lat)*99/100]
@@ -183,6 +181,20 @@ func runScale(b *testing.B, n int) scaleResult {
 		p.Close()
 	}
 	return r
+}
+
+// jain is Jain's fairness index of xs: (sum x)^2 / (n sum x^2), 1 when all
+// are equal, 1/n when one has everything; 0 when all are 0.
+func jain(xs []float64) float64 {
+	var sum, sumSq float64
+	for _, x := range xs {
+		sum += x
+		sumSq += x * x
+	}
+	if sumSq == 0 {
+		return 0
+	}
+	return sum * sum / (float64(len(xs)) * sumSq)
 }
 
 // streamWrites keeps scaleWindow signaled 16 KiB WRITEs from src into
@@ -215,6 +227,16 @@ type writeStream struct {
 	// completions (or the first post and the first one) above it.
 	gapMin time.Duration
 	gaps   []streamGap
+
+	// name, if set, prefixes the stream's errors (runStreams).
+	name string
+
+	// Progress, kept by step: WRITEs in flight, the last one posted, the
+	// oldest in flight, and when the last completion (or the first post)
+	// was.
+	inflight     int
+	wrid, oldest uint64
+	last         time.Time
 }
 
 // streamGap is a stretch without a completion, ended at end.
@@ -236,64 +258,103 @@ func (s *writeStream) payload(wrid uint64) []byte {
 // run streams until stop; it returns the first error: a failed doorbell
 // or poll, an error completion, a completion out of order, a payload that
 // differs or no completion for irqTimeout.
-func (s *writeStream) run() error {
-	q, cq := s.src.qp, s.src.scq
-	w := uint64(s.window)
-	inflight := 0
-	var wrid, oldest uint64 // the last WRITE posted and the oldest in flight
-	last := time.Now()
+func (s *writeStream) run() error { return runStreams([]*writeStream{s}) }
+
+// runStreams runs streams of one VM (whose vfio-user connection takes one
+// caller at a time) on this goroutine until stop and until nothing is in
+// flight, and returns the first error of any, prefixed with its name if
+// it has one. Each round steps every stream; one that found its CQ empty
+// writes the CQ's POLL doorbell (rdma-core's empty poll), and a round in
+// which no stream took a completion yields for 50 µs.
+func runStreams(streams []*writeStream) error {
 	for {
-		for !s.stop.Load() && inflight < s.window {
-			wrid++
-			off := wrid % w * s.size
-			if s.verify {
-				s.src.mr.write(s.src.v, s.srcOff+off, s.payload(wrid))
+		active, took := false, false
+		for _, s := range streams {
+			if s.finished() {
+				continue
 			}
-			q.writeSend(writeWQE(wrid, s.dst.mr.iova+s.dstOff+off, s.dst.mr.rkey), s.src.mr.sge(s.srcOff+off, uint32(s.size)))
-			if err := s.src.v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle); err != nil {
+			active = true
+			ok, err := s.step()
+			if err == nil && !ok && !s.finished() {
+				cq := s.src.scq
+				err = s.src.v.tryDoorbell(cq.uar, vdev.UARCQOffset, vdev.UARCQPoll|cq.handle)
+			}
+			if err != nil {
+				if s.name != "" {
+					err = fmt.Errorf("%s: %w", s.name, err)
+				}
 				return err
 			}
-			if inflight == 0 {
-				oldest = wrid
-			}
-			inflight++
+			took = took || ok
 		}
-		if inflight == 0 {
+		if !active {
 			return nil
 		}
-		e, ok, err := cq.tryPoll()
-		switch {
-		case err != nil:
-			return err
-		case ok && e.Status != uint32(hostverbs.WCSuccess):
-			return fmt.Errorf("WRITE %d: status %d", e.WRID, e.Status)
-		case ok:
-			if s.verify {
-				if e.WRID != oldest {
-					return fmt.Errorf("WRITE %d completed, %d is the oldest in flight", e.WRID, oldest)
-				}
-				got := s.dst.mr.read(s.dst.v, s.dstOff+oldest%w*s.size, s.size)
-				if !bytes.Equal(got, s.payload(oldest)) {
-					return fmt.Errorf("WRITE %d completed, but the peer's memory holds other bytes", oldest)
-				}
-			}
-			oldest++
-			inflight--
-			s.done.Add(int64(s.size))
-			if d := time.Since(last); s.gapMin != 0 && d > s.gapMin {
-				s.gaps = append(s.gaps, streamGap{end: time.Now(), d: d})
-			}
-			last = time.Now()
-		case time.Since(last) > irqTimeout:
-			return fmt.Errorf("no completion for %v", irqTimeout)
-		default:
-			// rdma-core's empty poll: a POLL doorbell, then yield.
-			if err := s.src.v.tryDoorbell(cq.uar, vdev.UARCQOffset, vdev.UARCQPoll|cq.handle); err != nil {
-				return err
-			}
+		if !took {
 			time.Sleep(50 * time.Microsecond)
 		}
 	}
+}
+
+// finished reports whether the stream was stopped and has nothing in
+// flight any more.
+func (s *writeStream) finished() bool { return s.inflight == 0 && s.stop.Load() }
+
+// step fills the window with WRITEs (unless stopped) and takes the
+// stream's next completion if there is one, checking it; it reports
+// whether it took one.
+func (s *writeStream) step() (bool, error) {
+	q, cq := s.src.qp, s.src.scq
+	w := uint64(s.window)
+	if s.last.IsZero() {
+		s.last = time.Now()
+	}
+	for !s.stop.Load() && s.inflight < s.window {
+		s.wrid++
+		off := s.wrid % w * s.size
+		if s.verify {
+			s.src.mr.write(s.src.v, s.srcOff+off, s.payload(s.wrid))
+		}
+		q.writeSend(writeWQE(s.wrid, s.dst.mr.iova+s.dstOff+off, s.dst.mr.rkey), s.src.mr.sge(s.srcOff+off, uint32(s.size)))
+		if err := s.src.v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle); err != nil {
+			return false, err
+		}
+		if s.inflight == 0 {
+			s.oldest = s.wrid
+		}
+		s.inflight++
+	}
+	if s.inflight == 0 {
+		return false, nil
+	}
+	e, ok, err := cq.tryPoll()
+	switch {
+	case err != nil:
+		return false, err
+	case ok && e.Status != uint32(hostverbs.WCSuccess):
+		return false, fmt.Errorf("WRITE %d: status %d", e.WRID, e.Status)
+	case ok:
+		if s.verify {
+			if e.WRID != s.oldest {
+				return false, fmt.Errorf("WRITE %d completed, %d is the oldest in flight", e.WRID, s.oldest)
+			}
+			got := s.dst.mr.read(s.dst.v, s.dstOff+s.oldest%w*s.size, s.size)
+			if !bytes.Equal(got, s.payload(s.oldest)) {
+				return false, fmt.Errorf("WRITE %d completed, but the peer's memory holds other bytes", s.oldest)
+			}
+		}
+		s.oldest++
+		s.inflight--
+		s.done.Add(int64(s.size))
+		if d := time.Since(s.last); s.gapMin != 0 && d > s.gapMin {
+			s.gaps = append(s.gaps, streamGap{end: time.Now(), d: d})
+		}
+		s.last = time.Now()
+		return true, nil
+	case time.Since(s.last) > irqTimeout:
+		return false, fmt.Errorf("no completion for %v", irqTimeout)
+	}
+	return false, nil
 }
 
 // probeWrites posts one 8 B WRITE at a time from src to dst until stop

@@ -27,38 +27,56 @@ type twoHosts struct {
 	addr [2]netip.Addr
 }
 
-// newTwoHosts creates the namespaces (ip netns add, so that `ip netns
-// exec` runs daemons in them) and the veth pair, with addresses
-// subnet.1 and subnet.2; cleanup removes the namespaces, and the veth
-// with them, also after a failure. It skips the test where namespaces
-// cannot be made (not root, no ip, no permission).
+// needNetns skips tb unless it can make network namespaces and run
+// daemons in them: root and ip (iproute2).
+func needNetns(tb testing.TB) {
+	tb.Helper()
+	if os.Geteuid() != 0 {
+		tb.Skip("needs root for network namespaces")
+	}
+	if _, err := exec.LookPath("ip"); err != nil {
+		tb.Skip("needs ip (iproute2) to run daemons in network namespaces")
+	}
+}
+
+// netnsName names this test process's network namespace tag, uniquely on
+// the machine.
+func netnsName(tag string) string { return fmt.Sprintf("pvrdma-hostile-%d-%s", os.Getpid(), tag) }
+
+// newNetns creates network namespace name (ip netns add, so that `ip
+// netns exec` runs daemons in it); cleanup removes it, and the devices in
+// it, also after a failure. It skips tb where namespaces cannot be made.
+func newNetns(tb testing.TB, name string) {
+	tb.Helper()
+	needNetns(tb)
+	if out, err := exec.Command("ip", "netns", "add", name).CombinedOutput(); err != nil {
+		tb.Skipf("cannot create a network namespace: ip netns add: %v: %s", err, out)
+	}
+	tb.Cleanup(func() {
+		if out, err := exec.Command("ip", "netns", "del", name).CombinedOutput(); err != nil {
+			tb.Errorf("ip netns del %s: %v: %s", name, err, out)
+		}
+	})
+}
+
+// newTwoHosts creates the namespaces (newNetns) and the veth pair, with
+// addresses subnet.1 and subnet.2; cleanup removes the namespaces, and the
+// veth with them, also after a failure. It skips the test where
+// namespaces cannot be made (not root, no ip, no permission).
 func newTwoHosts(t *testing.T, subnet netip.Prefix) twoHosts {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("needs root for network namespaces")
-	}
-	ip, err := exec.LookPath("ip")
-	if err != nil {
-		t.Skip("needs ip (iproute2) to run daemons in network namespaces")
-	}
 	var h twoHosts
 	base := subnet.Masked().Addr().As4()
 	for i := range 2 {
 		// Unique per test process; interface names fit IFNAMSIZ.
-		h.ns[i] = fmt.Sprintf("pvrdma-hostile-%d-%c", os.Getpid(), 'a'+i)
+		h.ns[i] = netnsName(string(rune('a' + i)))
 		h.dev[i] = fmt.Sprintf("pvh%d%c", os.Getpid()%10000000, 'a'+i)
 		a := base
 		a[3] = byte(i + 1)
 		h.addr[i] = netip.AddrFrom4(a)
-		if out, err := exec.Command(ip, "netns", "add", h.ns[i]).CombinedOutput(); err != nil {
-			t.Skipf("cannot create a network namespace: ip netns add: %v: %s", err, out)
-		}
-		t.Cleanup(func() {
-			if out, err := exec.Command(ip, "netns", "del", h.ns[i]).CombinedOutput(); err != nil {
-				t.Errorf("ip netns del %s: %v: %s", h.ns[i], err, out)
-			}
-		})
+		newNetns(t, h.ns[i])
 	}
+	var err error
 	var nsh [2]netns.NsHandle
 	var nl [2]*netlink.Handle
 	for i := range 2 {

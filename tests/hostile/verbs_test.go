@@ -302,9 +302,33 @@ func (q *gqp) toRTS(destQPN uint32, dgid hostverbs.GID) { q.toRTSRetry(destQPN, 
 // toRTSRetry is toRTS with the responder's RNR timer code and the
 // requester's RNR retry count (7 retries forever, IBA 9.7.5.2.8).
 func (q *gqp) toRTSRetry(destQPN uint32, dgid hostverbs.GID, rnrTimer, rnrRetry uint8) {
+	q.toRTSPath(destQPN, dgid, defaultPath, rnrTimer, rnrRetry)
+}
+
+// rcPath is the part of an RC QP's RTR attributes that applications and
+// the guest's network stack choose: the path MTU (ibv_rc_pingpong's 1024,
+// or the port's active MTU as perftest takes), the GRH's traffic class
+// (DSCP << 2) and the destination MAC, which the guest kernel resolves from
+// the peer's GID through its own ARP or ND (ib_resolve_eth_dmac). The fake
+// VMs have no NIC, so whoever connects them supplies the MAC their peer
+// was registered with; only L2 mode puts it on the wire.
+type rcPath struct {
+	mtu    hostverbs.MTU
+	tclass uint8
+	dmac   [6]byte
+}
+
+// defaultPath is ibv_rc_pingpong's: MTU 1024, traffic class 0.
+var defaultPath = rcPath{mtu: hostverbs.MTU1024}
+
+// qpHopLimit is the GRH hop limit (IPv4 TTL) of every QP's path.
+const qpHopLimit = 64
+
+// toRTSPath is toRTSRetry on path p.
+func (q *gqp) toRTSPath(destQPN uint32, dgid hostverbs.GID, p rcPath, rnrTimer, rnrRetry uint8) {
 	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW})
-	q.mustModify(0x129181, vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: destQPN, MaxDestRdAtomic: 4, MinRNRTimer: rnrTimer,
-		AH: vdev.AHAttr{DGID: dgid, SGIDIndex: 0, HopLimit: 64, Flags: vdev.AHFlagGRH, PortNum: 1}})
+	q.mustModify(0x129181, vdev.QPAttr{State: 2, PathMTU: uint32(p.mtu), DestQPNum: destQPN, MaxDestRdAtomic: 4, MinRNRTimer: rnrTimer,
+		AH: vdev.AHAttr{DGID: dgid, SGIDIndex: 0, HopLimit: qpHopLimit, TrafficClass: p.tclass, Flags: vdev.AHFlagGRH, PortNum: 1, DMAC: p.dmac}})
 	q.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: rnrRetry, MaxRdAtomic: 4})
 }
 
@@ -326,6 +350,10 @@ type endpoint struct {
 	scq, rcq *gcq
 	mr       *gmr
 	qp       *gqp
+	// mac is the MAC of the VM's NIC, to which a peer's ARP resolves
+	// gid (connectRCPath): what it was registered with in L2 mode,
+	// zero where no wire looks at it.
+	mac [6]byte
 }
 
 const (
@@ -356,9 +384,24 @@ func (e *env) endpointGID(name string, gid hostverbs.GID) *endpoint {
 	p.pd = v.createPD(p.uc)
 	p.scq, p.rcq = v.createCQ(p.uc, 64), v.createCQ(p.uc, 64)
 	p.mr = v.regMR(p.pd, mrIOVA, mrBytes, accRW)
-	p.qp = v.createQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeRC,
-		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 2, recvSGE: 2, uar: p.uc})
+	p.qp = p.rcQP(p.scq, p.rcq)
 	return p
+}
+
+// rcQP creates an RC QP of qpDepth WRs and two SGEs each way in p's PD on
+// the given CQs.
+func (p *endpoint) rcQP(scq, rcq *gcq) *gqp {
+	p.v.t.Helper()
+	return p.v.createQP(qpSpec{pd: p.pd, scq: scq, rcq: rcq, typ: hostverbs.QPTypeRC,
+		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 2, recvSGE: 2, uar: p.uc})
+}
+
+// queryPort is QUERY_PORT of port 1.
+func (v *vm) queryPort() vdev.PortAttr {
+	v.t.Helper()
+	var r vdev.QueryPortResp
+	r.Decode(v.mustCmd(vdev.CmdQueryPort, vdev.QueryPort{PortNum: 1}))
+	return r.Attrs
 }
 
 // pair boots two endpoints and connects their QPs.
@@ -384,8 +427,14 @@ func (e *env) pairGIDs(a, b string, na, nb byte, rnrTimer, rnrRetry uint8) (*end
 // daemons: each QP learns the other's QPN and GID (as an application
 // exchanges them out of band) and goes to RTS.
 func connectRC(a, b *endpoint, rnrTimer, rnrRetry uint8) {
-	a.qp.toRTSRetry(b.qp.qpn, b.gid, rnrTimer, rnrRetry)
-	b.qp.toRTSRetry(a.qp.qpn, a.gid, rnrTimer, rnrRetry)
+	connectRCPath(a, b, defaultPath.mtu, defaultPath.tclass, rnrTimer, rnrRetry)
+}
+
+// connectRCPath is connectRC with path MTU mtu and traffic class tclass
+// both ways; each QP's destination MAC is the other endpoint's mac.
+func connectRCPath(a, b *endpoint, mtu hostverbs.MTU, tclass uint8, rnrTimer, rnrRetry uint8) {
+	a.qp.toRTSPath(b.qp.qpn, b.gid, rcPath{mtu: mtu, tclass: tclass, dmac: b.mac}, rnrTimer, rnrRetry)
+	b.qp.toRTSPath(a.qp.qpn, a.gid, rcPath{mtu: mtu, tclass: tclass, dmac: a.mac}, rnrTimer, rnrRetry)
 }
 
 func (p *endpoint) Close() { p.v.Close() }
@@ -397,9 +446,7 @@ func (p *endpoint) loopPair() (*gqp, *gqp) { return p.loopPair2(p.scq, p.rcq) }
 // loopPair2 is loopPair on the given send and receive CQs.
 func (p *endpoint) loopPair2(scq, rcq *gcq) (*gqp, *gqp) {
 	p.v.t.Helper()
-	s := qpSpec{pd: p.pd, scq: scq, rcq: rcq, typ: hostverbs.QPTypeRC,
-		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 2, recvSGE: 2, uar: p.uc}
-	a, b := p.v.createQP(s), p.v.createQP(s)
+	a, b := p.rcQP(scq, rcq), p.rcQP(scq, rcq)
 	a.toRTS(b.qpn, p.gid)
 	b.toRTS(a.qpn, p.gid)
 	return a, b
