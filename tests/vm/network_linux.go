@@ -225,6 +225,13 @@ func (n *Network) addTap() (string, error) {
 		if err := netlink.LinkAdd(tap); err != nil {
 			return fmt.Errorf("add tap %s: %w", name, err)
 		}
+		if n.mtu != 0 {
+			// A tap is made by ioctl, which takes no MTU; at 1500 it
+			// would pull the bridge's MTU down to its own.
+			if err := netlink.LinkSetMTU(tap, n.mtu); err != nil {
+				return fmt.Errorf("tap %s MTU %d: %w", name, n.mtu, err)
+			}
+		}
 		return netlink.LinkSetUp(tap)
 	})
 	return name, err
