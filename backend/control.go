@@ -7,11 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
-	"sort"
-	"strings"
 	"time"
 )
 
@@ -181,8 +180,14 @@ var (
 //	POST   /v1/vms          register a VM (VMRequest); creates its socket
 //	DELETE /v1/vms/{name}   unregister a VM, disconnecting it
 //	POST   /v1/upgrade      hand the daemon over to a new binary (UpgradeRequest)
-//	GET    /metrics         Prometheus text exposition
-func ControlHandler(c Controller) http.Handler {
+//	GET    /metrics         Prometheus exposition (metrics.go): c's own
+//	                        registry if c is a MetricsGatherer, else
+//	                        c's Status rendered at each scrape
+func ControlHandler(c Controller) http.Handler { return controlHandler(c, nil) }
+
+// controlHandler is ControlHandler with a logger for what a scrape
+// cannot collect.
+func controlHandler(c Controller, log *slog.Logger) http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, c.Status())
@@ -241,10 +246,7 @@ func ControlHandler(c Controller) http.Handler {
 		}
 		w.WriteHeader(http.StatusAccepted)
 	})
-	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "text/plain; version=0.0.4")
-		WriteMetrics(w, c.Status())
-	})
+	mux.Handle("GET /metrics", metricsHandler(c, log))
 	return mux
 }
 
@@ -295,6 +297,10 @@ func NewControlClient(path string) *ControlClient {
 	}}
 	return &ControlClient{hc: &http.Client{Transport: tr, Timeout: 10 * time.Second}}
 }
+
+// Close closes the client's idle connections to the daemon (a client
+// used again opens new ones).
+func (c *ControlClient) Close() { c.hc.CloseIdleConnections() }
 
 func (c *ControlClient) do(ctx context.Context, method, path string, body, out any) error {
 	var rd io.Reader
@@ -350,85 +356,27 @@ func (c *ControlClient) RemoveVM(ctx context.Context, name string) error {
 	return c.do(ctx, http.MethodDelete, "/v1/vms/"+name, nil, nil)
 }
 
-// Metrics fetches the Prometheus exposition.
 // Upgrade asks the daemon to hand itself over to binary ("" its own
 // path); it returns once the daemon accepted (watch Status().Handover).
 func (c *ControlClient) Upgrade(ctx context.Context, binary string) error {
 	return c.do(ctx, "POST", "/v1/upgrade", UpgradeRequest{Binary: binary}, nil)
 }
 
+// Metrics fetches the Prometheus exposition, in the text format.
 func (c *ControlClient) Metrics(ctx context.Context) (string, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://pvrdma/metrics", nil)
 	if err != nil {
 		return "", err
 	}
+	req.Header.Set("Accept", "text/plain;version=0.0.4")
 	resp, err := c.hc.Do(req)
 	if err != nil {
-		return "", err
+		return "", fmt.Errorf("control socket: %w (is `pvrdma-backend serve` running?)", err)
 	}
 	defer resp.Body.Close()
 	b, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	if err == nil && resp.StatusCode >= 300 {
+		err = fmt.Errorf("GET /metrics: %s", resp.Status)
+	}
 	return string(b), err
-}
-
-// WriteMetrics writes st in the Prometheus text exposition format.
-func WriteMetrics(w io.Writer, st Status) {
-	var b strings.Builder
-	family := func(name, typ, help string) {
-		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, typ)
-	}
-	family("pvrdma_vm_connected", "gauge", "1 if the VM's QEMU is connected.")
-	for _, vm := range st.VMs {
-		v := 0
-		if vm.Connected {
-			v = 1
-		}
-		fmt.Fprintf(&b, "pvrdma_vm_connected{vm=%q} %d\n", vm.Name, v)
-	}
-	family("pvrdma_vm_locked_bytes", "gauge", "Guest memory bytes mapped and locked for the VM.")
-	for _, vm := range st.VMs {
-		fmt.Fprintf(&b, "pvrdma_vm_locked_bytes{vm=%q} %d\n", vm.Name, vm.LockedBytes)
-	}
-	family("pvrdma_vm_gids", "gauge", "GIDs the VM has bound.")
-	for _, vm := range st.VMs {
-		fmt.Fprintf(&b, "pvrdma_vm_gids{vm=%q} %d\n", vm.Name, len(vm.GIDs))
-	}
-	family("pvrdma_vm_gid_refusals_total", "counter", "GID binds refused by the VM's GID policy.")
-	for _, vm := range st.VMs {
-		fmt.Fprintf(&b, "pvrdma_vm_gid_refusals_total{vm=%q} %d\n", vm.Name, vm.GIDRefusals)
-	}
-	family("pvrdma_vm_reserved_gids", "gauge", "GIDs reserved to the VM until it is unregistered.")
-	for _, vm := range st.VMs {
-		fmt.Fprintf(&b, "pvrdma_vm_reserved_gids{vm=%q} %d\n", vm.Name, len(vm.ReservedGIDs))
-	}
-	family("pvrdma_vm_resources", "gauge", "Live device objects by kind.")
-	for _, vm := range st.VMs {
-		for _, k := range sortedKeys(vm.Resources) {
-			fmt.Fprintf(&b, "pvrdma_vm_resources{vm=%q,kind=%q} %d\n", vm.Name, k, vm.Resources[k])
-		}
-	}
-	family("pvrdma_vm_events_total", "counter", "Per-VM device counters (commands, doorbells, completions, errors).")
-	for _, vm := range st.VMs {
-		for _, k := range sortedKeys(vm.Counters) {
-			fmt.Fprintf(&b, "pvrdma_vm_events_total{vm=%q,event=%q} %d\n", vm.Name, k, vm.Counters[k])
-		}
-	}
-	family("pvrdma_qp_rate_bits_per_second", "gauge", "Current DCQCN rate of QPs that received a CNP.")
-	for _, q := range st.Fabric.QPRates {
-		fmt.Fprintf(&b, "pvrdma_qp_rate_bits_per_second{vm=%q,qpn=\"%d\"} %.0f\n", q.VM, q.QPN, q.RateMbps*1e6)
-	}
-	family("pvrdma_fabric_events_total", "counter", "Fabric counters (packets, drops by reason, retransmissions, CNPs, CE-marked packets).")
-	for _, k := range sortedKeys(st.Counters) {
-		fmt.Fprintf(&b, "pvrdma_fabric_events_total{event=%q} %d\n", k, st.Counters[k])
-	}
-	_, _ = io.WriteString(w, b.String())
-}
-
-func sortedKeys[V any](m map[string]V) []string {
-	ks := make([]string, 0, len(m))
-	for k := range m {
-		ks = append(ks, k)
-	}
-	sort.Strings(ks)
-	return ks
 }

@@ -14,6 +14,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
@@ -106,6 +108,8 @@ type Daemon struct {
 	resMu  sync.Mutex // serialises writes of the reservations file
 	// hostAddrs lists the addresses the host holds (replaced in tests).
 	hostAddrs func() (map[netip.Addr]string, error)
+	// metrics is the daemon's Prometheus registry (metrics.go).
+	metrics *prometheus.Registry
 
 	mu     sync.Mutex
 	vms    map[string]*vmSession
@@ -172,6 +176,7 @@ func New(cfg Config) (*Daemon, error) {
 	keep.storeFabric(fab.sockets())
 	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{}, keep: keep,
 		budget: vdev.NewBudget(cfg.MemoryBudget, nil), locked: vdev.NewBudget(cfg.MaxLockedMemory, nil), owners: newGIDOwners(), hostAddrs: hostAddrs, access: access}
+	d.metrics = newMetricsRegistry(d)
 	d.adoptAddrs()
 	d.adoptReservations()
 	for _, vm := range cfg.VMs {
@@ -277,7 +282,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 		return err
 	}
 	ln = d.access.listener(ln, "control")
-	srv := &http.Server{Handler: ControlHandler(d), ReadHeaderTimeout: 5 * time.Second}
+	srv := &http.Server{Handler: controlHandler(d, d.log), ReadHeaderTimeout: 5 * time.Second}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	go d.checkpointCounters(ctx)
@@ -460,13 +465,7 @@ func (d *Daemon) hostHolds(a netip.Addr) (string, error) {
 
 // Status reports the daemon's state.
 func (d *Daemon) Status() Status {
-	d.mu.Lock()
-	vms := make([]*vmSession, 0, len(d.vms))
-	for _, s := range d.vms {
-		vms = append(vms, s)
-	}
-	d.mu.Unlock()
-	sort.Slice(vms, func(i, j int) bool { return vms[i].name < vms[j].name })
+	vms := d.sessions()
 	st := Status{Transport: d.cfg.Fabric.Transport(), SocketDir: d.cfg.SocketDir, Fabric: d.fabric.status(), Counters: d.fabric.counters()}
 	if st.Counters == nil {
 		st.Counters = map[string]uint64{}
@@ -480,6 +479,18 @@ func (d *Daemon) Status() Status {
 		st.Handover = &h
 	}
 	return st
+}
+
+// sessions returns the registered VMs, by name.
+func (d *Daemon) sessions() []*vmSession {
+	d.mu.Lock()
+	vms := make([]*vmSession, 0, len(d.vms))
+	for _, s := range d.vms {
+		vms = append(vms, s)
+	}
+	d.mu.Unlock()
+	sort.Slice(vms, func(i, j int) bool { return vms[i].name < vms[j].name })
+	return vms
 }
 
 // SocketPath returns the vfio-user socket of a registered VM.

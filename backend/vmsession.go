@@ -188,6 +188,8 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		Memory: h.Memory, Verbs: verbs, IRQ: irq, MAC: mac, Limits: s.d.cfg.Limits, Budget: s.d.budget, Logger: h.Logger,
 		OnGID:    func(index int, e hostverbs.GIDEntry, bound bool) { s.gidChanged(c, index, e, bound) },
 		CheckGID: func(index int, e hostverbs.GIDEntry) error { return s.checkGID(c, e) },
+		// The histograms of GET /metrics (metrics.go).
+		Distributions: true,
 	}
 	var dev *vdev.Device
 	if c.keeper != nil {

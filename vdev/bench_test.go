@@ -1,6 +1,7 @@
 package vdev
 
 import (
+	"slices"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -82,38 +83,102 @@ func BenchmarkPollDoorbell(b *testing.B) {
 // provider completes it at once, and the device writes the CQE into the
 // guest's CQ ring, which the guest then consumes. The provider here does no
 // work, so this is vdev's own cost; the guest side is a few stores.
-func BenchmarkDoorbellToCQE(b *testing.B) {
-	u := newUserRC(b)
-	u.fv.autoComplete = true
-	g, q, cq := u.g, u.qp, u.scq
-	var w [SQWQEHdrSize + SGESize]byte
-	h := wqe(hostverbs.WRSend, 0, hostverbs.SendSignaled)
-	h.NumSGE = 1
-	h.Encode(w[:])
-	u.sge(0, 4096).Encode(w[SQWQEHdrSize:])
-	var db [4]byte
-	putLE32(db[:], UARQPSend|q.handle)
-	dbOff := uint64(q.uar)*UARPageSize + UARQPOffset
-	sqState, cqState := q.sqState(), cq.pages[0]+8
+func BenchmarkDoorbellToCQE(b *testing.B) { benchDoorbellToCQE(b, false) }
+
+// BenchmarkDoorbellToCQEMetrics is BenchmarkDoorbellToCQE with the
+// device's distributions on (Config.Distributions, as the daemon runs
+// it): per WQE two clock reads and two observations, the cost metrics.go
+// adds to the send path. Compare the two in alternating runs.
+func BenchmarkDoorbellToCQEMetrics(b *testing.B) { benchDoorbellToCQE(b, true) }
+
+func benchDoorbellToCQE(b *testing.B, metrics bool) {
+	l := newSendLoop(b, metrics)
 	b.ReportAllocs()
 	b.ResetTimer()
-	for i := 0; i < b.N; i++ {
-		tail := g.u32(sqState)
-		copy(g.raw[q.sqWQE(tail):], w[:])
-		g.put32(sqState, drvInc(tail, q.sendWR))
-		if err := g.dev.WriteBAR(UARBAR, dbOff, db[:]); err != nil {
-			b.Fatal(err)
-		}
-		head := g.u32(cqState + 4)
-		if g.u32(cqState) == head {
-			b.Fatalf("no CQE for WQE %d", i)
-		}
-		g.put32(cqState+4, drvInc(head, cq.n))
-	}
+	l.run(b.N)
 	b.StopTimer()
+	if metrics {
+		if n := l.u.g.dev.Distributions().SendLatency.Count(); n != uint64(b.N) {
+			b.Errorf("%d latency samples for %d WQEs", n, b.N)
+		}
+	}
 	per := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
 	b.ReportMetric(per/socketRTT(b), "x_socket_rtt")
 	b.ReportMetric(per/memcpyNS(), "x_memcpy")
+}
+
+// BenchmarkDistributionsAB measures what the distributions cost per send
+// WQE on a loaded machine: two devices, one with them and one without,
+// run BenchmarkDoorbellToCQE's loop in alternating bursts of
+// abBurst WQEs (b.N pairs), so that each pair of bursts shares the
+// machine's load of the moment; it reports the median of the pairs'
+// ratios (with/without) and of their differences per WQE.
+func BenchmarkDistributionsAB(b *testing.B) {
+	const abBurst = 2000
+	off, on := newSendLoop(b, false), newSendLoop(b, true)
+	ratios, extra := make([]float64, 0, b.N), make([]float64, 0, b.N)
+	b.ResetTimer()
+	for range b.N {
+		t0 := nanotime()
+		off.run(abBurst)
+		t1 := nanotime()
+		on.run(abBurst)
+		t2 := nanotime()
+		ratios = append(ratios, float64(t2-t1)/float64(t1-t0))
+		extra = append(extra, float64((t2-t1)-(t1-t0))/abBurst)
+	}
+	b.StopTimer()
+	slices.Sort(ratios)
+	slices.Sort(extra)
+	b.ReportMetric(ratios[len(ratios)/2], "on/off")
+	b.ReportMetric(extra[len(extra)/2], "extra_ns/wqe")
+}
+
+// sendLoop is BenchmarkDoorbellToCQE's guest: one signaled SEND WQE per
+// SQ doorbell, its CQE consumed at once (the fake provider completes in
+// PostSend).
+type sendLoop struct {
+	tb               testing.TB
+	u                *userRC
+	w                [SQWQEHdrSize + SGESize]byte
+	db               [4]byte
+	dbOff            uint64
+	sqState, cqState uint64
+}
+
+func newSendLoop(tb testing.TB, metrics bool) *sendLoop {
+	u := newUserRC(tb)
+	u.fv.autoComplete = true
+	if metrics {
+		u.g.dev.dist = newDistributions()
+	}
+	l := &sendLoop{tb: tb, u: u}
+	h := wqe(hostverbs.WRSend, 0, hostverbs.SendSignaled)
+	h.NumSGE = 1
+	h.Encode(l.w[:])
+	u.sge(0, 4096).Encode(l.w[SQWQEHdrSize:])
+	putLE32(l.db[:], UARQPSend|u.qp.handle)
+	l.dbOff = uint64(u.qp.uar)*UARPageSize + UARQPOffset
+	l.sqState, l.cqState = u.qp.sqState(), u.scq.pages[0]+8
+	return l
+}
+
+// run posts n WQEs, one doorbell each, and consumes their CQEs.
+func (l *sendLoop) run(n int) {
+	g, q, cq := l.u.g, l.u.qp, l.u.scq
+	for i := 0; i < n; i++ {
+		tail := g.u32(l.sqState)
+		copy(g.raw[q.sqWQE(tail):], l.w[:])
+		g.put32(l.sqState, drvInc(tail, q.sendWR))
+		if err := g.dev.WriteBAR(UARBAR, l.dbOff, l.db[:]); err != nil {
+			l.tb.Fatal(err)
+		}
+		head := g.u32(l.cqState + 4)
+		if g.u32(l.cqState) == head {
+			l.tb.Fatalf("no CQE for WQE %d", i)
+		}
+		g.put32(l.cqState+4, drvInc(head, cq.n))
+	}
 }
 
 // BenchmarkRecvDoorbell is the cost per receive WQE (RECV doorbell ->

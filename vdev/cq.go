@@ -209,7 +209,7 @@ func (c *cq) Complete(wc *hostverbs.WorkCompletion) {
 		d.stats.staleCompletions.Add(1)
 		d.lim.Debug("wc-unknown", "pvrdma: completion for no WQE the provider holds", "qp", q.handle, "wr_id", wc.WRID)
 	case w == nil:
-		c.put(q, wc, nil, 0) // an SRQ receive: the guest's wr_id, its ring released at post
+		c.put(q, wc, nil, 0, 0) // an SRQ receive: the guest's wr_id, its ring released at post
 	default:
 		w.complete(q, idx, wc)
 	}
@@ -253,7 +253,7 @@ func (q *qp) route(c *cq, wc *hostverbs.WorkCompletion) (*workQueue, uint32, boo
 func (c *cq) putSlot(q *qp, w *workQueue, s *wqSlot, upTo uint32) {
 	c.wc = hostverbs.WorkCompletion{WRID: s.wrid, Status: s.status, Opcode: s.op, QPN: q.hv.QPN(),
 		QPContext: q.context(), Port: portNum}
-	c.put(q, &c.wc, w, upTo)
+	c.put(q, &c.wc, w, upTo, s.at)
 }
 
 // put writes wc as the guest's next CQE. The WQE it completes is released
@@ -264,8 +264,9 @@ func (c *cq) putSlot(q *qp, w *workQueue, s *wqSlot, upTo uint32) {
 // that cannot be written (a full or corrupted CQ: IBA's CQ overflow; the
 // CQ then takes no more and the guest gets a CQ error event, never a
 // block) is dropped, and its WQE released all the same. w is nil for SRQ
-// receives. c.mu held.
-func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32) {
+// receives. at is the WQE's latency stamp (wqSlot.at), observed once the
+// CQE is published. c.mu held.
+func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32, at int64) {
 	d := c.dev
 	if c.overflowed || c.ring == nil { // c.ring nil: a CQ a restore could not rebuild (lost)
 		if w != nil {
@@ -310,6 +311,7 @@ func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32)
 		return
 	}
 	d.stats.completions.Add(1)
+	d.observeSend(at)
 	switch {
 	case c.armed == armNext:
 		c.notifyDue = true

@@ -113,6 +113,11 @@ type Config struct {
 	// Checkpoint compacts. The record is the callee's to keep, not to
 	// modify; the sink must not block for long nor call into the device.
 	Journal func(rec []byte)
+	// Distributions turns on the device's distributions: the latency
+	// from a send WQE's doorbell to its CQE and the send queue's depth at
+	// each SQ doorbell (Device.Distributions, metrics.go). They cost per
+	// send doorbell and per send CQE a clock read and two atomic adds.
+	Distributions bool
 }
 
 // Errors of the device (wrapped with context; the guest sees errnos).
@@ -189,6 +194,8 @@ type Device struct {
 	limits   Limits
 	caps     Caps
 	stats    counters
+	// dist is what the device measures (Config.Distributions; nil: off).
+	dist *distributions
 
 	// Interrupt state, touched from any goroutine.
 	icr atomic.Uint32
@@ -281,6 +288,9 @@ func New(cfg Config) (*Device, error) {
 		log: log, lim: ratelog.New(log, 0), mem: cfg.Memory, verbs: cfg.Verbs, irq: cfg.IRQ, onGID: cfg.OnGID, checkGID: cfg.CheckGID,
 		journal: cfg.Journal, mac: cfg.MAC, limits: cfg.Limits.withDefaults(),
 	}
+	if cfg.Distributions {
+		d.dist = newDistributions()
+	}
 	d.heap = NewBudget(d.limits.MaxBytes, cfg.Budget)
 	// PVRDMA reads rings and buffers in place: guest RAM that QEMU maps
 	// without an fd is refused with an error naming the QEMU options.
@@ -366,7 +376,7 @@ func (d *Device) KickQueues() {
 	d.resumeTransportsLocked()
 	d.qps.each(func(_ uint32, q *qp) {
 		d.postRecvs(q)
-		d.postSends(q)
+		d.postSends(q, false)
 	})
 	d.srqs.each(func(_ uint32, s *srq) { d.postSRQ(s) })
 }

@@ -296,7 +296,7 @@ func (d *Device) cmdModifyQP(req, resp []byte) error {
 		// Whatever is still in the rings completes with WR_FLUSH_ERR (rping
 		// and RDMA-CM wait for it before they exit).
 		d.unstall(q)
-		d.postSends(q)
+		d.postSends(q, false)
 		d.postRecvs(q)
 	}
 	return nil

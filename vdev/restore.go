@@ -824,7 +824,7 @@ func (rp *replayer) finish() {
 		}
 		d.postRecvs(q)
 		if st := q.State(); st >= hostverbs.QPStateRTS {
-			d.postSends(q)
+			d.postSends(q, false)
 		}
 	})
 	d.srqs.each(func(_ uint32, s *srq) {

@@ -16,7 +16,7 @@ func (d *Device) postRecvs(q *qp) {
 	if q.rq == nil || q.stalledRQ || q.State() == hostverbs.QPStateReset {
 		return
 	}
-	n, err := q.rq.pending()
+	n, _, err := q.rq.pending()
 	if err != nil {
 		d.qpFatal(q, err)
 		return

@@ -56,20 +56,37 @@ const maxMsgSize = 1 << 31
 // local operation). Either way only the ring's posted cursor moves; the
 // WQE's slot is released when it completes (workQueue). If the provider's
 // queue is full the rest stays in the ring until a CQ doorbell retries.
-func (d *Device) postSends(q *qp) {
-	if q.stalledSQ {
+// doorbell says whether the guest rang the SQ doorbell (rather than the
+// device resuming or flushing the queue): only then is the queue's depth
+// observed (metrics.go).
+func (d *Device) postSends(q *qp, doorbell bool) {
+	w := q.sq
+	sample := doorbell && d.dist != nil
+	if q.stalledSQ && !sample {
 		return // a CQ doorbell will resume in order
 	}
-	n, err := q.sq.pending()
+	n, depth, err := w.pending()
+	if sample && err == nil {
+		d.observeDepth(depth)
+	}
+	if q.stalledSQ {
+		return
+	}
 	if err != nil {
 		d.qpFatal(q, err)
 		return
 	}
+	w.at = d.sendStamp(w)
 	for ; n > 0; n-- {
 		if !d.sendOne(q, n == 1) {
 			break
 		}
 	}
+	w.waiting = 0
+	if q.stalledSQ {
+		w.waiting = w.at // what the stall left waits since this pass
+	}
+	w.at = 0
 	if q.State() == hostverbs.QPStateErr && q.rq != nil && !q.stalledRQ {
 		d.postRecvs(q) // a bad WQE moved the QP to ERR: flush the RQ too
 	}

@@ -25,7 +25,7 @@ func (d *Device) doorbell(off uint64, v uint32) {
 			d.postRecvs(q)
 		}
 		if v&UARQPSend != 0 {
-			d.postSends(q)
+			d.postSends(q, true)
 		}
 	case UARCQOffset:
 		if v&UARCQPoll != 0 {
@@ -97,7 +97,7 @@ func (d *Device) resumeStalled() {
 		if q.stalledSQ {
 			q.stalledSQ = false
 			d.stalled--
-			d.postSends(q)
+			d.postSends(q, false)
 		}
 	})
 	d.srqs.each(func(_ uint32, s *srq) {

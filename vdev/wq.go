@@ -53,6 +53,11 @@ type workQueue struct {
 	done  int // slots in state slotDone
 	epoch uint32
 	recv  bool
+	// at is the latency stamp of the doorbell pass in progress over a
+	// send queue, which post and finish give the WQEs they take (0:
+	// none); waiting the stamp of the pass that left WQEs in the ring
+	// stalled (metrics.go). Both belong to the BAR goroutine.
+	at, waiting int64
 }
 
 // wqSlot is what the device keeps of one WQE between posting and
@@ -69,6 +74,9 @@ type wqSlot struct {
 	// signaled: slotPosted: the provider reports the WQE's success too
 	// (report, or signaled for the device's own sake).
 	signaled bool
+	// at is the latency stamp of the doorbell pass that took a send WQE
+	// (the device's clock, metrics.go; 0: not timed).
+	at int64
 }
 
 // Slot states.
@@ -92,7 +100,7 @@ const (
 )
 
 // costWQESlot is what a wqSlot costs the VM's budget, per WQE.
-const costWQESlot = 16
+const costWQESlot = 24
 
 func newWorkQueue(c *cq, ring *ringbuf.Consumer, recv bool) *workQueue {
 	return &workQueue{cq: c, ring: ring, slots: make([]wqSlot, ring.Len()), recv: recv}
@@ -123,11 +131,14 @@ func (w *workQueue) owns(wrid uint64) (uint32, bool) {
 	return idx, true
 }
 
-// pending returns how many WQEs wait to be posted (prod_tail - posted).
-func (w *workQueue) pending() (uint32, error) {
+// pending returns how many WQEs wait to be posted (prod_tail - posted)
+// and the queue's depth, the WQEs posted and not completed (prod_tail -
+// cons_head).
+func (w *workQueue) pending() (n, depth uint32, err error) {
 	w.cq.mu.Lock()
 	defer w.cq.mu.Unlock()
-	return w.ring.Pending()
+	n, err = w.ring.Pending()
+	return n, n + w.ring.Outstanding(), err
 }
 
 // next returns the address of the WQE to post next.
@@ -144,7 +155,7 @@ func (w *workQueue) post(wrid uint64, op hostverbs.WCOpcode, report, signaled bo
 	if err := w.ring.Take(); err != nil {
 		return 0, err
 	}
-	w.slots[w.ring.Geometry().Slot(idx)] = wqSlot{wrid: wrid, op: op, state: slotPosted, report: report, signaled: signaled}
+	w.slots[w.ring.Geometry().Slot(idx)] = wqSlot{wrid: wrid, op: op, state: slotPosted, report: report, signaled: signaled, at: w.at}
 	return w.providerWRID(idx), nil
 }
 
@@ -168,6 +179,7 @@ func (w *workQueue) reset(adopt bool) error {
 	w.epoch = (w.epoch + 1) & wridEpochMask
 	clear(w.slots)
 	w.done = 0
+	w.waiting = 0
 	if adopt {
 		return w.ring.Adopt()
 	}
@@ -213,7 +225,7 @@ func (w *workQueue) complete(q *qp, idx uint32, wc *hostverbs.WorkCompletion) {
 		if wc.Status != hostverbs.WCSuccess {
 			c.wc.Opcode = s.op
 		}
-		c.put(q, &c.wc, w, i)
+		c.put(q, &c.wc, w, i, s.at)
 	}
 	w.drain(q, i)
 }
@@ -264,7 +276,7 @@ func (d *Device) finish(q *qp, w *workQueue, wrid uint64, op hostverbs.WCOpcode,
 		d.qpFatal(q, err)
 		return false
 	}
-	w.slots[w.ring.Geometry().Slot(idx)] = wqSlot{wrid: wrid, op: op, status: st, state: slotDone, report: cqe}
+	w.slots[w.ring.Geometry().Slot(idx)] = wqSlot{wrid: wrid, op: op, status: st, state: slotDone, report: cqe, at: w.at}
 	w.done++
 	w.drain(q, w.ring.HeadIndex())
 	c.unlock()

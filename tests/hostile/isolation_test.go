@@ -8,7 +8,6 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
-	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -223,13 +222,6 @@ func hostIPv4(t *testing.T) (netip.Addr, netip.Addr) {
 	}
 	t.Cleanup(func() { _ = exec.Command("ip", "link", "del", dev).Run() })
 	return netip.MustParseAddr("10.254.77.1"), netip.MustParseAddr("10.254.77.255")
-}
-
-// metrics renders the daemon's Prometheus exposition.
-func (e *env) metrics() string {
-	var b strings.Builder
-	backend.WriteMetrics(&b, e.d.Status())
-	return b.String()
 }
 
 // countingHandler counts every record at every level (so that debug
