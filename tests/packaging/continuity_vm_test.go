@@ -293,7 +293,7 @@ func upgradeScenario(self, peer string, server bool) string {
 	run("pingpong", "ibv_rc_pingpong -d $dev -g $g -n 30000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 30000 -s 4096 -c $peer")
 	run("write_bw", "ib_write_bw -d $dev -x $g -F -D 20 -s 65536", "ib_write_bw -d $dev -x $g -F -D 20 -s 65536 $peer")
 	// 16 RC QPs on one SRQ a side: the SRQ's receives cross the hand-over.
-	run("srq", "ibv_srq_pingpong -d $dev -g $g -n 5000 -s 4096", "ibv_srq_pingpong -d $dev -g $g -n 5000 -s 4096 $peer")
+	run("srq", "ibv_srq_pingpong -d $dev -g $g -n 10000 -s 4096", "ibv_srq_pingpong -d $dev -g $g -n 10000 -s 4096 $peer")
 	run("rping", "rping -s -a $self -C 3000 -v", "rping -c -a $peer -C 3000 -v")
 	b.WriteString("echo '=== end'\n")
 	return b.String()
@@ -377,7 +377,24 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 		require.Eventually(t, func() bool {
 			return strings.Contains(vms[0].Output(), mark) && strings.Contains(vms[1].Output(), mark)
 		}, 5*time.Minute, 100*time.Millisecond, "%s never started", step)
-		time.Sleep(3 * time.Second) // connected and running
+		// Connected and running: the guests' sends flow (the tools'
+		// own output is buffered until they exit).
+		sends := func() uint64 {
+			var n uint64
+			if st, err := ctl.Status(ctx); err == nil {
+				for _, v := range st.VMs {
+					n += v.Counters["send_wqes"]
+				}
+			}
+			return n
+		}
+		last := sends()
+		require.Eventually(t, func() bool {
+			n := sends()
+			flowing := n > last
+			last = n
+			return flowing
+		}, 2*time.Minute, 300*time.Millisecond, "%s: no sends", step)
 	}
 	during("pingpong")
 	upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
