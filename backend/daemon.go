@@ -38,8 +38,10 @@ type Config struct {
 	// VMs are registered at start.
 	VMs []VMRequest
 	// GIDAllow is the allow list of GID prefixes for VMs registered without
-	// their own (VMRequest.GIDAllow); nil means DefaultGIDAllow, an empty
-	// list allows each VM only its own link-local GID.
+	// their own (VMRequest.GIDAllow): the fabric's pool. nil means, in IP
+	// mode (a fabric netdev: guests' GIDs become host addresses), an empty
+	// list, and otherwise DefaultGIDAllow; an empty list allows each VM
+	// only its own link-local GID.
 	GIDAllow []netip.Prefix
 	// GIDBindBurst and GIDBindRate meter each VM's GID binds (a token
 	// bucket: so many at once, then so many a second); 0 means the
@@ -154,6 +156,13 @@ func New(cfg Config) (*Daemon, error) {
 	}
 	if cfg.GIDBindRate <= 0 {
 		cfg.GIDBindRate = gidBindRate
+	}
+	if cfg.GIDAllow == nil && cfg.Fabric.ipMode() {
+		// Addresses are assigned, not claimed: in IP mode a guest's GID
+		// becomes a host address, so without a declared pool a VM has
+		// only its own link-local GID (issue 23).
+		cfg.GIDAllow = []netip.Prefix{}
+		cfg.Logger.Info("IP mode without a declared GID pool: VMs registered without their own gid-allow bind only their link-local GID; declare the fabric's addresses with --gid-allow (or per VM, --vm NAME,gid-allow=PREFIX)")
 	}
 	if cfg.GIDAllow == nil {
 		def, err := ParseGIDAllow(DefaultGIDAllow)

@@ -95,7 +95,9 @@ func TestAddrManagerAddsRefcountsAndRemoves(t *testing.T) {
 // directly; nil (and a test error) if the daemon could not start.
 func ipModeVM(t *testing.T) (*Daemon, *vmSession, *vmConn) {
 	t.Helper()
-	d, err := New(Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"},
+	pool, err := ParseGIDAllow(DefaultGIDAllow) // the fabric's declared pool
+	require.NoError(t, err)
+	d, err := New(Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"}, GIDAllow: pool,
 		VMs: []VMRequest{{Name: "vm1"}}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
 	if !assert.NoError(t, err) {
 		return nil, nil, nil
@@ -307,5 +309,32 @@ func TestAddrManagerAdopt(t *testing.T) {
 		}
 		assert.Equal(t, []string{"10.77.0.1"}, left)
 		require.NoError(t, n.Close())
+	})
+}
+
+// TestIPModeAssignsNoAddressByDefault: in IP mode, where a guest's GID
+// becomes a host address, a VM registered without its own gid-allow on a
+// daemon with no declared pool may bind only its own link-local GID (issue
+// 23: addresses are assigned, not claimed); its registration's gid-allow
+// assigns it addresses.
+func TestIPModeAssignsNoAddressByDefault(t *testing.T) {
+	inNewNetns(t, func() {
+		require.NoError(t, netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}))
+		d, err := New(Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"},
+			VMs:    []VMRequest{{Name: "vm1"}, {Name: "vm2", GIDAllow: []string{"10.80.0.0/24"}}},
+			Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		require.NoError(t, err)
+		defer d.close()
+		bind := func(vm, a string) error {
+			return d.vms[vm].checkGID(&vmConn{gids: map[int]hostverbs.GIDEntry{}},
+				hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr(a)), Type: hostverbs.GIDTypeRoCEv2})
+		}
+		err = bind("vm1", "10.80.0.5")
+		require.ErrorIs(t, err, ErrGIDRefused)
+		assert.ErrorContains(t, err, "assigned no addresses")
+		own := linkLocalGID(DefaultMAC("vm1")).String()
+		require.NoError(t, bind("vm1", own), "its own link-local GID")
+		require.NoError(t, bind("vm2", "10.80.0.6"), "an address its registration assigns")
+		require.ErrorIs(t, bind("vm2", "10.81.0.6"), ErrGIDRefused, "and no other")
 	})
 }

@@ -28,8 +28,9 @@ import (
 //     and guest reboots.
 
 // DefaultGIDAllow is the allow list of VMs registered without one when the
-// daemon is not given another: the IPv4 private ranges and IPv6 unique
-// local addresses. A guest can then never claim a public address; within
+// daemon is not given another and is not in IP mode (where the default is
+// none: Config.GIDAllow): the IPv4 private ranges and IPv6 unique local
+// addresses. A guest can then never claim a public address; within
 // these ranges, operators running several tenants narrow each VM's list.
 const DefaultGIDAllow = "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7"
 
@@ -180,6 +181,9 @@ func (p gidPolicy) check(a netip.Addr) error {
 		if pf.Contains(a) {
 			return nil
 		}
+	}
+	if len(p.allow) == 0 {
+		return fmt.Errorf("%v: the VM is assigned no addresses (register it with gid-allow=PREFIX, or declare the fabric's pool with --gid-allow): %w", a, ErrGIDRefused)
 	}
 	return fmt.Errorf("%v: outside the VM's allowed prefixes %v: %w", a, FormatGIDAllow(p.allow), ErrGIDRefused)
 }

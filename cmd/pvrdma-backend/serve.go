@@ -75,8 +75,8 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	createRXE := fs.String("create-rxe", "", "ibverbs: create a Soft-RoCE link over this netdev (rdma link add rxe_NETDEV type rxe netdev NETDEV), relay to it, remove it at shutdown")
 	var vms vmList
 	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC, optionally followed by ,gid-allow=PREFIX (its own GID allow list; both repeatable), ,mem=SIZE and ,roce=v1|v2")
-	gidAllow := fs.String("gid-allow", backend.DefaultGIDAllow,
-		"GID prefixes (CIDR, comma-separated; \"none\": only each VM's own link-local GID) for VMs registered without their own gid-allow")
+	gidAllow := fs.String("gid-allow", "",
+		"the fabric's GID pool: prefixes (CIDR, comma-separated; \"none\": only each VM's own link-local GID) VMs registered without their own gid-allow may bind (default: none in IP mode, where a guest's GID becomes a host address; else "+backend.DefaultGIDAllow+")")
 	lim := vdev.DefaultLimits()
 	fs.IntVar(&lim.MaxQP, "max-qp", lim.MaxQP, "QPs per VM")
 	fs.IntVar(&lim.MaxCQ, "max-cq", lim.MaxCQ, "CQs per VM")
@@ -165,12 +165,14 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if lim.MaxBytes == 0 {
 		return errors.New("--vm-memory-budget must be above 0")
 	}
-	allow, err := backend.ParseGIDAllow(*gidAllow)
-	if err != nil {
-		return fmt.Errorf("--gid-allow: %w", err)
-	}
-	if allow == nil {
-		allow = []netip.Prefix{}
+	var allow []netip.Prefix // nil: the mode's default (backend.Config.GIDAllow)
+	if *gidAllow != "" {
+		if allow, err = backend.ParseGIDAllow(*gidAllow); err != nil {
+			return fmt.Errorf("--gid-allow: %w", err)
+		}
+		if allow == nil {
+			allow = []netip.Prefix{}
+		}
 	}
 	if maxLocked == 0 {
 		var si unix.Sysinfo_t

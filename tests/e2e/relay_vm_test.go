@@ -53,7 +53,7 @@ func TestRelayOverRxe(t *testing.T) {
 		Scenario: `
 modprobe crc32_generic
 modprobe rdma_rxe
-pvrdma-backend serve --transport ibverbs --create-rxe eth0 --socket-dir /run/pvrdma --vm peer > /tmp/daemon.log 2>&1 &
+pvrdma-backend serve --transport ibverbs --create-rxe eth0 --socket-dir /run/pvrdma --vm peer --gid-allow 10.77.0.0/24 > /tmp/daemon.log 2>&1 &
 daemon=$!
 i=0
 until [ -S /run/pvrdma/control.sock ]; do i=$((i+1)); [ $i -lt 100 ] || { cat /tmp/daemon.log; exit 1; }; sleep 0.1; done

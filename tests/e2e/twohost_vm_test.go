@@ -120,7 +120,8 @@ func daemonIn(t *testing.T, nw *vm.Network, fab backend.FabricConfig, names ...s
 func daemonProcessIn(t *testing.T, nw *vm.Network, bin, netdev string, names ...string) string {
 	t.Helper()
 	dir := t.TempDir()
-	args := []string{"--net=" + nw.NSPath(), bin, "serve", "--socket-dir", dir, "--keep-state", "--fabric-netdev", netdev}
+	args := []string{"--net=" + nw.NSPath(), bin, "serve", "--socket-dir", dir, "--keep-state", "--fabric-netdev", netdev,
+		"--gid-allow", "10.77.0.0/24"} // the fabric's pool (IP mode assigns none by default)
 	for _, n := range names {
 		args = append(args, "--vm", n)
 	}

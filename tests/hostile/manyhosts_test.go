@@ -226,7 +226,8 @@ func newRoutedHosts(tb testing.TB) *hostsNet {
 	tb.Helper()
 	needNetns(tb)
 	seq := netSeq.Add(1)
-	n := &hostsNet{args: []string{"--fabric-netdev", "up0"}, wantMTU: routedRoCEMTU,
+	// The fabric's pool: IP mode assigns guests no address without one.
+	n := &hostsNet{args: []string{"--fabric-netdev", "up0", "--gid-allow", "10.212.0.0/16"}, wantMTU: routedRoCEMTU,
 		router: netnsName(fmt.Sprintf("m%d-r", seq))}
 	n.gid = func(h, v int) netip.Addr { return routedAddr(h/hostsPerSubnet, 10*(h+1)+v+1) }
 	newNetns(tb, n.router)

@@ -67,6 +67,7 @@ func TestRelayPingPong(t *testing.T) {
 	} else {
 		e = newEnvConfig(t, vdev.Limits{}, testLogger(t), func(c *backend.Config) {
 			c.Fabric = backend.FabricConfig{CreateRXE: netdev}
+			c.GIDAllow = []netip.Prefix{netip.PrefixFrom(netip.MustParseAddr(gidIP), 32)} // the pool
 		})
 	}
 	st := e.status()

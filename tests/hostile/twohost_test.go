@@ -121,7 +121,7 @@ func TestUpgradeKeepsRemotePeer(t *testing.T) {
 	var eps [2]*endpoint
 	for i := range 2 {
 		dir := serveProcess(t, []string{names[i]}, daemonOpts{bin: bin, netns: hosts.ns[i],
-			args: []string{"--fabric-netdev", hosts.dev[i]}})
+			args: []string{"--fabric-netdev", hosts.dev[i], "--gid-allow", "10.211.0.0/24"}})
 		envs[i] = externalEnv(t, dir)
 		eps[i] = envs[i].endpointGID(names[i], gidV4(gids[i]))
 	}
