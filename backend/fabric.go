@@ -9,7 +9,10 @@ import (
 	"log/slog"
 	"os"
 	"sort"
+	"sync/atomic"
 	"time"
+
+	"github.com/vishvananda/netlink"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/ibverbs"
@@ -27,6 +30,10 @@ type fabric struct {
 	handover handoverWire      // the wire whose sockets a successor inherits (UDP or packet wire)
 	rxe      string            // the rxe link the daemon created (removed at close)
 	log      *slog.Logger
+	// mtuChanges counts changes of the fabric device's MTU since start
+	// (watchMTU); stopWatch ends the watch.
+	mtuChanges atomic.Uint64
+	stopWatch  chan struct{}
 }
 
 // FabricConfig selects the fabric attachment.
@@ -172,7 +179,41 @@ func newFabric(cfg FabricConfig, inherit []*os.File, log *slog.Logger) (*fabric,
 		return nil, fmt.Errorf("fabric: %w", err)
 	}
 	f.soft, f.provider = sf, sf
+	if dev := cfg.Netdev + cfg.Bridge; dev != "" && scfg.LinkMTU != 0 {
+		f.watchMTU(dev, scfg.LinkMTU)
+	}
 	return f, nil
+}
+
+// watchMTU warns when the fabric device's MTU changes from mtu, the one
+// the ports' active MTU was derived from at start: a smaller one drops
+// every frame above it (tx_drop_oversize), a larger one goes unused,
+// until the daemon is restarted or upgraded. It runs until close.
+func (f *fabric) watchMTU(dev string, mtu int) {
+	link, err := netlink.LinkByName(dev)
+	if err != nil {
+		return
+	}
+	updates := make(chan netlink.LinkUpdate, 16)
+	f.stopWatch = make(chan struct{})
+	if err := netlink.LinkSubscribeWithOptions(updates, f.stopWatch, netlink.LinkSubscribeOptions{}); err != nil {
+		f.log.Warn("cannot watch the fabric device's MTU", "dev", dev, "err", err)
+		return
+	}
+	index := link.Attrs().Index
+	go func() {
+		last := mtu
+		for u := range updates {
+			if int(u.Index) != index || u.Attrs() == nil || u.Attrs().MTU == last || u.Attrs().MTU == 0 {
+				continue
+			}
+			last = u.Attrs().MTU
+			f.mtuChanges.Add(1)
+			f.log.Warn("the fabric device's MTU changed since the daemon started: the ports keep the active MTU derived from the old one, "+
+				"so frames above the new MTU are dropped (tx_drop_oversize); keep the MTU fixed, or restart or upgrade the daemon to take the new one",
+				"dev", dev, "mtu_at_start", mtu, "mtu", last)
+		}
+	}()
 }
 
 // newRelayFabric opens the host RDMA device (creating an rxe link first if
@@ -292,6 +333,9 @@ func (f *fabric) counters() map[string]uint64 {
 	if f.addrs != nil {
 		c["netdev_addr_changes"] = f.addrs.Changes()
 	}
+	if n := f.mtuChanges.Load(); n > 0 {
+		c["fabric_mtu_changes"] = n
+	}
 	if f.handover != nil {
 		c["wire_rx_sockets_inherited"] = uint64(f.handover.Adopted())
 	}
@@ -311,6 +355,9 @@ func (f *fabric) gidBound(e hostverbs.GIDEntry, bound bool) error {
 // close releases the fabric. keepAddrs leaves guests' GID addresses on
 // the netdev for the next daemon (continuity.go).
 func (f *fabric) close(keepAddrs bool) error {
+	if f.stopWatch != nil {
+		close(f.stopWatch)
+	}
 	err := f.provider.Close()
 	if f.addrs != nil && keepAddrs {
 		f.addrs.Leave()

@@ -338,3 +338,26 @@ func TestIPModeAssignsNoAddressByDefault(t *testing.T) {
 		require.ErrorIs(t, bind("vm2", "10.81.0.6"), ErrGIDRefused, "and no other")
 	})
 }
+
+// TestFabricMTUChangeCounted: the ports' active MTU comes from the fabric
+// device's MTU at start; a later change is said (a warning and the
+// fabric_mtu_changes counter) rather than left to show up as dropped
+// frames alone.
+func TestFabricMTUChangeCounted(t *testing.T) {
+	inNewNetns(t, func() {
+		require.NoError(t, netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}))
+		d, err := New(Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"},
+			Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		require.NoError(t, err)
+		defer d.close()
+		assert.Zero(t, d.Status().Counters["fabric_mtu_changes"])
+		link, err := netlink.LinkByName("fab0")
+		require.NoError(t, err)
+		require.NoError(t, netlink.LinkSetMTU(link, 1400))
+		require.Eventually(t, func() bool { return d.Status().Counters["fabric_mtu_changes"] == 1 },
+			10*time.Second, 10*time.Millisecond, "the change is counted")
+		require.NoError(t, netlink.LinkSetUp(link)) // not an MTU change
+		time.Sleep(50 * time.Millisecond)
+		assert.Equal(t, uint64(1), d.Status().Counters["fabric_mtu_changes"])
+	})
+}
