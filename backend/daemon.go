@@ -107,7 +107,9 @@ type Daemon struct {
 	// owners reserves GIDs to VMs from their first bind until they are
 	// unregistered.
 	owners *gidOwners
-	resMu  sync.Mutex // serialises writes of the reservations file
+	// poolDefaulted: IP mode without a declared pool (Config.GIDAllow).
+	poolDefaulted bool
+	resMu         sync.Mutex // serialises writes of the reservations file
 	// hostAddrs lists the addresses the host holds (replaced in tests).
 	hostAddrs func() (map[netip.Addr]string, error)
 	// metrics is the daemon's Prometheus registry (metrics.go).
@@ -157,11 +159,12 @@ func New(cfg Config) (*Daemon, error) {
 	if cfg.GIDBindRate <= 0 {
 		cfg.GIDBindRate = gidBindRate
 	}
+	poolDefaulted := false
 	if cfg.GIDAllow == nil && cfg.Fabric.ipMode() {
 		// Addresses are assigned, not claimed: in IP mode a guest's GID
 		// becomes a host address, so without a declared pool a VM has
 		// only its own link-local GID (issue 23).
-		cfg.GIDAllow = []netip.Prefix{}
+		cfg.GIDAllow, poolDefaulted = []netip.Prefix{}, true
 		cfg.Logger.Info("IP mode without a declared GID pool: VMs registered without their own gid-allow bind only their link-local GID; declare the fabric's addresses with --gid-allow (or per VM, --vm NAME,gid-allow=PREFIX)")
 	}
 	if cfg.GIDAllow == nil {
@@ -184,7 +187,8 @@ func New(cfg Config) (*Daemon, error) {
 	}
 	keep.storeFabric(fab.sockets())
 	d := &Daemon{cfg: cfg, log: cfg.Logger, fabric: fab, vms: map[string]*vmSession{}, keep: keep,
-		budget: vdev.NewBudget(cfg.MemoryBudget, nil), locked: vdev.NewBudget(cfg.MaxLockedMemory, nil), owners: newGIDOwners(), hostAddrs: hostAddrs, access: access}
+		budget: vdev.NewBudget(cfg.MemoryBudget, nil), locked: vdev.NewBudget(cfg.MaxLockedMemory, nil), owners: newGIDOwners(), hostAddrs: hostAddrs, access: access,
+		poolDefaulted: poolDefaulted}
 	d.metrics = newMetricsRegistry(d)
 	d.adoptAddrs()
 	d.adoptReservations()
@@ -392,10 +396,14 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if err := d.cfg.Fabric.checkRoCEMode(mode); err != nil {
 		return VMStatus{}, fmt.Errorf("VM %s: %w", req.Name, err)
 	}
+	defaulted := false
 	if allow == nil {
-		allow = d.cfg.GIDAllow
+		allow, defaulted = d.cfg.GIDAllow, d.poolDefaulted
 	}
-	pol := gidPolicy{allow: allow, linkLocal: linkLocalGID(mac)}
+	// A VM on the IP-mode default (no pool declared) keeps the GIDs it
+	// had reserved under an earlier daemon's default: an upgrade must not
+	// take a running guest's addresses away.
+	pol := gidPolicy{allow: allow, linkLocal: linkLocalGID(mac), keepReserved: defaulted}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"runtime"
 	"syscall"
 	"testing"
@@ -359,5 +360,37 @@ func TestFabricMTUChangeCounted(t *testing.T) {
 		require.NoError(t, netlink.LinkSetUp(link)) // not an MTU change
 		time.Sleep(50 * time.Millisecond)
 		assert.Equal(t, uint64(1), d.Status().Counters["fabric_mtu_changes"])
+	})
+}
+
+// TestIPModeDefaultKeepsReservedGIDs: a daemon started in IP mode without
+// a declared pool, taking over from one whose default let a VM reserve
+// 10.80.0.5 (an upgrade from before the IP-mode default), lets that VM
+// bind its reserved GID again (its running guest keeps its address) but
+// no other address; a VM with its own gid-allow gets nothing extra.
+func TestIPModeDefaultKeepsReservedGIDs(t *testing.T) {
+	inNewNetns(t, func() {
+		require.NoError(t, netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}))
+		dir := t.TempDir()
+		state := filepath.Join(dir, "state")
+		for vm, req := range map[string]string{"vm1": `{"name":"vm1"}`, "vm2": `{"name":"vm2","gid_allow":["10.81.0.0/24"]}`} {
+			require.NoError(t, os.MkdirAll(filepath.Join(state, vm), 0o700))
+			require.NoError(t, os.WriteFile(filepath.Join(state, vm, "vm.json"), []byte(req), 0o600))
+		}
+		require.NoError(t, os.WriteFile(filepath.Join(state, "reservations.json"),
+			[]byte(`{"vm1":["10.80.0.5"],"vm2":["10.80.0.9"]}`), 0o600))
+		d, err := New(Config{SocketDir: dir, KeepState: true, Fabric: FabricConfig{Netdev: "fab0"},
+			Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+		require.NoError(t, err)
+		defer d.close()
+		bind := func(vm, a string) error {
+			s, ok := d.vms[vm]
+			require.True(t, ok, "%s registered again", vm)
+			return s.checkGID(&vmConn{gids: map[int]hostverbs.GIDEntry{}},
+				hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr(a)), Type: hostverbs.GIDTypeRoCEv2})
+		}
+		require.NoError(t, bind("vm1", "10.80.0.5"), "its reserved GID")
+		require.ErrorIs(t, bind("vm1", "10.80.0.6"), ErrGIDRefused, "no other")
+		require.ErrorIs(t, bind("vm2", "10.80.0.9"), ErrGIDRefused, "its own gid-allow decides")
 	})
 }

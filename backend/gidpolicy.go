@@ -164,7 +164,14 @@ func linkLocalGID(mac net.HardwareAddr) netip.Addr {
 type gidPolicy struct {
 	allow     []netip.Prefix
 	linkLocal netip.Addr // the only fe80::/10 GID the VM may bind
+	// keepReserved: a GID outside allow that is reserved to the VM
+	// already is allowed (a VM on the IP-mode default, none, keeps what
+	// an earlier daemon's default let it reserve).
+	keepReserved bool
 }
+
+// errNotAssigned: a GID outside the VM's allowed prefixes.
+var errNotAssigned = errors.New("not assigned to the VM")
 
 // check applies the static rules and the allow list to a (unmapped).
 func (p gidPolicy) check(a netip.Addr) error {
@@ -183,9 +190,9 @@ func (p gidPolicy) check(a netip.Addr) error {
 		}
 	}
 	if len(p.allow) == 0 {
-		return fmt.Errorf("%v: the VM is assigned no addresses (register it with gid-allow=PREFIX, or declare the fabric's pool with --gid-allow): %w", a, ErrGIDRefused)
+		return fmt.Errorf("%v: the VM is assigned no addresses (register it with gid-allow=PREFIX, or declare the fabric's pool with --gid-allow): %w (%w)", a, ErrGIDRefused, errNotAssigned)
 	}
-	return fmt.Errorf("%v: outside the VM's allowed prefixes %v: %w", a, FormatGIDAllow(p.allow), ErrGIDRefused)
+	return fmt.Errorf("%v: outside the VM's allowed prefixes %v: %w (%w)", a, FormatGIDAllow(p.allow), ErrGIDRefused, errNotAssigned)
 }
 
 // Why the host's own addresses are refused (hostAddrs' values).
@@ -286,6 +293,14 @@ func (o *gidOwners) reserve(vm string, a netip.Addr, holding func(netip.Addr) bo
 	}
 	o.owner[a] = &gidReservation{vm: vm, used: o.seq}
 	return true, nil
+}
+
+// holds reports whether a is reserved to vm.
+func (o *gidOwners) holds(vm string, a netip.Addr) bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	r := o.owner[a]
+	return r != nil && r.vm == vm
 }
 
 // release frees every GID reserved to vm; it reports whether there were any.

@@ -382,6 +382,11 @@ func (s *vmSession) checkGID(c *vmConn, e hostverbs.GIDEntry) error {
 	// The static rules cost nothing; the rest lists the host's addresses
 	// (netlink) and may lead to a host address change, so it is metered.
 	err := s.policy.check(a)
+	if errors.Is(err, errNotAssigned) && s.policy.keepReserved && s.d.owners.holds(s.name, a) {
+		s.lim.Warn("gid-grandfathered", "GID kept: reserved to the VM before the IP-mode default (no addresses without a declared pool); declare it with --gid-allow or the VM's gid-allow",
+			"gid", a)
+		err = nil
+	}
 	if err == nil && !s.binds.Allow() {
 		err = fmt.Errorf("%v: more than %d GID binds at once or %v a second: %w (%w)", a, s.d.cfg.GIDBindBurst, s.d.cfg.GIDBindRate,
 			ErrGIDRefused, syscall.EAGAIN)
