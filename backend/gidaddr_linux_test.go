@@ -366,8 +366,9 @@ func TestFabricMTUChangeCounted(t *testing.T) {
 // TestIPModeDefaultKeepsReservedGIDs: a daemon started in IP mode without
 // a declared pool, taking over from one whose default let a VM reserve
 // 10.80.0.5 (an upgrade from before the IP-mode default), lets that VM
-// bind its reserved GID again (its running guest keeps its address) but
-// no other address; a VM with its own gid-allow gets nothing extra.
+// bind its reserved GID again (its running guest keeps its address), and
+// the GIDs its device journal binds again, but no other address; a VM
+// with its own gid-allow gets nothing extra.
 func TestIPModeDefaultKeepsReservedGIDs(t *testing.T) {
 	inNewNetns(t, func() {
 		require.NoError(t, netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}))
@@ -392,5 +393,19 @@ func TestIPModeDefaultKeepsReservedGIDs(t *testing.T) {
 		require.NoError(t, bind("vm1", "10.80.0.5"), "its reserved GID")
 		require.ErrorIs(t, bind("vm1", "10.80.0.6"), ErrGIDRefused, "no other")
 		require.ErrorIs(t, bind("vm2", "10.80.0.9"), ErrGIDRefused, "its own gid-allow decides")
+
+		// A predecessor without reservations.json (an older version): the
+		// binds its device journal replays are the VM's, and reserved.
+		replay := &vmConn{gids: map[int]hostverbs.GIDEntry{}}
+		replay.replaying.Store(true)
+		require.NoError(t, d.vms["vm1"].checkGID(replay,
+			hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr("10.80.0.7")), Type: hostverbs.GIDTypeRoCEv2}),
+			"a GID the journal binds again")
+		require.NoError(t, bind("vm1", "10.80.0.7"), "reserved from then on")
+		replay2 := &vmConn{gids: map[int]hostverbs.GIDEntry{}}
+		replay2.replaying.Store(true)
+		require.ErrorIs(t, d.vms["vm2"].checkGID(replay2,
+			hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr("10.80.0.8")), Type: hostverbs.GIDTypeRoCEv2}),
+			ErrGIDRefused, "a VM with its own gid-allow: its list decides, replay or not")
 	})
 }

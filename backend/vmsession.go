@@ -71,13 +71,15 @@ const reconnectWait = 2 * time.Second
 // vmConn is the device stack of one QEMU connection.
 type vmConn struct {
 	since time.Time
-	pid   int32 // the QEMU's process (SO_PEERCRED), 0 if unknown
-	mem   *guestmem.Memory
-	verbs hostverbs.Device
-	dev   *vdev.Device
-	fn    *pcidev.Function
-	irq   *fnIRQ
-	host  *vfiouser.Host
+	// replaying: the device is being rebuilt from its journal (checkGID).
+	replaying atomic.Bool
+	pid       int32 // the QEMU's process (SO_PEERCRED), 0 if unknown
+	mem       *guestmem.Memory
+	verbs     hostverbs.Device
+	dev       *vdev.Device
+	fn        *pcidev.Function
+	irq       *fnIRQ
+	host      *vfiouser.Host
 	// keeper keeps the connection beyond the process (nil: no store),
 	// journal the device's journal with it.
 	keeper  *connKeeper
@@ -201,7 +203,9 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		}
 	}
 	if pending != nil {
+		c.replaying.Store(true)
 		dev, err = s.restoreDevice(vcfg, pending.journal)
+		c.replaying.Store(false)
 		if err == nil {
 			st := dev.Stats()
 			s.d.ho.resumed(int(st.RestoreContinuedQPs), int(st.RestoreErroredQPs), int(st.RestoreLostObjects))
@@ -382,7 +386,10 @@ func (s *vmSession) checkGID(c *vmConn, e hostverbs.GIDEntry) error {
 	// The static rules cost nothing; the rest lists the host's addresses
 	// (netlink) and may lead to a host address change, so it is metered.
 	err := s.policy.check(a)
-	if errors.Is(err, errNotAssigned) && s.policy.keepReserved && s.d.owners.holds(s.name, a) {
+	// A VM on the IP-mode default keeps the GIDs it had: those reserved
+	// to it, and those its device journal binds again (a predecessor
+	// accepted them under its own default).
+	if errors.Is(err, errNotAssigned) && s.policy.keepReserved && (c.replaying.Load() || s.d.owners.holds(s.name, a)) {
 		s.lim.Warn("gid-grandfathered", "GID kept: reserved to the VM before the IP-mode default (no addresses without a declared pool); declare it with --gid-allow or the VM's gid-allow",
 			"gid", a)
 		err = nil
