@@ -253,27 +253,7 @@ func TestFabricSocketsKept(t *testing.T) {
 		hostNS, err := netns.Get()
 		require.NoError(t, err)
 		defer hostNS.Close()
-		peerNS, err := netns.New() // moves this thread into it
-		require.NoError(t, err)
-		defer peerNS.Close()
-		require.NoError(t, netns.Set(hostNS))
-		require.NoError(t, netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}))
-		peer, err := netlink.LinkByName("fab1")
-		require.NoError(t, err)
-		require.NoError(t, netlink.LinkSetNsFd(peer, int(peerNS)))
-		ph, err := netlink.NewHandleAt(peerNS)
-		require.NoError(t, err)
-		defer ph.Close()
-		peer, err = ph.LinkByName("fab1")
-		require.NoError(t, err)
-		pa, _ := netlink.ParseAddr("10.78.0.2/24")
-		require.NoError(t, ph.AddrAdd(peer, pa))
-		require.NoError(t, ph.LinkSetUp(peer))
-		link, err := netlink.LinkByName("fab0")
-		require.NoError(t, err)
-		ha, _ := netlink.ParseAddr("10.78.0.1/24")
-		require.NoError(t, netlink.AddrAdd(link, ha))
-		require.NoError(t, netlink.LinkSetUp(link))
+		peerNS := fabricPeer(t, "10.78.0.1/24", "10.78.0.2/24")
 
 		// While no daemon runs, a peer sends three datagrams (not RoCE:
 		// the wire counts them as failing the ICRC).

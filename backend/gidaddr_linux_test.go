@@ -176,40 +176,9 @@ func TestGIDBindRateBoundsNetlink(t *testing.T) {
 // to 10.80.0.254 stays on fab0, and a free address is accepted.
 func TestGIDNeighbourRefused(t *testing.T) {
 	inNewNetns(t, func() {
-		hostNS, err := netns.Get()
-		if !assert.NoError(t, err) {
-			return
-		}
-		defer hostNS.Close()
-		peerNS, err := netns.New() // moves this thread into it
-		if !assert.NoError(t, err) {
-			return
-		}
-		defer peerNS.Close()
-		if !assert.NoError(t, netns.Set(hostNS)) {
-			return
-		}
-		veth := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}
-		if !assert.NoError(t, netlink.LinkAdd(veth)) {
-			return
-		}
-		peer, err := netlink.LinkByName("fab1")
-		require.NoError(t, err)
-		require.NoError(t, netlink.LinkSetNsFd(peer, int(peerNS)))
-		ph, err := netlink.NewHandleAt(peerNS)
-		require.NoError(t, err)
-		defer ph.Close()
-		peer, err = ph.LinkByName("fab1")
-		require.NoError(t, err)
-		pa, _ := netlink.ParseAddr("10.80.0.254/24")
-		require.NoError(t, ph.AddrAdd(peer, pa))
-		require.NoError(t, ph.LinkSetUp(peer))
-
+		fabricPeer(t, "10.80.0.1/24", "10.80.0.254/24")
 		link, err := netlink.LinkByName("fab0")
 		require.NoError(t, err)
-		ha, _ := netlink.ParseAddr("10.80.0.1/24")
-		require.NoError(t, netlink.AddrAdd(link, ha))
-		require.NoError(t, netlink.LinkSetUp(link))
 		_, dst, _ := net.ParseCIDR("10.90.0.0/24")
 		require.NoError(t, netlink.RouteAdd(&netlink.Route{LinkIndex: link.Attrs().Index, Dst: dst, Gw: net.ParseIP("10.80.0.253")}))
 		require.NoError(t, netlink.NeighAdd(&netlink.Neigh{LinkIndex: link.Attrs().Index, IP: net.ParseIP("10.80.0.252"),
@@ -408,4 +377,39 @@ func TestIPModeDefaultKeepsReservedGIDs(t *testing.T) {
 			hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr("10.80.0.8")), Type: hostverbs.GIDTypeRoCEv2}),
 			ErrGIDRefused, "a VM with its own gid-allow: its list decides, replay or not")
 	})
+}
+
+// fabricPeer makes, from a thread in a fresh namespace (inNewNetns), the
+// fabric netdev fab0 with hostAddr, up, and its veth peer fab1 with
+// peerAddr in a namespace of its own (closed at cleanup), and returns that
+// namespace; the thread is back in the host's namespace.
+func fabricPeer(t *testing.T, hostAddr, peerAddr string) netns.NsHandle {
+	t.Helper()
+	hostNS, err := netns.Get()
+	require.NoError(t, err)
+	t.Cleanup(func() { hostNS.Close() })
+	peerNS, err := netns.New() // moves this thread into it
+	require.NoError(t, err)
+	t.Cleanup(func() { peerNS.Close() })
+	require.NoError(t, netns.Set(hostNS))
+	require.NoError(t, netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "fab0"}, PeerName: "fab1"}))
+	peer, err := netlink.LinkByName("fab1")
+	require.NoError(t, err)
+	require.NoError(t, netlink.LinkSetNsFd(peer, int(peerNS)))
+	ph, err := netlink.NewHandleAt(peerNS)
+	require.NoError(t, err)
+	defer ph.Close()
+	peer, err = ph.LinkByName("fab1")
+	require.NoError(t, err)
+	pa, err := netlink.ParseAddr(peerAddr)
+	require.NoError(t, err)
+	require.NoError(t, ph.AddrAdd(peer, pa))
+	require.NoError(t, ph.LinkSetUp(peer))
+	link, err := netlink.LinkByName("fab0")
+	require.NoError(t, err)
+	ha, err := netlink.ParseAddr(hostAddr)
+	require.NoError(t, err)
+	require.NoError(t, netlink.AddrAdd(link, ha))
+	require.NoError(t, netlink.LinkSetUp(link))
+	return peerNS
 }

@@ -157,14 +157,7 @@ func daemonProcessIn(t *testing.T, nw *vm.Network, bin, netdev string, names ...
 // must carry on (every RC QP kept) and the fabric's sockets go with it.
 func upgradeDuring(t *testing.T, vms []*vm.VM, mark string, all []*backend.ControlClient, ctl *backend.ControlClient, gen int, who string) {
 	t.Helper()
-	require.Eventually(t, func() bool {
-		for _, v := range vms {
-			if !strings.Contains(v.Output(), mark) {
-				return false
-			}
-		}
-		return true
-	}, 5*time.Minute, 20*time.Millisecond, "%s never started", mark)
+	require.NoError(t, vm.WaitMarked(5*time.Minute, mark, vms...))
 	sends := func() uint64 {
 		var n uint64
 		for _, c := range all {
@@ -176,13 +169,7 @@ func upgradeDuring(t *testing.T, vms []*vm.VM, mark string, all []*backend.Contr
 		}
 		return n
 	}
-	last := sends()
-	require.Eventually(t, func() bool {
-		n := sends()
-		flowing := n > last
-		last = n
-		return flowing
-	}, 2*time.Minute, 200*time.Millisecond, "no sends during %s", mark)
+	require.NoError(t, vm.WaitRising(2*time.Minute, 200*time.Millisecond, sends), "sends during %s", mark)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	require.NoError(t, ctl.Upgrade(ctx, ""))

@@ -211,9 +211,7 @@ func TestCrashKeepsVMs(t *testing.T) {
 
 	for r := 1; r <= rounds; r++ {
 		mark := fmt.Sprintf("=== during%d", r)
-		require.Eventually(t, func() bool {
-			return strings.Contains(vms[0].Output(), mark) && strings.Contains(vms[1].Output(), mark)
-		}, 5*time.Minute, 100*time.Millisecond, "round %d never started", r)
+		require.NoError(t, vm.WaitMarked(5*time.Minute, mark, vms...), "round %d", r)
 		time.Sleep(2 * time.Second) // into the ping-pong
 		pid := daemonPID(t)
 		require.NotZero(t, pid, "the daemon runs")
@@ -374,9 +372,7 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 	}
 	during := func(step string) {
 		mark := "=== " + step
-		require.Eventually(t, func() bool {
-			return strings.Contains(vms[0].Output(), mark) && strings.Contains(vms[1].Output(), mark)
-		}, 5*time.Minute, 100*time.Millisecond, "%s never started", step)
+		require.NoError(t, vm.WaitMarked(5*time.Minute, mark, vms...))
 		// Connected and running: the guests' sends flow (the tools'
 		// own output is buffered until they exit).
 		sends := func() uint64 {
@@ -388,13 +384,7 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 			}
 			return n
 		}
-		last := sends()
-		require.Eventually(t, func() bool {
-			n := sends()
-			flowing := n > last
-			last = n
-			return flowing
-		}, 2*time.Minute, 300*time.Millisecond, "%s: no sends", step)
+		require.NoError(t, vm.WaitRising(2*time.Minute, 300*time.Millisecond, sends), "%s: sends", step)
 	}
 	during("pingpong")
 	upgrade("systemctl reload", "systemctl", "reload", "pvrdma-backend.service")
