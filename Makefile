@@ -49,16 +49,24 @@ vmtest: image
 	$(GO) test -tags vm -count=1 -p 1 -v -timeout $(VM_TIMEOUT) ./...
 
 # Packages with VM tests (test files built with the vm tag), and the others. `make test`
-# runs each test once: the other packages' tests in parallel, then the VM packages with
-# the tag, one at a time (their unit tests with them), verbose; the VM tests run even if a
-# unit test failed, and it fails if either did (each `go test` runs every package it is
+# runs each test once: the other packages' tests in parallel, in the background (their
+# output is printed after the VM tests'), while the VM packages run with the tag, their
+# unit tests with them, verbose, VM_PARALLEL packages at a time, the longest first (the
+# guests run under TCG; one package's guests mostly wait on another's, so two packages
+# fill the two cores); it fails if either run did (each `go test` runs every package it is
 # given and reports every failure).
+VM_PARALLEL ?= 2
+VM_FIRST = ./tests/e2e/ ./tests/packaging/ ./hostverbs/soft/
 VM_PKGS = $(sort $(dir $(shell grep -rl --include='*_test.go' '^//go:build vm' .)))
+VM_ORDER = $(foreach p,$(VM_FIRST),$(filter $(p),$(VM_PKGS))) $(filter-out $(VM_FIRST),$(VM_PKGS))
 UNIT_PKGS = $(filter-out $(VM_PKGS),$(shell $(GO) list -f '{{.Dir}}/' ./... | sed 's|^$(CURDIR)/|./|'))
+
 test: deps image
-	@unit=0; vm=0; \
-	$(GO) test -count=1 -timeout $(UNIT_TIMEOUT) $(UNIT_PKGS) || unit=$$?; \
-	$(GO) test -tags vm -count=1 -p 1 -v -timeout $(VM_TIMEOUT) $(VM_PKGS) || vm=$$?; \
+	@unit=0; vm=0; ulog=$$(mktemp); \
+	$(GO) test -count=1 -timeout $(UNIT_TIMEOUT) $(UNIT_PKGS) >$$ulog 2>&1 & upid=$$!; \
+	$(GO) test -tags vm -count=1 -p $(VM_PARALLEL) -v -timeout $(VM_TIMEOUT) $(VM_ORDER) || vm=$$?; \
+	wait $$upid || unit=$$?; \
+	echo "== unit tests (run beside the VM tests):"; cat $$ulog; rm -f $$ulog; \
 	if [ $$unit -ne 0 ] || [ $$vm -ne 0 ]; then \
 		echo "make test: unit tests $$([ $$unit -eq 0 ] && echo passed || echo FAILED), VM tests $$([ $$vm -eq 0 ] && echo passed || echo FAILED)" >&2; \
 		exit 1; \

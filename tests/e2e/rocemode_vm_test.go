@@ -37,8 +37,8 @@ type roceModeGuest struct {
 // it has given up (the client waits up to 400 pings for the listener's
 // announcement).
 const (
-	refusedWait   = 25
-	refusedListen = 45
+	refusedWait   = 12
+	refusedListen = 30
 )
 
 // roceModeScenario writes the guest's script. Each section is "=== name",
@@ -80,8 +80,8 @@ echo rc=0
 	// CM's full retry budget (15 REQs about 4 s apart, a minute or more)
 	// before the tool gives up, and neither tool nor the guest's configfs
 	// can shorten it: the client is stopped after refusedWait instead. An
-	// allowed connection takes about a second here, so a client that has
-	// not connected by then never will; the daemon's
+	// allowed connection takes about a second here (a few on a loaded
+	// machine), so a client that has not connected by then never will; the daemon's
 	// drop_roce_version_mismatch counter shows why.
 	both := func(rping, ucmatose string) {
 		fmt.Fprintf(&b, "(%s >/tmp/r 2>&1; echo rc=$? >>/tmp/r) &\n", rping)

@@ -56,15 +56,7 @@ func bootPackaged(t *testing.T, extra map[string][]byte) *container {
 		require.NoError(t, os.MkdirAll(filepath.Dir(filepath.Join(root, path)), 0o755))
 		require.NoError(t, os.WriteFile(filepath.Join(root, path), b, 0o755))
 	}
-	dist := t.TempDir()
-	mk := exec.Command("make", "deb", "DIST="+dist)
-	mk.Dir = repoRoot(t)
-	out, err := mk.CombinedOutput()
-	require.NoError(t, err, "make deb:\n%s", out)
-	debs, _ := filepath.Glob(filepath.Join(dist, "pvrdma-backend_*.deb"))
-	require.Len(t, debs, 1)
-	deb, err := os.ReadFile(debs[0])
-	require.NoError(t, err)
+	deb := builtDeb(t)
 	require.NoError(t, os.WriteFile(filepath.Join(root, "root/pvrdma-backend.deb"), deb, 0o644))
 	require.NoError(t, os.WriteFile(filepath.Join(root, "etc/systemd/system/pkginstall.service"), []byte(installer), 0o644))
 	require.NoError(t, os.Symlink("/etc/systemd/system/pkginstall.service",
@@ -309,7 +301,10 @@ func previousBinary(t *testing.T) []byte {
 	out, err := arch.CombinedOutput()
 	require.NoError(t, err, "git archive HEAD~1:\n%s", out)
 	bin := filepath.Join(t.TempDir(), "pvrdma-backend")
-	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
+	// -trimpath: the source tree's path (a new temporary directory each
+	// run) stays out of the build cache's keys, so unchanged packages are
+	// not compiled again.
+	build := exec.Command("go", "build", "-trimpath", "-o", bin, "./cmd/pvrdma-backend")
 	build.Dir = src
 	build.Env = append(os.Environ(), "CGO_ENABLED=0")
 	out, err = build.CombinedOutput()

@@ -4,12 +4,14 @@ package packaging
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -80,17 +82,7 @@ WantedBy=multi-user.target
 // with the documented owners and modes, and nothing running after removal.
 func TestDebInstallsService(t *testing.T) {
 	root := cleanRoot(t)
-	dist := t.TempDir()
-	start := time.Now()
-	mk := exec.Command("make", "deb", "DIST="+dist)
-	mk.Dir = repoRoot(t)
-	out, err := mk.CombinedOutput()
-	require.NoError(t, err, "make deb:\n%s", out)
-	debs, _ := filepath.Glob(filepath.Join(dist, "pvrdma-backend_*.deb"))
-	require.Len(t, debs, 1, "make deb:\n%s", out)
-	t.Logf("make deb: %s in %v", filepath.Base(debs[0]), time.Since(start).Round(100*time.Millisecond))
-	deb, err := os.ReadFile(debs[0])
-	require.NoError(t, err)
+	deb := builtDeb(t)
 
 	require.NoError(t, os.WriteFile(filepath.Join(root, "root/pvrdma-backend.deb"), deb, 0o644))
 	require.NoError(t, os.WriteFile(filepath.Join(root, "root/pkgtest.sh"), []byte(pkgScript), 0o755))
@@ -99,7 +91,7 @@ func TestDebInstallsService(t *testing.T) {
 	require.NoError(t, os.Symlink("/etc/systemd/system/pkgtest.service",
 		filepath.Join(root, "etc/systemd/system/multi-user.target.wants/pkgtest.service")))
 
-	start = time.Now()
+	start := time.Now()
 	console := boot(t, root, 3*time.Minute)
 	raw, err := os.ReadFile(filepath.Join(root, "root/pkgtest.out"))
 	require.NoError(t, err, "the package test did not run; console:\n%s", tail(console, 4000))
@@ -177,4 +169,43 @@ func parseSteps(s string) map[string]step {
 		m[g[1]] = step{out: g[2], rc: g[3]}
 	}
 	return m
+}
+
+// debBuild is the package `make deb` built for this test binary: every
+// test installs the same one, built once.
+var debBuild struct {
+	once sync.Once
+	deb  []byte
+	err  error
+}
+
+// builtDeb returns the package built from the work tree by `make deb`
+// (the first caller builds it).
+func builtDeb(t *testing.T) []byte {
+	t.Helper()
+	debBuild.once.Do(func() {
+		dist, err := os.MkdirTemp("", "pvrdma-deb-")
+		if err != nil {
+			debBuild.err = err
+			return
+		}
+		defer os.RemoveAll(dist)
+		start := time.Now()
+		mk := exec.Command("make", "deb", "DIST="+dist)
+		mk.Dir = repoRoot(t)
+		out, err := mk.CombinedOutput()
+		if err != nil {
+			debBuild.err = fmt.Errorf("make deb: %w\n%s", err, out)
+			return
+		}
+		debs, _ := filepath.Glob(filepath.Join(dist, "pvrdma-backend_*.deb"))
+		if len(debs) != 1 {
+			debBuild.err = fmt.Errorf("make deb made %d packages:\n%s", len(debs), out)
+			return
+		}
+		debBuild.deb, debBuild.err = os.ReadFile(debs[0])
+		t.Logf("make deb: %s in %v", filepath.Base(debs[0]), time.Since(start).Round(100*time.Millisecond))
+	})
+	require.NoError(t, debBuild.err)
+	return debBuild.deb
 }

@@ -44,6 +44,7 @@ func (r *recorder) FailNow()                          { r.failed = true }
 // guest's output in the failure message: one guest exits non-zero explicitly, the other
 // fails a command in the middle (scenarios run with set -e).
 func TestHarnessGuestFailure(t *testing.T) {
+	t.Parallel()
 	img := harnessImage(t)
 	ctx := context.Background()
 	vms, err := StartAll(ctx, t, img, nil,
@@ -91,6 +92,9 @@ echo after-the-failure`},
 // TestHarnessTimeout: a guest that never finishes is killed at Config.Timeout, Wait
 // reports it with the output so far, and QEMU and the run directory are gone.
 func TestHarnessTimeout(t *testing.T) {
+	// Parallel: its guest only sleeps until the timeout; the package's
+	// other parallel tests run meanwhile.
+	t.Parallel()
 	img := harnessImage(t)
 	ctx := context.Background()
 	nw, err := NewNetwork(t, NetworkConfig{})

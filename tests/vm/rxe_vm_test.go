@@ -45,6 +45,7 @@ echo "=== end"
 // IPv4 GID), ib_send_bw and ib_write_bw. The figures are the baseline our device is
 // compared with, and rxe is the soft transport's interop peer.
 func TestRxeBaseline(t *testing.T) {
+	t.Parallel() // its own network; overlaps TestHarnessTimeout's wait
 	img := image(t)
 	ctx := context.Background()
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{HostAddr: "10.77.0.254/24"})
