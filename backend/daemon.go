@@ -38,10 +38,9 @@ type Config struct {
 	// VMs are registered at start.
 	VMs []VMRequest
 	// GIDAllow is the allow list of GID prefixes for VMs registered without
-	// their own (VMRequest.GIDAllow): the fabric's pool. nil means, in IP
-	// mode (a fabric netdev: guests' GIDs become host addresses), an empty
-	// list, and otherwise DefaultGIDAllow; an empty list allows each VM
-	// only its own link-local GID.
+	// their own (VMRequest.GIDAllow): the fabric's pool. nil means none
+	// declared: an empty list, which allows each VM only its own
+	// link-local GID.
 	GIDAllow []netip.Prefix
 	// GIDBindBurst and GIDBindRate meter each VM's GID binds (a token
 	// bucket: so many at once, then so many a second); 0 means the
@@ -107,7 +106,7 @@ type Daemon struct {
 	// owners reserves GIDs to VMs from their first bind until they are
 	// unregistered.
 	owners *gidOwners
-	// poolDefaulted: IP mode without a declared pool (Config.GIDAllow).
+	// poolDefaulted: no pool declared (Config.GIDAllow).
 	poolDefaulted bool
 	resMu         sync.Mutex // serialises writes of the reservations file
 	// hostAddrs lists the addresses the host holds (replaced in tests).
@@ -160,19 +159,13 @@ func New(cfg Config) (*Daemon, error) {
 		cfg.GIDBindRate = gidBindRate
 	}
 	poolDefaulted := false
-	if cfg.GIDAllow == nil && cfg.Fabric.ipMode() {
-		// Addresses are assigned, not claimed: in IP mode a guest's GID
-		// becomes a host address, so without a declared pool a VM has
-		// only its own link-local GID (issue 23).
-		cfg.GIDAllow, poolDefaulted = []netip.Prefix{}, true
-		cfg.Logger.Info("IP mode without a declared GID pool: VMs registered without their own gid-allow bind only their link-local GID; declare the fabric's addresses with --gid-allow (or per VM, --vm NAME,gid-allow=PREFIX)")
-	}
 	if cfg.GIDAllow == nil {
-		def, err := ParseGIDAllow(DefaultGIDAllow)
-		if err != nil {
-			return nil, err
-		}
-		cfg.GIDAllow = def
+		// Addresses are assigned, not claimed (issue 23): a guest's GID
+		// captures the fabric's traffic for that address (in process,
+		// before the wire) and in IP mode becomes a host address, so
+		// without a declared pool a VM has only its own link-local GID.
+		cfg.GIDAllow, poolDefaulted = []netip.Prefix{}, true
+		cfg.Logger.Info("no GID pool declared: VMs registered without their own gid-allow bind only their link-local GID; assign addresses per VM (--vm NAME,gid-allow=PREFIX, qemu-args --gid-allow, the control API) or declare the fabric's pool with --gid-allow")
 	}
 	if cfg.StateDir == "" {
 		cfg.StateDir = filepath.Join(cfg.SocketDir, "state")
@@ -400,7 +393,7 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if allow == nil {
 		allow, defaulted = d.cfg.GIDAllow, d.poolDefaulted
 	}
-	// A VM on the IP-mode default (no pool declared) keeps the GIDs it
+	// A VM on the default (no pool declared) keeps the GIDs it
 	// had reserved under an earlier daemon's default: an upgrade must not
 	// take a running guest's addresses away.
 	pol := gidPolicy{allow: allow, linkLocal: linkLocalGID(mac), keepReserved: defaulted}

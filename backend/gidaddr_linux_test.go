@@ -96,7 +96,7 @@ func TestAddrManagerAddsRefcountsAndRemoves(t *testing.T) {
 // directly; nil (and a test error) if the daemon could not start.
 func ipModeVM(t *testing.T) (*Daemon, *vmSession, *vmConn) {
 	t.Helper()
-	pool, err := ParseGIDAllow(DefaultGIDAllow) // the fabric's declared pool
+	pool, err := ParseGIDAllow(PrivateGIDAllow) // the fabric's declared pool
 	require.NoError(t, err)
 	d, err := New(Config{SocketDir: t.TempDir(), Fabric: FabricConfig{Netdev: "fab0"}, GIDAllow: pool,
 		VMs: []VMRequest{{Name: "vm1"}}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
@@ -307,6 +307,39 @@ func TestIPModeAssignsNoAddressByDefault(t *testing.T) {
 		require.NoError(t, bind("vm2", "10.80.0.6"), "an address its registration assigns")
 		require.ErrorIs(t, bind("vm2", "10.81.0.6"), ErrGIDRefused, "and no other")
 	})
+}
+
+// TestDefaultAssignsNoAddress: in-process (and L2) mode too, a VM
+// registered without its own gid-allow on a daemon with no declared pool
+// binds only its link-local GID, so it cannot take the address of a server
+// on another host and receive, in process, the SENDs a co-tenant meant for
+// that server (issue 23; before, the default was the private ranges and
+// the bind below succeeded). A declared pool is taken first come; a VM's
+// own gid-allow assigns.
+func TestDefaultAssignsNoAddress(t *testing.T) {
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	d, err := New(Config{SocketDir: t.TempDir(), Logger: quiet,
+		VMs: []VMRequest{{Name: "evil"}, {Name: "tenant", GIDAllow: []string{"10.80.0.11/32"}}}})
+	require.NoError(t, err)
+	defer d.close()
+	bind := func(d *Daemon, vm, a string) error {
+		return d.vms[vm].checkGID(&vmConn{gids: map[int]hostverbs.GIDEntry{}},
+			hostverbs.GIDEntry{GID: hostverbs.GIDFromAddr(netip.MustParseAddr(a)), Type: hostverbs.GIDTypeRoCEv2})
+	}
+	err = bind(d, "evil", "10.80.0.50") // the remote server a co-tenant talks to
+	require.ErrorIs(t, err, ErrGIDRefused)
+	assert.ErrorContains(t, err, "assigned no addresses")
+	require.ErrorIs(t, bind(d, "evil", "fd00::50"), ErrGIDRefused)
+	require.NoError(t, bind(d, "evil", linkLocalGID(DefaultMAC("evil")).String()), "its own link-local GID")
+	require.NoError(t, bind(d, "tenant", "10.80.0.11"), "the address its registration assigns")
+	require.ErrorIs(t, bind(d, "tenant", "10.80.0.50"), ErrGIDRefused, "and no other")
+
+	pool, err := ParseGIDAllow(PrivateGIDAllow)
+	require.NoError(t, err)
+	d2, err := New(Config{SocketDir: t.TempDir(), Logger: quiet, GIDAllow: pool, VMs: []VMRequest{{Name: "evil"}}})
+	require.NoError(t, err)
+	defer d2.close()
+	require.NoError(t, bind(d2, "evil", "10.80.0.50"), "a declared pool is the operator's choice: first come")
 }
 
 // TestFabricMTUChangeCounted: the ports' active MTU comes from the fabric

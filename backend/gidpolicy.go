@@ -27,12 +27,13 @@ import (
 //     from its first bind until it is unregistered, across QEMU restarts
 //     and guest reboots.
 
-// DefaultGIDAllow is the allow list of VMs registered without one when the
-// daemon is not given another and is not in IP mode (where the default is
-// none: Config.GIDAllow): the IPv4 private ranges and IPv6 unique local
-// addresses. A guest can then never claim a public address; within
-// these ranges, operators running several tenants narrow each VM's list.
-const DefaultGIDAllow = "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7"
+// PrivateGIDAllow is the IPv4 private ranges and IPv6 unique local
+// addresses: the allow list that was the default of L2 and in-process
+// fabrics before addresses had to be assigned (issue 23). No fabric uses
+// it by default; an operator may declare it as a single-tenant fabric's
+// pool (--gid-allow), accepting that any VM may then bind, first come,
+// any address in those ranges.
+const PrivateGIDAllow = "10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7"
 
 // GIDAllowNone as the only allow-list item allows no prefix: the VM may
 // bind only its own MAC-derived link-local GID.
@@ -165,7 +166,7 @@ type gidPolicy struct {
 	allow     []netip.Prefix
 	linkLocal netip.Addr // the only fe80::/10 GID the VM may bind
 	// keepReserved: a GID outside allow that is reserved to the VM
-	// already is allowed (a VM on the IP-mode default, none, keeps what
+	// already is allowed (a VM on the default, none, keeps what
 	// an earlier daemon's default let it reserve).
 	keepReserved bool
 }

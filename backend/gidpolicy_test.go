@@ -12,7 +12,7 @@ import (
 // yields canonical prefixes (masked, IPv4 as IPv4, at most
 // maxGIDPrefixes) that survive a format/parse round trip.
 func FuzzParseGIDAllow(f *testing.F) {
-	for _, s := range []string{DefaultGIDAllow, "none", "10.1.0.0/24,fd00:1::/64", "10.1.2.3", "::ffff:10.0.0.0/104",
+	for _, s := range []string{PrivateGIDAllow, "none", "10.1.0.0/24,fd00:1::/64", "10.1.2.3", "::ffff:10.0.0.0/104",
 		"::ffff:10.0.0.0/64", "10.0.0.1/8", " 10.0.0.0/8 , 192.168.0.0/16", "fe80::1%eth0", "0.0.0.0/0", "::/0", ",", ""} {
 		f.Add(s)
 	}

@@ -76,7 +76,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	var vms vmList
 	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC, optionally followed by ,gid-allow=PREFIX (its own GID allow list; both repeatable), ,mem=SIZE and ,roce=v1|v2")
 	gidAllow := fs.String("gid-allow", "",
-		"the fabric's GID pool: prefixes (CIDR, comma-separated; \"none\": only each VM's own link-local GID) VMs registered without their own gid-allow may bind (default: none in IP mode, where a guest's GID becomes a host address; else "+backend.DefaultGIDAllow+")")
+		"the fabric's GID pool: prefixes (CIDR, comma-separated; \"none\": only each VM's own link-local GID) VMs registered without their own gid-allow may bind (default: none; a guest's GID captures the fabric's traffic to that address and, in IP mode, becomes a host address)")
 	lim := vdev.DefaultLimits()
 	fs.IntVar(&lim.MaxQP, "max-qp", lim.MaxQP, "QPs per VM")
 	fs.IntVar(&lim.MaxCQ, "max-cq", lim.MaxCQ, "CQs per VM")
@@ -165,7 +165,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if lim.MaxBytes == 0 {
 		return errors.New("--vm-memory-budget must be above 0")
 	}
-	var allow []netip.Prefix // nil: the mode's default (backend.Config.GIDAllow)
+	var allow []netip.Prefix // nil: none declared (backend.Config.GIDAllow)
 	if *gidAllow != "" {
 		if allow, err = backend.ParseGIDAllow(*gidAllow); err != nil {
 			return fmt.Errorf("--gid-allow: %w", err)

@@ -253,12 +253,15 @@ func startDaemon(c *cli, bin, sockets, logPath string) (func(), error) {
 // qemuArgs registers the VM with the daemon and takes its vmxnet3 MAC and
 // vfio-user device from the arguments qemu-args prints.
 func (g *guest) qemuArgs(ctx context.Context, bin, sockets string) error {
-	cmd := exec.CommandContext(ctx, bin, "qemu-args", "--vm", g.name, "--socket-dir", sockets, "--mem", "512M", "--shell=false")
+	// --gid-allow assigns the guest its address: a VM binds only the
+	// addresses the operator assigned to it (and its link-local GID).
+	cmd := exec.CommandContext(ctx, bin, "qemu-args", "--vm", g.name, "--socket-dir", sockets, "--mem", "512M",
+		"--gid-allow", g.ip+"/32", "--shell=false")
 	out, err := cmd.Output()
 	if err != nil {
 		return fmt.Errorf("qemu-args %s: %w", g.name, err)
 	}
-	fmt.Printf("$ pvrdma-backend qemu-args --vm %s\n", g.name)
+	fmt.Printf("$ pvrdma-backend qemu-args --vm %s --gid-allow %s/32\n", g.name, g.ip)
 	var args []string
 	sc := bufio.NewScanner(strings.NewReader(string(out)))
 	for sc.Scan() {

@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"testing"
@@ -26,7 +27,18 @@ func image(t testing.TB) *vm.Image {
 	return img
 }
 
-// daemon starts a backend in this process with the named VMs registered.
+// testPool is the GID pool the test bed's daemons declare (--gid-allow):
+// the private ranges, which the guests' addresses are in.
+// Without a pool a VM binds only its link-local GID.
+func testPool(t testing.TB) []netip.Prefix {
+	t.Helper()
+	p, err := backend.ParseGIDAllow(backend.PrivateGIDAllow)
+	require.NoError(t, err)
+	return p
+}
+
+// daemon starts a backend in this process with the named VMs registered
+// (on testPool unless cfg declares another).
 func daemon(t testing.TB, cfg backend.Config, names ...string) *backend.Daemon {
 	t.Helper()
 	if cfg.SocketDir == "" {
@@ -36,6 +48,9 @@ func daemon(t testing.TB, cfg backend.Config, names ...string) *backend.Daemon {
 		level := slog.LevelInfo
 		_ = level.UnmarshalText([]byte(os.Getenv("E2E_LOG"))) // E2E_LOG=debug for the device's command trace
 		cfg.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: level}))
+	}
+	if cfg.GIDAllow == nil {
+		cfg.GIDAllow = testPool(t)
 	}
 	for _, n := range names {
 		cfg.VMs = append(cfg.VMs, backend.VMRequest{Name: n})

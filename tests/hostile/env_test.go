@@ -209,7 +209,10 @@ func newEnvConfig(t testing.TB, limits vdev.Limits, logger *slog.Logger, tweak f
 	runtime.GC()
 	before := measure(t)
 	dir := t.TempDir()
-	cfg := backend.Config{SocketDir: dir, Limits: limits, Logger: logger}
+	// The fabric's declared pool: the private ranges the tests' guests bind in.
+	pool, err := backend.ParseGIDAllow(backend.PrivateGIDAllow)
+	require.NoError(t, err)
+	cfg := backend.Config{SocketDir: dir, Limits: limits, Logger: logger, GIDAllow: pool}
 	for _, n := range []string{vmEvil, vmPeer, vmFresh, vmOther} {
 		cfg.VMs = append(cfg.VMs, backend.VMRequest{Name: n})
 	}

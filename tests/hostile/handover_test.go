@@ -61,6 +61,11 @@ func serveProcess(tb testing.TB, vms []string, o daemonOpts) string {
 		args = append(args, "--vm", v)
 	}
 	args = append(args, o.args...)
+	if !slices.Contains(o.args, "--gid-allow") {
+		// The fabric's declared pool (without one a VM binds only its
+		// link-local GID): the private ranges the tests' VMs bind in.
+		args = append(args, "--gid-allow", backend.PrivateGIDAllow)
+	}
 	if o.netns != "" {
 		// ip execs the daemon in the namespace: the PID, and with it the
 		// signals below and the death signal, are the daemon's.

@@ -92,13 +92,17 @@ func bootPackaged(t *testing.T, extra map[string][]byte) *container {
 	return c
 }
 
-// register registers the VMs with the container's daemon (512 MiB each)
-// and returns its control client.
-func (c *container) register(t *testing.T, names ...string) *backend.ControlClient {
+// register registers the VMs, each given as NAME=ADDRESS, with the
+// container's daemon (512 MiB each, and the address assigned to the VM:
+// the packaged daemon declares no pool, so a VM binds only the addresses
+// it is assigned) and returns its control client.
+func (c *container) register(t *testing.T, vms ...string) *backend.ControlClient {
 	t.Helper()
 	ctl := backend.NewControlClient(filepath.Join(c.sockDir, "control.sock"))
-	for _, name := range names {
-		_, err := ctl.AddVM(context.Background(), backend.VMRequest{Name: name, MemBytes: 512 << 20})
+	for _, v := range vms {
+		name, addr, ok := strings.Cut(v, "=")
+		require.True(t, ok, "register %q: NAME=ADDRESS", v)
+		_, err := ctl.AddVM(context.Background(), backend.VMRequest{Name: name, MemBytes: 512 << 20, GIDAllow: []string{addr + "/32"}})
 		require.NoError(t, err)
 	}
 	return ctl
@@ -191,7 +195,7 @@ func TestCrashKeepsVMs(t *testing.T) {
 	require.NoError(t, err)
 	c := bootPackaged(t, nil)
 	ctx := context.Background()
-	ctl := c.register(t, "ck1", "ck2")
+	ctl := c.register(t, "ck1=10.78.0.1", "ck2=10.78.0.2")
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	const rounds = 3
@@ -330,7 +334,7 @@ func TestUpgradeKeepsVMs(t *testing.T) {
 	prev := previousBinary(t)
 	c := bootPackaged(t, map[string][]byte{"usr/local/bin/pvrdma-backend-prev": prev})
 	ctx := context.Background()
-	ctl := c.register(t, "uk1", "uk2")
+	ctl := c.register(t, "uk1=10.79.0.1", "uk2=10.79.0.2")
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	rdmaCM := []string{"ib_core", "ib_uverbs", "vmw_pvrdma", "configfs", "iw_cm", "ib_cm", "rdma_cm", "rdma_ucm"}
