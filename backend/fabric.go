@@ -88,9 +88,6 @@ type FabricConfig struct {
 	CreateRXE string
 }
 
-// ipMode reports whether guests' GIDs become addresses on a host netdev.
-func (c FabricConfig) ipMode() bool { return c.Netdev != "" || c.CreateRXE != "" }
-
 // Transport names the verbs provider a FabricConfig selects.
 func (c FabricConfig) Transport() string {
 	if c.IBDevice != "" || c.CreateRXE != "" {
