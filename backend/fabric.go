@@ -168,6 +168,9 @@ func newFabric(cfg FabricConfig, inherit []*os.File, log *slog.Logger) (*fabric,
 			log.Info("took over the fabric's receive sockets from the previous daemon", "sockets", n)
 		}
 	}
+	if scfg.Wire != nil {
+		log.Info("fabric wire", "receive_queues", scfg.Wire.Queues())
+	}
 	sf, err := soft.New(scfg)
 	if err != nil {
 		if scfg.Wire != nil {
@@ -267,8 +270,8 @@ func newRelayFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 }
 
 // sockets returns the fabric's descriptors a successor inherits, by name
-// ("udp4", "udp6" on the UDP wire, "packet" on the packet wire); none on
-// other wires.
+// ("udp4", "udp4.1", ... "udp6", ... on the UDP wire, "packet" on the
+// packet wire); none on other wires.
 func (f *fabric) sockets() map[string]int {
 	if f.handover == nil {
 		return nil
