@@ -49,6 +49,11 @@ type FabricConfig struct {
 	// default): for kernels without UDP_SEGMENT and UDP_GRO (before 5.0),
 	// or to compare.
 	RawWire bool
+	// WireQueues (IP mode, soft, UDP wire) is the number of port 4791
+	// receive sockets per family, each served by a receive goroutine of
+	// its own, with each QP's packets steered to one of them
+	// (wire.UDPWireConfig.QueuesPerFamily); 0 means 1.
+	WireQueues int
 	// Bridge (L2 mode) is the network device the VMs' NICs are bridged
 	// on; RoCE v2 frames are captured from and injected into it with the
 	// VMs' own MACs, as a distributed switch would. Exclusive with Netdev.
@@ -154,7 +159,7 @@ func newFabric(cfg FabricConfig, inherit []*os.File, log *slog.Logger) (*fabric,
 			return nil, err
 		}
 		f.addrs = am
-		w, mtu, err := newKernelWire(cfg.Netdev, cfg.RawWire, inherit)
+		w, mtu, err := newKernelWire(cfg.Netdev, cfg.RawWire, cfg.WireQueues, inherit)
 		inherit = nil // newKernelWire closes them
 		if err != nil {
 			am.Close()

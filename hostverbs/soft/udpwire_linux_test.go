@@ -265,7 +265,7 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 	p := newTunPeer(t)
 	var w1 *wire.UDPWire
 	var err error
-	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0"}) })
+	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", QueuesPerFamily: 2}) })
 	require.NoError(t, err)
 	w1.PauseReceive()
 	bufs, lens := make([][]byte, 64), make([]int, 64)
@@ -284,7 +284,7 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 
 	// The successor's copies, as exec or the descriptor store pass them.
 	inherit := inheritCopies(t, w1)
-	require.Len(t, inherit, 2*wire.DefaultQueuesPerFamily())
+	require.Len(t, inherit, 4)
 	// Not a port 4791 socket: left alone.
 	other, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 	require.NoError(t, err)
@@ -293,14 +293,14 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 
 	var w2 *wire.UDPWire
 	p.ns.do(t, func() {
-		w2, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", Inherit: inherit, Paused: true})
+		w2, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", Inherit: inherit, Paused: true, QueuesPerFamily: 2})
 	})
 	require.NoError(t, err)
 	t.Cleanup(func() { w2.Close() })
 	for _, f := range inherit {
 		require.ErrorIs(t, f.Close(), os.ErrClosed, "the wire closed every inherited file")
 	}
-	assert.Equal(t, 2*wire.DefaultQueuesPerFamily(), w2.Adopted())
+	assert.Equal(t, 4, w2.Adopted())
 	assert.Equal(t, w2.Adopted(), w2.Queues(), "no socket opened beside those taken over")
 	for q := range w2.Queues() {
 		got, err = w2.TryReceive(q, bufs, lens)

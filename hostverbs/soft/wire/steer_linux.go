@@ -12,7 +12,6 @@ package wire
 
 import (
 	"fmt"
-	"runtime"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
 	"golang.org/x/sys/unix"
@@ -20,11 +19,6 @@ import (
 
 // maxQueuesPerFamily bounds UDPWireConfig.QueuesPerFamily.
 const maxQueuesPerFamily = 64
-
-// DefaultQueuesPerFamily is the number of port 4791 receive sockets per
-// family a UDPWire opens when UDPWireConfig.QueuesPerFamily is 0: one per
-// CPU the Go runtime uses, at most 4.
-func DefaultQueuesPerFamily() int { return min(runtime.GOMAXPROCS(0), 4) }
 
 // steerProgram returns the classic BPF program that picks, among the n
 // sockets of a family's reuseport group, the one a datagram queues on:
