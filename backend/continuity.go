@@ -170,9 +170,10 @@ func (k *keeping) takeInherited(vm string) map[string]*os.File {
 }
 
 // fabricFDPrefix names the fabric's own descriptors in the store and in a
-// hand-over: "+fabric.udp4", "+fabric.udp6" (the UDP wire's port 4791
-// sockets, IP mode) or "+fabric.packet" (the packet wire's socket on the
-// bridge, L2 mode). No VM name starts with '+'.
+// hand-over: "+fabric.udp4", "+fabric.udp4.1", ... "+fabric.udp6", ...
+// (the UDP wire's port 4791 sockets, IP mode, several per family) or
+// "+fabric.packet" (the packet wire's socket on the bridge, L2 mode). No
+// VM name starts with '+'.
 const fabricFDPrefix = "+fabric."
 
 // takeFabric removes and returns the inherited fabric descriptors. They

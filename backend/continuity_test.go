@@ -268,7 +268,9 @@ func TestFabricSocketsKept(t *testing.T) {
 				require.NoError(t, unix.Sendto(s, bytes.Repeat([]byte{0x5a + byte(i)}, 64), 0, to))
 			}
 		}
-		checkFabricSocketsKept(t, FabricConfig{Netdev: "fab0"}, []string{"udp4", "udp6"}, send)
+		// The UDP wire's receive sockets: two per family.
+		names := []string{"udp4", "udp4.1", "udp6", "udp6.1"}
+		checkFabricSocketsKept(t, FabricConfig{Netdev: "fab0", WireQueues: 2}, names, send)
 	})
 }
 

@@ -49,6 +49,11 @@ type FabricConfig struct {
 	// default): for kernels without UDP_SEGMENT and UDP_GRO (before 5.0),
 	// or to compare.
 	RawWire bool
+	// WireQueues (IP mode, soft, UDP wire) is the number of port 4791
+	// receive sockets per family, each served by a receive goroutine of
+	// its own, with each QP's packets steered to one of them
+	// (wire.UDPWireConfig.QueuesPerFamily); 0 means 1.
+	WireQueues int
 	// Bridge (L2 mode) is the network device the VMs' NICs are bridged
 	// on; RoCE v2 frames are captured from and injected into it with the
 	// VMs' own MACs, as a distributed switch would. Exclusive with Netdev.
@@ -151,7 +156,7 @@ func newFabric(cfg FabricConfig, inherit []*os.File, log *slog.Logger) (*fabric,
 			return nil, err
 		}
 		f.addrs = am
-		w, mtu, err := newKernelWire(cfg.Netdev, cfg.RawWire, inherit)
+		w, mtu, err := newKernelWire(cfg.Netdev, cfg.RawWire, cfg.WireQueues, inherit)
 		inherit = nil // newKernelWire closes them
 		if err != nil {
 			am.Close()
@@ -164,6 +169,9 @@ func newFabric(cfg FabricConfig, inherit []*os.File, log *slog.Logger) (*fabric,
 		if n := h.Adopted(); n > 0 {
 			log.Info("took over the fabric's receive sockets from the previous daemon", "sockets", n)
 		}
+	}
+	if scfg.Wire != nil {
+		log.Info("fabric wire", "receive_queues", scfg.Wire.Queues())
 	}
 	sf, err := soft.New(scfg)
 	if err != nil {
@@ -264,8 +272,8 @@ func newRelayFabric(cfg FabricConfig, log *slog.Logger) (*fabric, error) {
 }
 
 // sockets returns the fabric's descriptors a successor inherits, by name
-// ("udp4", "udp6" on the UDP wire, "packet" on the packet wire); none on
-// other wires.
+// ("udp4", "udp4.1", ... "udp6", ... on the UDP wire, "packet" on the
+// packet wire); none on other wires.
 func (f *fabric) sockets() map[string]int {
 	if f.handover == nil {
 		return nil

@@ -15,7 +15,7 @@ import (
 // derives the ports' active MTU as rxe does. The UDP wire takes over the
 // port 4791 sockets of inherit (a predecessor's) and then receives
 // nothing until resumed; inherit is closed in every case.
-func newKernelWire(netdev string, raw bool, inherit []*os.File) (wire.Wire, int, error) {
+func newKernelWire(netdev string, raw bool, queues int, inherit []*os.File) (wire.Wire, int, error) {
 	link, err := netlink.LinkByName(netdev)
 	if err != nil {
 		closeFiles(inherit)
@@ -26,7 +26,7 @@ func newKernelWire(netdev string, raw bool, inherit []*os.File) (wire.Wire, int,
 		closeFiles(inherit)
 		w, err = wire.NewKernelWire(wire.KernelWireConfig{Interface: netdev})
 	} else {
-		w, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: netdev, Inherit: inherit, Paused: len(inherit) > 0})
+		w, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: netdev, Inherit: inherit, Paused: len(inherit) > 0, QueuesPerFamily: queues})
 	}
 	if err != nil {
 		return nil, 0, fmt.Errorf("fabric netdev %s: %w", netdev, err)

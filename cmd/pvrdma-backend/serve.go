@@ -61,6 +61,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	fs := newFlags("serve", "[flags]", stderr)
 	socketDir := fs.String("socket-dir", defaultSocketDir, "directory for the per-VM vfio-user sockets and control.sock")
 	netdev := fs.String("fabric-netdev", "", "IP mode: add bound guest GIDs as addresses on this netdev and use UDP 4791 through it")
+	wireQueues := fs.Int("wire-queues", 1, "IP mode, soft transport, UDP wire: port 4791 receive sockets per family (1-64), each with a receive goroutine, each QP's packets steered to one; more than one helps bulk streams between QPs of this daemon and costs their ping-pongs a wake-up per message")
 	ipWire := fs.String("ip-wire", "udp", "IP mode, soft transport: how RoCE packets cross the kernel: udp (UDP sockets with segmentation offload, UDP_SEGMENT and UDP_GRO) or raw (raw IP sockets, one packet per slot of each system call)")
 	bridge := fs.String("fabric-bridge", "", "L2 mode: carry RoCE as frames with the VMs' own MACs on this bridge (the VMs' NICs are on it)")
 	vlan := fs.Uint("fabric-vlan", 0, "L2 mode: the 802.1Q VLAN ID (1-4094) the fabric's frames carry and the only one it takes in; 0: untagged")
@@ -101,6 +102,12 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	jsonLogs := fs.Bool("log-json", false, "log JSON instead of text")
 	if err := parse(fs, args); err != nil {
 		return err
+	}
+	if *wireQueues < 1 || *wireQueues > 64 {
+		return fmt.Errorf("--wire-queues %d: want 1 to 64", *wireQueues)
+	}
+	if *wireQueues > 1 && (*netdev == "" || *transport != "soft" || *ipWire != "udp") {
+		return errors.New("--wire-queues needs IP mode (--fabric-netdev) on the soft transport's UDP wire")
 	}
 	switch *ipWire {
 	case "udp":
@@ -236,7 +243,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		},
 		GIDAllow:  allow,
 		SocketDir: *socketDir,
-		Fabric: backend.FabricConfig{Netdev: *netdev, RawWire: *ipWire == "raw", Bridge: *bridge, DefaultTOS: uint8(*tos), RoCEMode: mode,
+		Fabric: backend.FabricConfig{Netdev: *netdev, RawWire: *ipWire == "raw", WireQueues: *wireQueues, Bridge: *bridge, DefaultTOS: uint8(*tos), RoCEMode: mode,
 			VLAN: uint16(*vlan), PCP: uint8(pcpVal), FixedPCP: fixedPCP, Congestion: cc,
 			IBDevice: *ibdev, IBPort: uint8(*ibPort), IBBusyPoll: *ibBusy, CreateRXE: *createRXE},
 		Limits:          lim,

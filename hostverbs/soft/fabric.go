@@ -291,11 +291,14 @@ func (f *Fabric) putTx(t *txBatch) { f.txPool.Put(t) }
 // rxBatch is how many datagrams one Receive call may return.
 const rxBatch = wire.BatchSize
 
-// drainPackets bounds how many packets the receive loop takes in before it
-// sends the ACKs it owes: the default window, so a stream's ACKs keep it
-// open (a sender that has used up its window goes quiet, and the ACKs go
-// then).
-const drainPackets = 256
+// drainPackets returns how many packets the receive loop takes in before
+// it sends the ACKs it owes: a quarter of the window (64 at the default
+// 256), so that a requester whose ACKs another receive goroutine handles
+// (the wire steers each QP's packets to one queue: the two ends of a
+// stream between QPs of this fabric are on two) gets its window opened
+// while its first packets are still being taken in, and keeps sending
+// beside the responder instead of waiting for the whole window's ACK.
+func (f *Fabric) drainPackets() int { return max(1, int(f.window)/4) }
 
 // drainTime bounds how long the receive loop holds its ACKs while packets
 // keep arriving: far below the local ACK timeouts requesters use (the
@@ -350,9 +353,9 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 		// drainTime so the ACKs are not held back under load. The ACKs
 		// wait only while packets keep coming: once nothing has arrived,
 		// they go.
-		for got, t0 := n, time.Now(); ; {
+		for got, t0, drain := n, time.Now(), f.drainPackets(); ; {
 			runtime.Gosched()
-			if pw == nil || got >= drainPackets || time.Since(t0) >= drainTime {
+			if pw == nil || got >= drain || time.Since(t0) >= drainTime {
 				break
 			}
 			n, err := pw.TryReceive(queue, bufs, lens)

@@ -5,6 +5,7 @@ package soft
 import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -34,7 +35,10 @@ func newFabricOn(t testing.TB, ns *netns, cfg Config, kind string) *Fabric {
 		if kind == "raw" {
 			w, err = wire.NewKernelWire(wire.KernelWireConfig{})
 		} else {
-			w, err = wire.NewUDPWire(wire.UDPWireConfig{})
+			// PVRDMA_WIRE_QUEUES sets the receive sockets per family
+			// (A/B runs of one binary).
+			q, _ := strconv.Atoi(os.Getenv("PVRDMA_WIRE_QUEUES"))
+			w, err = wire.NewUDPWire(wire.UDPWireConfig{QueuesPerFamily: q})
 		}
 	})
 	require.NoError(t, err)

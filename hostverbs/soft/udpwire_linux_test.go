@@ -76,15 +76,22 @@ func (p *tunPeer) read(t *testing.T) []byte {
 	}
 }
 
-// buildDatagram builds a sealed RoCE datagram of op with n payload bytes.
+// buildDatagram builds a sealed RoCE datagram of op with n payload bytes
+// for QP 0x77, from UDP port 0xc0de.
 func buildDatagram(src, dst string, op roce.Opcode, n int, id uint16, psn uint32) []byte {
+	return buildQPDatagram(src, dst, op, n, id, psn, 0x77, 0xc0de)
+}
+
+// buildQPDatagram is buildDatagram for destination QP qpn from UDP port
+// sport.
+func buildQPDatagram(src, dst string, op roce.Opcode, n int, id uint16, psn, qpn uint32, sport uint16) []byte {
 	net := roce.NetFields{Src: netip.MustParseAddr(src).As16(), Dst: netip.MustParseAddr(dst).As16(),
-		TClass: 0x68, HopLimit: 64, SrcPort: 0xc0de, ID: id}
+		TClass: 0x68, HopLimit: 64, SrcPort: sport, ID: id}
 	if netip.MustParseAddr(src).Is4() {
 		net.Src = netip.AddrFrom4(netip.MustParseAddr(src).As4()).As16()
 		net.Dst = netip.AddrFrom4(netip.MustParseAddr(dst).As4()).As16()
 	}
-	tf := roce.TransportFields{BTH: roce.BTHFields{Opcode: op, PKey: roce.DefaultPKey, DestQP: 0x77, PSN: roce.PSN(psn)},
+	tf := roce.TransportFields{BTH: roce.BTHFields{Opcode: op, PKey: roce.DefaultPKey, DestQP: qpn, PSN: roce.PSN(psn)},
 		VA: 0x1000, RKey: 0x1234, DMALength: 1 << 20}
 	buf := make([]byte, wire.MaxDatagram)
 	d, off := roce.Build(buf, &net, &tf, n)
@@ -258,7 +265,7 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 	p := newTunPeer(t)
 	var w1 *wire.UDPWire
 	var err error
-	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0"}) })
+	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", QueuesPerFamily: 2}) })
 	require.NoError(t, err)
 	w1.PauseReceive()
 	bufs, lens := make([][]byte, 64), make([]int, 64)
@@ -276,13 +283,8 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 	assert.Zero(t, got, "a paused wire takes nothing from the kernel")
 
 	// The successor's copies, as exec or the descriptor store pass them.
-	var inherit []*os.File
-	for name, fd := range w1.ReceiveSockets() {
-		dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-		require.NoError(t, err)
-		inherit = append(inherit, os.NewFile(uintptr(dup), name))
-	}
-	require.Len(t, inherit, 2)
+	inherit := inheritCopies(t, w1)
+	require.Len(t, inherit, 4)
 	// Not a port 4791 socket: left alone.
 	other, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
 	require.NoError(t, err)
@@ -291,38 +293,23 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 
 	var w2 *wire.UDPWire
 	p.ns.do(t, func() {
-		w2, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", Inherit: inherit, Paused: true})
+		w2, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", Inherit: inherit, Paused: true, QueuesPerFamily: 2})
 	})
 	require.NoError(t, err)
 	t.Cleanup(func() { w2.Close() })
 	for _, f := range inherit {
 		require.ErrorIs(t, f.Close(), os.ErrClosed, "the wire closed every inherited file")
 	}
-	assert.Equal(t, 2, w2.Adopted())
-	got, err = w2.TryReceive(0, bufs, lens)
-	require.NoError(t, err)
-	assert.Zero(t, got, "paused until the successor resumes it")
+	assert.Equal(t, 4, w2.Adopted())
+	assert.Equal(t, w2.Adopted(), w2.Queues(), "no socket opened beside those taken over")
+	for q := range w2.Queues() {
+		got, err = w2.TryReceive(q, bufs, lens)
+		require.NoError(t, err)
+		assert.Zero(t, got, "paused until the successor resumes it")
+	}
 
 	w2.ResumeReceive()
-	var psns []uint32
-	deadline := time.Now().Add(5 * time.Second)
-	for len(psns) < n && time.Now().Before(deadline) {
-		k, err := w2.TryReceive(0, bufs, lens)
-		require.NoError(t, err)
-		for i := range k {
-			var rp roce.Packet
-			require.NoError(t, rp.Parse(bufs[i][:lens[i]]))
-			psns = append(psns, uint32(rp.BTH.PSN()))
-		}
-		if k == 0 {
-			time.Sleep(5 * time.Millisecond)
-		}
-	}
-	want := make([]uint32, n)
-	for i := range want {
-		want[i] = uint32(i)
-	}
-	assert.Equal(t, want, psns, "every datagram queued across the hand-over, in order")
+	assertQueuedInOrder(t, w2, n)
 
 	// Paused again, a receiver blocked in Receive waits at the gate and
 	// returns when the wire closes.
@@ -346,4 +333,287 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("Receive did not return after Close")
 	}
+}
+
+// TestUDPWireSteersByQP: with several receive sockets per family, every
+// packet for one QP (destination address and QPN) arrives on the queue
+// numbered (the address's last 32 bits + the QPN) mod the family's
+// sockets (IPv4's first, then IPv6's), in the order sent; the runs of
+// one flow cross loopback as super-packets (UDP_SEGMENT) and are taken
+// coalesced (UDP_GRO), which the steering sees by their first segment.
+func TestUDPWireSteersByQP(t *testing.T) {
+	needRoot(t)
+	ns := newNetns(t, "steer")
+	ns.addAddr6(t, "fd97::1/64", "lo")
+	ns.addAddr6(t, "fd97::2/64", "lo")
+	ns.addAddr6(t, "fd97::3/64", "lo")
+	const perFamily = 3
+	var w *wire.UDPWire
+	var err error
+	ns.do(t, func() { w, err = wire.NewUDPWire(wire.UDPWireConfig{QueuesPerFamily: perFamily}) })
+	require.NoError(t, err)
+	t.Cleanup(func() { w.Close() })
+	require.Equal(t, 2*perFamily, w.Queues())
+	c := map[string]uint64{}
+	w.Counters(c)
+	assert.Equal(t, uint64(2*perFamily), c["wire_rx_queues"])
+
+	type qpKey struct {
+		dst netip.Addr
+		qpn uint32
+	}
+	want := map[qpKey]int{} // the queue each QP's packets must arrive on
+	const runs, run = 3, 6
+	sport := uint16(0xc000)
+	var sent int
+	for r := range runs {
+		for fi, fam := range [][3]string{{"127.0.0.1", "127.0.0.2", "127.0.0.3"}, {"fd97::1", "fd97::2", "fd97::3"}} {
+			for _, dst := range fam[1:] {
+				for qpn := uint32(16); qpn < 24; qpn++ {
+					a := netip.MustParseAddr(dst).As16()
+					q := fi*perFamily + int((binary.BigEndian.Uint32(a[12:])+qpn)%perFamily)
+					want[qpKey{netip.MustParseAddr(dst), qpn}] = q
+					// One flow (source port) per QP, so that a run is one
+					// super-packet of that QP's packets only.
+					port := sport + uint16(qpn) + uint16(fi)<<8 + uint16(a[15])<<4
+					var dgs []wire.Datagram
+					for k := range run {
+						dgs = append(dgs, wire.Datagram{Packet: buildQPDatagram(fam[0], dst, roce.RCWriteMiddle, 1024, 0, uint32(r*run+k), qpn, port)})
+					}
+					n, err := w.Transmit(dgs)
+					require.NoError(t, err)
+					require.Equal(t, run, n)
+					sent += n
+				}
+			}
+		}
+	}
+
+	bufs, lens := make([][]byte, 64), make([]int, 64)
+	for i := range bufs {
+		bufs[i] = make([]byte, wire.MaxDatagram)
+	}
+	psns := map[qpKey][]uint32{}
+	got := 0
+	for deadline := time.Now().Add(10 * time.Second); got < sent && time.Now().Before(deadline); {
+		idle := true
+		for q := range w.Queues() {
+			k, err := w.TryReceive(q, bufs, lens)
+			require.NoError(t, err)
+			for i := range k {
+				var rp roce.Packet
+				require.NoError(t, rp.Parse(bufs[i][:lens[i]]))
+				key := qpKey{netip.AddrFrom16(rp.DstGID()).Unmap(), rp.BTH.DestQP()}
+				require.Contains(t, want, key)
+				require.Equal(t, want[key], q, "queue of QP %v", key)
+				psns[key] = append(psns[key], uint32(rp.BTH.PSN()))
+			}
+			got += k
+			idle = idle && k == 0
+		}
+		if idle {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	require.Equal(t, sent, got, "every packet received")
+	inOrder := make([]uint32, runs*run)
+	for i := range inOrder {
+		inOrder[i] = uint32(i)
+	}
+	for key, p := range psns {
+		assert.Equal(t, inOrder, p, "QP %v in order", key)
+	}
+	used := map[int]bool{}
+	for _, q := range want {
+		used[q] = true
+	}
+	assert.Len(t, used, 2*perFamily, "the QPs spread over every queue")
+	c = map[string]uint64{}
+	w.Counters(c)
+	assert.NotZero(t, c["wire_rx_coalesced"], "super-packets taken coalesced: %v", c)
+}
+
+// inheritCopies returns duplicates of w's receive sockets, as exec or the
+// descriptor store pass them to a successor.
+func inheritCopies(t *testing.T, w *wire.UDPWire) []*os.File {
+	t.Helper()
+	var inherit []*os.File
+	for name, fd := range w.ReceiveSockets() {
+		dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+		require.NoError(t, err)
+		inherit = append(inherit, os.NewFile(uintptr(dup), name))
+	}
+	return inherit
+}
+
+// assertQueuedInOrder takes n packets for QP 0x77 from w's queues and
+// checks that they came on one queue, with PSNs 0 to n-1 in order.
+func assertQueuedInOrder(t *testing.T, w *wire.UDPWire, n int) {
+	t.Helper()
+	byQueue := receiveQPs(t, w, n)
+	assert.Len(t, byQueue, 1, "one QP's packets on one queue")
+	for _, qps := range byQueue {
+		assert.Equal(t, map[uint32][]uint32{0x77: seq(0, n)}, qps, "every datagram queued across the hand-over, in order")
+	}
+}
+
+// seq returns from, from+1, ... to-1.
+func seq(from, to int) []uint32 {
+	out := make([]uint32, 0, to-from)
+	for i := from; i < to; i++ {
+		out = append(out, uint32(i))
+	}
+	return out
+}
+
+// TestUDPWireInheritOneSocketPerFamily: the sockets of a predecessor with
+// one receive socket per family, bound without SO_REUSEPORT (an earlier
+// version), are taken over although no other socket can join them: each
+// family keeps that one queue, with what was queued on it, in order.
+func TestUDPWireInheritOneSocketPerFamily(t *testing.T) {
+	p := newTunPeer(t)
+	var w1 *wire.UDPWire
+	var err error
+	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", QueuesPerFamily: 1}) })
+	require.NoError(t, err)
+	for _, fd := range w1.ReceiveSockets() {
+		v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT)
+		require.NoError(t, err)
+		require.Zero(t, v, "one socket per family: the port is not shared")
+	}
+	w1.PauseReceive()
+	const n = 40
+	for i := range n {
+		_, err := p.tun.Write(buildDatagram("10.98.0.2", "10.98.0.1", roce.RCWriteOnly, 256, uint16(i), uint32(i)))
+		require.NoError(t, err)
+	}
+	inherit := inheritCopies(t, w1)
+	require.Len(t, inherit, 2)
+	require.NoError(t, w1.Close())
+
+	var w2 *wire.UDPWire
+	p.ns.do(t, func() {
+		w2, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", Inherit: inherit, Paused: true, QueuesPerFamily: 3})
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { w2.Close() })
+	assert.Equal(t, 2, w2.Adopted())
+	assert.Equal(t, 2, w2.Queues(), "one queue per family")
+	assert.Len(t, w2.ReceiveSockets(), 2)
+	w2.ResumeReceive()
+	assertQueuedInOrder(t, w2, n)
+}
+
+// TestUDPWireInheritGrowsGroup: a successor configured for more receive
+// sockets than its predecessor had takes over the predecessor's group,
+// with what was queued, and adds sockets to it; the steering then
+// spreads the QPs over all of them, each QP's packets on one queue, in
+// order.
+func TestUDPWireInheritGrowsGroup(t *testing.T) {
+	p := newTunPeer(t)
+	var w1 *wire.UDPWire
+	var err error
+	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", QueuesPerFamily: 2}) })
+	require.NoError(t, err)
+	w1.PauseReceive()
+	const n = 40
+	for i := range n {
+		_, err := p.tun.Write(buildDatagram("10.98.0.2", "10.98.0.1", roce.RCWriteOnly, 256, uint16(i), uint32(i)))
+		require.NoError(t, err)
+	}
+	inherit := inheritCopies(t, w1)
+	require.Len(t, inherit, 4)
+	require.NoError(t, w1.Close())
+
+	var w2 *wire.UDPWire
+	p.ns.do(t, func() {
+		w2, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", Inherit: inherit, Paused: true, QueuesPerFamily: 3})
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { w2.Close() })
+	assert.Equal(t, 4, w2.Adopted())
+	assert.Equal(t, 6, w2.Queues())
+	names := w2.ReceiveSockets()
+	for _, name := range []string{"udp4", "udp4.1", "udp4.2", "udp6", "udp6.1", "udp6.2"} {
+		assert.Contains(t, names, name)
+	}
+	w2.ResumeReceive()
+	assertQueuedInOrder(t, w2, n)
+
+	// New traffic for several QPs: each QP on one queue, in order, and
+	// the QPs on all three IPv4 queues.
+	const qps, per = 12, 5
+	for i := range per {
+		for qpn := uint32(16); qpn < 16+qps; qpn++ {
+			_, err := p.tun.Write(buildQPDatagram("10.98.0.2", "10.98.0.1", roce.RCWriteMiddle, 256, 0, uint32(i), qpn, 0xc000+uint16(qpn)))
+			require.NoError(t, err)
+		}
+	}
+	byQueue := receiveQPs(t, w2, qps*per)
+	assert.Len(t, byQueue, 3, "every IPv4 queue takes some QPs")
+	seen := map[uint32]bool{}
+	for _, qpsns := range byQueue {
+		for qpn, psns := range qpsns {
+			assert.False(t, seen[qpn], "QP %d on one queue only", qpn)
+			seen[qpn] = true
+			assert.Equal(t, seq(0, per), psns, "QP %d in order", qpn)
+		}
+	}
+	assert.Len(t, seen, qps)
+}
+
+// receiveQPs takes n packets from w's queues and returns, for each queue
+// that received any, the PSNs of each destination QP in the order
+// received.
+func receiveQPs(t *testing.T, w *wire.UDPWire, n int) map[int]map[uint32][]uint32 {
+	t.Helper()
+	bufs, lens := make([][]byte, 64), make([]int, 64)
+	for i := range bufs {
+		bufs[i] = make([]byte, wire.MaxDatagram)
+	}
+	out := map[int]map[uint32][]uint32{}
+	got := 0
+	for deadline := time.Now().Add(5 * time.Second); got < n && time.Now().Before(deadline); {
+		idle := true
+		for q := range w.Queues() {
+			k, err := w.TryReceive(q, bufs, lens)
+			require.NoError(t, err)
+			for i := range k {
+				var rp roce.Packet
+				require.NoError(t, rp.Parse(bufs[i][:lens[i]]))
+				if out[q] == nil {
+					out[q] = map[uint32][]uint32{}
+				}
+				out[q][rp.BTH.DestQP()] = append(out[q][rp.BTH.DestQP()], uint32(rp.BTH.PSN()))
+			}
+			got += k
+			idle = idle && k == 0
+		}
+		if idle {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	require.Equal(t, n, got, "every packet received")
+	return out
+}
+
+// TestUDPWirePortShared: a socket of another program holding port 4791
+// with SO_REUSEPORT (which would let the wire's sockets join it and share
+// the traffic) makes opening the wire fail as a socket without it does.
+func TestUDPWirePortShared(t *testing.T) {
+	needRoot(t)
+	ns := newNetns(t, "shared")
+	var w *wire.UDPWire
+	var err error
+	ns.do(t, func() {
+		fd, e := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		require.NoError(t, e)
+		t.Cleanup(func() { unix.Close(fd) })
+		require.NoError(t, unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1))
+		require.NoError(t, unix.Bind(fd, &unix.SockaddrInet4{Port: roce.UDPPort}))
+		w, err = wire.NewUDPWire(wire.UDPWireConfig{QueuesPerFamily: 2})
+	})
+	require.Error(t, err)
+	assert.Nil(t, w)
+	assert.Contains(t, err.Error(), "bind udp 4791")
 }
