@@ -466,21 +466,18 @@ func seq(from, to int) []uint32 {
 	return out
 }
 
-// TestUDPWireInheritOneSocketPerFamily: the sockets of a predecessor with
-// one receive socket per family, bound without SO_REUSEPORT (an earlier
-// version), are taken over although no other socket can join them: each
-// family keeps that one queue, with what was queued on it, in order.
-func TestUDPWireInheritOneSocketPerFamily(t *testing.T) {
+// handOverQueued opens a wire with from receive sockets per family on a
+// TUN peer, lets check look at it, pauses it, queues 40 datagrams on it,
+// and hands its sockets over to a successor configured for to: it returns
+// the successor once it has received the 40, in order, and the peer.
+func handOverQueued(t *testing.T, from, to int, check func(*wire.UDPWire)) (*wire.UDPWire, *tunPeer) {
+	t.Helper()
 	p := newTunPeer(t)
 	var w1 *wire.UDPWire
 	var err error
-	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", QueuesPerFamily: 1}) })
+	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", QueuesPerFamily: from}) })
 	require.NoError(t, err)
-	for _, fd := range w1.ReceiveSockets() {
-		v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT)
-		require.NoError(t, err)
-		require.Zero(t, v, "one socket per family: the port is not shared")
-	}
+	check(w1)
 	w1.PauseReceive()
 	const n = 40
 	for i := range n {
@@ -488,20 +485,35 @@ func TestUDPWireInheritOneSocketPerFamily(t *testing.T) {
 		require.NoError(t, err)
 	}
 	inherit := inheritCopies(t, w1)
-	require.Len(t, inherit, 2)
+	require.Len(t, inherit, 2*from)
 	require.NoError(t, w1.Close())
 
 	var w2 *wire.UDPWire
 	p.ns.do(t, func() {
-		w2, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", Inherit: inherit, Paused: true, QueuesPerFamily: 3})
+		w2, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", Inherit: inherit, Paused: true, QueuesPerFamily: to})
 	})
 	require.NoError(t, err)
 	t.Cleanup(func() { w2.Close() })
+	w2.ResumeReceive()
+	assertQueuedInOrder(t, w2, n)
+	return w2, p
+}
+
+// TestUDPWireInheritOneSocketPerFamily: the sockets of a predecessor with
+// one receive socket per family, bound without SO_REUSEPORT (an earlier
+// version), are taken over although no other socket can join them: each
+// family keeps that one queue, with what was queued on it, in order.
+func TestUDPWireInheritOneSocketPerFamily(t *testing.T) {
+	w2, _ := handOverQueued(t, 1, 3, func(w1 *wire.UDPWire) {
+		for _, fd := range w1.ReceiveSockets() {
+			v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT)
+			require.NoError(t, err)
+			require.Zero(t, v, "one socket per family: the port is not shared")
+		}
+	})
 	assert.Equal(t, 2, w2.Adopted())
 	assert.Equal(t, 2, w2.Queues(), "one queue per family")
 	assert.Len(t, w2.ReceiveSockets(), 2)
-	w2.ResumeReceive()
-	assertQueuedInOrder(t, w2, n)
 }
 
 // TestUDPWireInheritGrowsGroup: a successor configured for more receive
@@ -510,35 +522,13 @@ func TestUDPWireInheritOneSocketPerFamily(t *testing.T) {
 // spreads the QPs over all of them, each QP's packets on one queue, in
 // order.
 func TestUDPWireInheritGrowsGroup(t *testing.T) {
-	p := newTunPeer(t)
-	var w1 *wire.UDPWire
-	var err error
-	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", QueuesPerFamily: 2}) })
-	require.NoError(t, err)
-	w1.PauseReceive()
-	const n = 40
-	for i := range n {
-		_, err := p.tun.Write(buildDatagram("10.98.0.2", "10.98.0.1", roce.RCWriteOnly, 256, uint16(i), uint32(i)))
-		require.NoError(t, err)
-	}
-	inherit := inheritCopies(t, w1)
-	require.Len(t, inherit, 4)
-	require.NoError(t, w1.Close())
-
-	var w2 *wire.UDPWire
-	p.ns.do(t, func() {
-		w2, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", Inherit: inherit, Paused: true, QueuesPerFamily: 3})
-	})
-	require.NoError(t, err)
-	t.Cleanup(func() { w2.Close() })
+	w2, p := handOverQueued(t, 2, 3, func(*wire.UDPWire) {})
 	assert.Equal(t, 4, w2.Adopted())
 	assert.Equal(t, 6, w2.Queues())
 	names := w2.ReceiveSockets()
 	for _, name := range []string{"udp4", "udp4.1", "udp4.2", "udp6", "udp6.1", "udp6.2"} {
 		assert.Contains(t, names, name)
 	}
-	w2.ResumeReceive()
-	assertQueuedInOrder(t, w2, n)
 
 	// New traffic for several QPs: each QP on one queue, in order, and
 	// the QPs on all three IPv4 queues.
