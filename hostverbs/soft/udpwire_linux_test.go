@@ -389,33 +389,13 @@ func TestUDPWireSteersByQP(t *testing.T) {
 		}
 	}
 
-	bufs, lens := make([][]byte, 64), make([]int, 64)
-	for i := range bufs {
-		bufs[i] = make([]byte, wire.MaxDatagram)
-	}
 	psns := map[qpKey][]uint32{}
-	got := 0
-	for deadline := time.Now().Add(10 * time.Second); got < sent && time.Now().Before(deadline); {
-		idle := true
-		for q := range w.Queues() {
-			k, err := w.TryReceive(q, bufs, lens)
-			require.NoError(t, err)
-			for i := range k {
-				var rp roce.Packet
-				require.NoError(t, rp.Parse(bufs[i][:lens[i]]))
-				key := qpKey{netip.AddrFrom16(rp.DstGID()).Unmap(), rp.BTH.DestQP()}
-				require.Contains(t, want, key)
-				require.Equal(t, want[key], q, "queue of QP %v", key)
-				psns[key] = append(psns[key], uint32(rp.BTH.PSN()))
-			}
-			got += k
-			idle = idle && k == 0
-		}
-		if idle {
-			time.Sleep(5 * time.Millisecond)
-		}
-	}
-	require.Equal(t, sent, got, "every packet received")
+	receiveEach(t, w, sent, 10*time.Second, func(q int, rp *roce.Packet) {
+		key := qpKey{netip.AddrFrom16(rp.DstGID()).Unmap(), rp.BTH.DestQP()}
+		require.Contains(t, want, key)
+		require.Equal(t, want[key], q, "queue of QP %v", key)
+		psns[key] = append(psns[key], uint32(rp.BTH.PSN()))
+	})
 	inOrder := make([]uint32, runs*run)
 	for i := range inOrder {
 		inOrder[i] = uint32(i)
@@ -557,13 +537,27 @@ func TestUDPWireInheritGrowsGroup(t *testing.T) {
 // received.
 func receiveQPs(t *testing.T, w *wire.UDPWire, n int) map[int]map[uint32][]uint32 {
 	t.Helper()
+	out := map[int]map[uint32][]uint32{}
+	receiveEach(t, w, n, 5*time.Second, func(q int, rp *roce.Packet) {
+		if out[q] == nil {
+			out[q] = map[uint32][]uint32{}
+		}
+		out[q][rp.BTH.DestQP()] = append(out[q][rp.BTH.DestQP()], uint32(rp.BTH.PSN()))
+	})
+	return out
+}
+
+// receiveEach takes n packets from w's queues, waiting up to within, and
+// calls each with every packet and the queue it came from; it fails the
+// test if fewer arrive.
+func receiveEach(t *testing.T, w *wire.UDPWire, n int, within time.Duration, each func(q int, rp *roce.Packet)) {
+	t.Helper()
 	bufs, lens := make([][]byte, 64), make([]int, 64)
 	for i := range bufs {
 		bufs[i] = make([]byte, wire.MaxDatagram)
 	}
-	out := map[int]map[uint32][]uint32{}
 	got := 0
-	for deadline := time.Now().Add(5 * time.Second); got < n && time.Now().Before(deadline); {
+	for deadline := time.Now().Add(within); got < n && time.Now().Before(deadline); {
 		idle := true
 		for q := range w.Queues() {
 			k, err := w.TryReceive(q, bufs, lens)
@@ -571,10 +565,7 @@ func receiveQPs(t *testing.T, w *wire.UDPWire, n int) map[int]map[uint32][]uint3
 			for i := range k {
 				var rp roce.Packet
 				require.NoError(t, rp.Parse(bufs[i][:lens[i]]))
-				if out[q] == nil {
-					out[q] = map[uint32][]uint32{}
-				}
-				out[q][rp.BTH.DestQP()] = append(out[q][rp.BTH.DestQP()], uint32(rp.BTH.PSN()))
+				each(q, &rp)
 			}
 			got += k
 			idle = idle && k == 0
@@ -584,7 +575,6 @@ func receiveQPs(t *testing.T, w *wire.UDPWire, n int) map[int]map[uint32][]uint3
 		}
 	}
 	require.Equal(t, n, got, "every packet received")
-	return out
 }
 
 // TestUDPWirePortShared: a socket of another program holding port 4791
