@@ -386,11 +386,11 @@ func (s *vmSession) checkGID(c *vmConn, e hostverbs.GIDEntry) error {
 	// The static rules cost nothing; the rest lists the host's addresses
 	// (netlink) and may lead to a host address change, so it is metered.
 	err := s.policy.check(a)
-	// A VM on the IP-mode default keeps the GIDs it had: those reserved
+	// A VM on the default (no pool) keeps the GIDs it had: those reserved
 	// to it, and those its device journal binds again (a predecessor
 	// accepted them under its own default).
 	if errors.Is(err, errNotAssigned) && s.policy.keepReserved && (c.replaying.Load() || s.d.owners.holds(s.name, a)) {
-		s.lim.Warn("gid-grandfathered", "GID kept: reserved to the VM before the IP-mode default (no addresses without a declared pool); declare it with --gid-allow or the VM's gid-allow",
+		s.lim.Warn("gid-grandfathered", "GID kept: reserved to the VM before the default changed (no addresses without a declared pool); declare it with --gid-allow or the VM's gid-allow",
 			"gid", a)
 		err = nil
 	}
