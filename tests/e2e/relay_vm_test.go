@@ -88,7 +88,7 @@ until rdmacheck 10.77.0.1 18520 rxe0 $g; do i=$((i+1)); [ $i -lt 60 ] || exit 1;
 for t in "ib_write_bw 18531" "ib_read_bw 18532" "ib_atomic_bw 18533"; do
 	set -- $t
 	echo "=== $1"
-	pvt_retry 120 $1 -d rxe0 -x $g -F -n 200 -p $2 10.77.0.1
+	pvt_retry 120 $1 -d rxe0 -x $g -F -n 200 -u 18 -p $2 10.77.0.1 # -u: see perftestQPTimeout
 done
 `,
 	}
