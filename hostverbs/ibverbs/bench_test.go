@@ -3,6 +3,9 @@
 package ibverbs
 
 import (
+	"os"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -145,17 +148,26 @@ func benchWrite64K(b *testing.B, bp *benchPair) {
 	posted, done := 0, 0
 	b.SetBytes(size)
 	b.ResetTimer()
+	c0 := contextSwitches()
 	start := time.Now()
+	var inPost, inWait time.Duration
 	for done < b.N {
 		for posted < b.N && posted-done < 16 {
+			s := time.Now()
 			require.NoError(b, bp.qa.PostSend(&hostverbs.SendWR{WRID: uint64(posted), Opcode: hostverbs.WRRDMAWrite,
 				Flags: hostverbs.SendSignaled, SGL: sge, RemoteAddr: benchIOVA + uint64(posted%16)*size, RKey: bp.mrb.RKey()}))
+			inPost += time.Since(s)
 			posted++
 		}
+		s := time.Now()
 		bp.wait(b, bp.cqa)
+		inWait += time.Since(s)
 		done++
 	}
 	b.ReportMetric(float64(b.N)*size/time.Since(start).Seconds()/1e6, "MB/s")
+	b.ReportMetric(float64(inPost.Microseconds())/float64(b.N), "usec_in_post")
+	b.ReportMetric(float64(inWait.Microseconds())/float64(b.N), "usec_in_wait")
+	b.ReportMetric(float64(contextSwitches()-c0)/float64(b.N), "switches/op")
 }
 
 // BenchmarkRelaySend8: post-to-completion time of one signaled 8 B SEND
@@ -224,4 +236,25 @@ func benchCgoCall(b *testing.B, d time.Duration) {
 	}
 	b.ReportMetric(float64(inC.Microseconds())/float64(b.N), "usec_cgo")
 	b.ReportMetric(float64(inGo.Microseconds())/float64(b.N), "usec_go")
+}
+
+// contextSwitches is the system's count of context switches so far
+// (/proc/stat's ctxt), -1 if it cannot be read: the relay's benchmarks
+// report how many a post costs the machine (threads woken by completion
+// events and by the runtime's hand-off of a long cgo call's processor).
+func contextSwitches() int64 {
+	raw, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return -1
+	}
+	for _, l := range strings.Split(string(raw), "\n") {
+		if v, ok := strings.CutPrefix(l, "ctxt "); ok {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil {
+				return -1
+			}
+			return n
+		}
+	}
+	return -1
 }

@@ -148,6 +148,12 @@ done
 	b.ReportMetric(med(rw)/med(pw), "x_write64k_throughput")
 	b.ReportMetric(med(rs)/med(ps), "x_send8_latency")
 	b.Logf("relay SEND 8B with both QPs on one device (one completion goroutine): %v usec, %.2fx plain", one, med(one)/med(ps))
+	// What the relay's shape (a completion thread woken by events beside the
+	// posting thread) costs without Go: the WRITE reference in that shape.
+	pt := num(`WRITE64KTHREAD ([\d.]+) MB/s`)
+	b.Logf("RATIO plain in the relay's thread shape/plain: WRITE 64K %.2fx (%v MB/s); relay/that: %.2fx",
+		med(pt)/med(pw), pt, med(rw)/med(pt))
+	b.ReportMetric(med(rw)/med(pt), "x_write64k_throughput_vs_plain_thread")
 	armed := num(`SEND8ARMED ([\d.]+) usec`)
 	b.Logf("RATIO relay default (event-driven: CQs armed)/plain with both CQs armed at every post: SEND 8B %.2fx (plain armed %v usec)", med(rs)/med(armed), armed)
 	b.ReportMetric(med(rs)/med(armed), "x_send8_latency_vs_plain_armed")

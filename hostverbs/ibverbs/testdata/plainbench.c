@@ -12,10 +12,17 @@
 //                     at every post (an event-driven program's state)
 //   SEND8MEMFD <usec> SEND8 with both MRs over a shared memfd mapping, as
 //                     the relay's (guest RAM) are
+//   WRITE64KTHREAD <MB/s> WRITE64K in the relay's shape: a second thread
+//                     blocked on the completion channel drains and re-arms
+//                     the CQ after every event while the posting thread
+//                     polls after each post (what that shape costs in C)
+// Each WRITE line also gives the time per write in ibv_post_send (rxe does
+// the transfer inside it) and the machine's context switches per write.
 // Usage: plainbench DEV GID_INDEX NWRITES NSENDS
 #define _GNU_SOURCE
 #include <infiniband/verbs.h>
 #include <sys/mman.h>
+#include <pthread.h>
 #include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +36,16 @@ static double now(void) {
 }
 
 static void die(const char *what) { perror(what); exit(1); }
+
+static long ctxt(void) {
+	FILE *f = fopen("/proc/stat", "r");
+	char line[512];
+	long v = -1;
+	while (f && fgets(line, sizeof(line), f))
+		if (sscanf(line, "ctxt %ld", &v) == 1) break;
+	if (f) fclose(f);
+	return v;
+}
 
 static struct ibv_qp *mkqp(struct ibv_pd *pd, struct ibv_cq *cq) {
 	struct ibv_qp_init_attr ia = {.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
@@ -68,6 +85,103 @@ static void wait_one(struct ibv_comp_channel *ch, struct ibv_cq *cq, struct ibv_
 	}
 }
 
+// write_run posts nw 64 KiB RDMA WRITEs from sge to dst (16 slots of 64 KiB
+// under rkey), 16 outstanding, and prints the rate and where the time went.
+static void write_run(const char *name, struct ibv_qp *a, struct ibv_comp_channel *ch, struct ibv_cq *cq,
+		struct ibv_sge *sge, uintptr_t dst, uint32_t rkey, int nw) {
+	struct ibv_send_wr wr = {.sg_list = sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_SIGNALED}, *bad;
+	struct ibv_wc wc;
+	int posted = 0, done = 0;
+	long c0 = ctxt();
+	double t0 = now(), inpost = 0, inwait = 0;
+	while (done < nw) {
+		while (posted < nw && posted - done < 16) {
+			wr.wr_id = posted;
+			wr.wr.rdma.remote_addr = dst + (posted % 16) * (uintptr_t)sge->length;
+			wr.wr.rdma.rkey = rkey;
+			double s = now();
+			if (ibv_post_send(a, &wr, &bad)) die("post write");
+			inpost += now() - s;
+			posted++;
+		}
+		double s = now();
+		wait_one(ch, cq, &wc);
+		inwait += now() - s;
+		done++;
+	}
+	double el = now() - t0;
+	printf("%s %.1f MB/s (%d writes in %.3f s; %.1f usec in ibv_post_send, %.1f usec waiting, %.2f context switches, per write)\n",
+		name, nw * (double)sge->length / el / 1e6, nw, el, inpost / nw * 1e6, inwait / nw * 1e6, (double)(ctxt() - c0) / nw);
+}
+
+// The relay's shape: a completion thread blocked on the channel drains the
+// CQ and re-arms it after every event, while the posting thread also polls
+// after each post; both count completions under a lock.
+struct evthread {
+	struct ibv_comp_channel *ch;
+	struct ibv_cq *cq;
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	int done, stop;
+};
+
+static int ev_poll(struct evthread *e) {
+	struct ibv_wc wc[16];
+	int n, got = 0;
+	pthread_mutex_lock(&e->mu);
+	while ((n = ibv_poll_cq(e->cq, 16, wc)) > 0) {
+		for (int i = 0; i < n; i++)
+			if (wc[i].status != IBV_WC_SUCCESS) { fprintf(stderr, "wc status %d\n", wc[i].status); exit(1); }
+		e->done += n;
+		got += n;
+	}
+	if (got) pthread_cond_broadcast(&e->cv);
+	pthread_mutex_unlock(&e->mu);
+	return got;
+}
+
+static void *ev_loop(void *arg) {
+	struct evthread *e = arg;
+	for (;;) {
+		struct ibv_cq *ecq; void *ctx;
+		if (ibv_get_cq_event(e->ch, &ecq, &ctx)) return NULL;
+		ibv_ack_cq_events(ecq, 1);
+		if (e->stop) return NULL;
+		ev_poll(e);
+		if (ibv_req_notify_cq(e->cq, 0)) die("arm");
+		ev_poll(e);
+	}
+}
+
+static void write_thread(struct ibv_context *c, struct ibv_qp *a, struct evthread *e, struct ibv_sge *sge,
+		uintptr_t dst, uint32_t rkey, int nw) {
+	struct ibv_send_wr wr = {.sg_list = sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_SIGNALED}, *bad;
+	int posted = 0;
+	long c0 = ctxt();
+	double t0 = now(), inpost = 0;
+	for (;;) {
+		pthread_mutex_lock(&e->mu);
+		int done = e->done;
+		while (posted - done >= 16 || (posted >= nw && done < nw)) {
+			pthread_cond_wait(&e->cv, &e->mu);
+			done = e->done;
+		}
+		pthread_mutex_unlock(&e->mu);
+		if (done >= nw) break;
+		wr.wr_id = posted;
+		wr.wr.rdma.remote_addr = dst + (posted % 16) * (uintptr_t)sge->length;
+		wr.wr.rdma.rkey = rkey;
+		double s = now();
+		if (ibv_post_send(a, &wr, &bad)) die("post write");
+		inpost += now() - s;
+		posted++;
+		ev_poll(e);
+	}
+	double el = now() - t0;
+	printf("WRITE64KTHREAD %.1f MB/s (%d writes in %.3f s; %.1f usec in ibv_post_send, %.2f context switches, per write)\n",
+		nw * (double)sge->length / el / 1e6, nw, el, inpost / nw * 1e6, (double)(ctxt() - c0) / nw);
+}
+
 int main(int argc, char **argv) {
 	if (argc != 5) { fprintf(stderr, "usage: %s DEV GID_INDEX NWRITES NSENDS\n", argv[0]); return 2; }
 	int gidx = atoi(argv[2]), nw = atoi(argv[3]), ns = atoi(argv[4]);
@@ -97,22 +211,8 @@ int main(int argc, char **argv) {
 	struct ibv_sge sge = {.addr = (uintptr_t)src, .length = sz, .lkey = smr->lkey};
 	struct ibv_send_wr wr = {.sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_SIGNALED}, *bad;
 	struct ibv_wc wc;
-	int posted = 0, done = 0;
-	double t0 = now();
-	while (done < nw) {
-		while (posted < nw && posted - done < 16) {
-			wr.wr_id = posted;
-			wr.wr.rdma.remote_addr = (uintptr_t)dst + (posted % 16) * sz;
-			wr.wr.rdma.rkey = dmr->rkey;
-			if (ibv_post_send(a, &wr, &bad)) die("post write");
-			posted++;
-		}
-		wait_one(ch, cq, &wc);
-		done++;
-	}
-	double el = now() - t0;
+	write_run("WRITE64K", a, ch, cq, &sge, (uintptr_t)dst, dmr->rkey, nw);
 	if (memcmp(dst, src, sz)) { fprintf(stderr, "WRITE data differs\n"); return 1; }
-	printf("WRITE64K %.1f MB/s (%d writes in %.3f s)\n", nw * (double)sz / el / 1e6, nw, el);
 
 	// 8 B SENDs, post to completion, one at a time.
 	struct ibv_sge rsge = {.addr = (uintptr_t)dst, .length = 64, .lkey = dmr->lkey};
@@ -203,5 +303,18 @@ int main(int argc, char **argv) {
 			;
 	}
 	printf("SEND8MEMFD %.1f usec (mean of %d; %.1f usec in ibv_post_send)\n", total / ns * 1e6, ns, inpost3 / ns * 1e6);
+
+	// WRITE64KTHREAD: the relay's shape in C (see write_thread).
+	struct evthread e = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+	e.ch = ibv_create_comp_channel(c);
+	e.cq = e.ch ? ibv_create_cq(c, 256, NULL, e.ch, 0) : NULL;
+	if (!e.cq || ibv_req_notify_cq(e.cq, 0)) die("thread cq");
+	struct ibv_qp *a3 = mkqp(pd, e.cq), *b3 = mkqp(pd, rcq);
+	connect_qp(a3, b3->qp_num, &gid, gidx);
+	connect_qp(b3, a3->qp_num, &gid, gidx);
+	pthread_t th;
+	if (pthread_create(&th, NULL, ev_loop, &e)) die("thread");
+	struct ibv_sge tsge = {.addr = (uintptr_t)src, .length = sz, .lkey = smr->lkey};
+	write_thread(c, a3, &e, &tsge, (uintptr_t)dst, dmr->rkey, nw);
 	return 0;
 }
