@@ -4,6 +4,7 @@ package soft
 
 import (
 	"encoding/binary"
+	"fmt"
 	"math/rand/v2"
 	"net/netip"
 	"os"
@@ -236,24 +237,6 @@ func TestUDPWireReceiveIntegrity(t *testing.T) {
 	}
 }
 
-// TestUDPWirePortTaken: with port 4791 held (by kernel rxe, say), opening
-// the wire fails with an error that says so, releasing what it opened.
-func TestUDPWirePortTaken(t *testing.T) {
-	needRoot(t)
-	ns := newNetns(t, "taken")
-	var w *wire.UDPWire
-	var err error
-	ns.do(t, func() {
-		fd, e := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-		require.NoError(t, e)
-		t.Cleanup(func() { unix.Close(fd) })
-		require.NoError(t, unix.Bind(fd, &unix.SockaddrInet4{Port: roce.UDPPort}))
-		w, err = wire.NewUDPWire(wire.UDPWireConfig{})
-	})
-	require.Error(t, err)
-	assert.Nil(t, w)
-	assert.Contains(t, err.Error(), "bind udp 4791")
-}
 
 // TestUDPWireInheritKeepsQueued: a wire that pauses receiving leaves what
 // arrives in the kernel; a successor that inherits its port 4791 sockets
@@ -577,23 +560,33 @@ func receiveEach(t *testing.T, w *wire.UDPWire, n int, within time.Duration, eac
 	require.Equal(t, n, got, "every packet received")
 }
 
-// TestUDPWirePortShared: a socket of another program holding port 4791
-// with SO_REUSEPORT (which would let the wire's sockets join it and share
-// the traffic) makes opening the wire fail as a socket without it does.
-func TestUDPWirePortShared(t *testing.T) {
+// TestUDPWirePortTaken: with port 4791 held (by kernel rxe, say), opening
+// the wire fails with an error that says so, releasing what it opened; a
+// socket of another program holding the port with SO_REUSEPORT (which
+// would let the wire's sockets join it and share the traffic) makes
+// opening it fail the same way.
+func TestUDPWirePortTaken(t *testing.T) {
 	needRoot(t)
-	ns := newNetns(t, "shared")
-	var w *wire.UDPWire
-	var err error
-	ns.do(t, func() {
-		fd, e := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-		require.NoError(t, e)
-		t.Cleanup(func() { unix.Close(fd) })
-		require.NoError(t, unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1))
-		require.NoError(t, unix.Bind(fd, &unix.SockaddrInet4{Port: roce.UDPPort}))
-		w, err = wire.NewUDPWire(wire.UDPWireConfig{QueuesPerFamily: 2})
-	})
-	require.Error(t, err)
-	assert.Nil(t, w)
-	assert.Contains(t, err.Error(), "bind udp 4791")
+	for _, reuse := range []bool{false, true} {
+		t.Run(fmt.Sprintf("reuseport=%v", reuse), func(t *testing.T) {
+			ns := newNetns(t, fmt.Sprintf("taken%v", reuse))
+			var w *wire.UDPWire
+			var err error
+			ns.do(t, func() {
+				fd, e := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+				require.NoError(t, e)
+				t.Cleanup(func() { unix.Close(fd) })
+				cfg := wire.UDPWireConfig{}
+				if reuse {
+					require.NoError(t, unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_REUSEPORT, 1))
+					cfg.QueuesPerFamily = 2
+				}
+				require.NoError(t, unix.Bind(fd, &unix.SockaddrInet4{Port: roce.UDPPort}))
+				w, err = wire.NewUDPWire(cfg)
+			})
+			require.Error(t, err)
+			assert.Nil(t, w)
+			assert.Contains(t, err.Error(), "bind udp 4791")
+		})
+	}
 }
