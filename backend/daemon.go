@@ -135,6 +135,7 @@ func New(cfg Config) (*Daemon, error) {
 	if err := access.prepareDir(cfg.SocketDir); err != nil {
 		return nil, err
 	}
+	warnHiddenProc(cfg.Logger)
 	if cfg.MemoryBudget == 0 {
 		var si unix.Sysinfo_t
 		if err := unix.Sysinfo(&si); err != nil {

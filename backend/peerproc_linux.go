@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"strconv"
@@ -184,4 +185,20 @@ func readProcFile(name string, max int) ([]byte, error) {
 		return nil, fmt.Errorf("%s: more than %d bytes", name, max)
 	}
 	return b, nil
+}
+
+// warnHiddenProc says at start if the daemon's /proc hides other users'
+// processes (hidepid=, systemd's ProtectProc=invisible or noaccess): the
+// daemon then cannot read a QEMU's cgroups, and refuses every QEMU that
+// runs as another user. PID 1 is root's, so it is visible to the daemon
+// only if others' processes are.
+func warnHiddenProc(log *slog.Logger) {
+	if os.Geteuid() == 0 {
+		return
+	}
+	if _, err := os.Stat("/proc/1/cgroup"); err != nil {
+		log.Warn("the daemon cannot read other users' processes in /proc (hidepid, ProtectProc=): "+
+			"every QEMU that runs as another user will be refused, since its cgroups cannot be checked; "+
+			"give the daemon a /proc without hidepid (the packaged unit has ProtectProc=default)", "err", err)
+	}
 }
