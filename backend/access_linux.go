@@ -259,6 +259,15 @@ func (s *vmSession) checkPeer(c net.Conn) (*unix.Ucred, string, error) {
 		return cred, "", fmt.Errorf("uid %d, the VM's QEMU runs as %d: %w", cred.Uid, u, errNotThisVM)
 	}
 	p, err := readPeerProcess(c, cred)
+	if errors.Is(err, errPeerOutside) && s.identity.cgroup == "" {
+		// A daemon in a container, its QEMUs outside: the libvirt machine
+		// rule cannot be applied, and the VM is identified as without it
+		// (by uid, or by the socket group). A VM registered with a cgroup
+		// of its own is refused below: that rule cannot be checked.
+		s.lim.Warn("peer-outside", "QEMU outside the daemon's pid namespace: its cgroup cannot be checked, "+
+			"so the VM's sockets admit it by uid or socket group only", "pid", cred.Pid, "uid", cred.Uid)
+		return cred, "", nil
+	}
 	if err != nil {
 		return cred, "", fmt.Errorf("peer cgroups: %w", err)
 	}

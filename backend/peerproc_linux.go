@@ -44,6 +44,13 @@ const pfExiting = 0x4
 // its cgroups.
 var errPeerGone = errors.New("peer process exited")
 
+// errPeerOutside: the peer's process is not in the pid namespace of the
+// daemon's /proc (SO_PEERCRED gives PID 0): the daemon runs in a container
+// and the QEMU outside it. Its cgroups cannot be read; a process cannot
+// leave the daemon's pid namespace for an outer one, so only a daemon in a
+// container meets such peers (see checkPeer).
+var errPeerOutside = errors.New("peer process outside the daemon's pid namespace")
+
 // peerProcess is what the daemon read of a peer's process.
 type peerProcess struct {
 	pid     int
@@ -62,7 +69,7 @@ func readPeerProcess(c net.Conn, cred *unix.Ucred) (peerProcess, error) {
 	}
 	if pidfd < 0 {
 		if cred.Pid <= 0 {
-			return peerProcess{}, fmt.Errorf("peer PID %d not visible in the daemon's pid namespace", cred.Pid)
+			return peerProcess{}, fmt.Errorf("peer PID %d: %w", cred.Pid, errPeerOutside)
 		}
 		return readProcess(int(cred.Pid), -1)
 	}
@@ -157,7 +164,7 @@ func pidfdPID(pidfd int) (int, error) {
 		case pid == -1:
 			return 0, errPeerGone
 		case pid <= 0:
-			return 0, errors.New("peer process not in the pid namespace of the daemon's /proc")
+			return 0, errPeerOutside
 		}
 		return pid, nil
 	}
