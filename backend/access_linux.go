@@ -195,32 +195,82 @@ func peerCred(c net.Conn) (*unix.Ucred, error) {
 }
 
 // admit wraps a VM socket's listener (already filtered by the access
-// policy) so that, for a VM registered with its QEMU's uid, only that uid,
-// root and the daemon's own user are served: another QEMU of the socket
-// group cannot connect as this VM. Refusals are counted (refused_peers)
-// and logged, rate-limited.
-func (s *vmSession) admit(ln net.Listener) net.Listener {
-	if s.qemuUID == 0 {
-		return ln
-	}
-	return &identityListener{Listener: ln, s: s}
+// policy) so that only the VM's QEMU is served, as its identity says
+// (cgroupid.go): its uid if it has one (and root and the daemon's own
+// user), its cgroup if it has one, and by default no QEMU of another
+// libvirt domain. The others are closed at accept, counted
+// (refused_peers) and logged, rate-limited. vfio marks the vfio-user
+// socket, whose admitted peer becomes the VM's connection (newDevice).
+func (s *vmSession) admit(ln net.Listener, vfio bool) net.Listener {
+	return &identityListener{Listener: ln, s: s, vfio: vfio}
 }
 
 type identityListener struct {
 	net.Listener
-	s *vmSession
+	s    *vmSession
+	vfio bool
 }
 
 func (l *identityListener) Accept() (net.Conn, error) {
 	s := l.s
-	return acceptAllowed(l.Listener, func(cred *unix.Ucred) bool {
-		return cred.Uid == s.qemuUID || cred.Uid == 0 || int(cred.Uid) == os.Geteuid()
-	}, func(cred *unix.Ucred, err error) {
-		s.d.access.refused.Add(1)
+	for {
+		c, err := l.Listener.Accept()
 		if err != nil {
-			s.lim.Warn("peer-identity", "connection refused: no peer credentials", "err", err)
-		} else {
-			s.lim.Warn("peer-identity", "connection refused: not this VM's QEMU", "uid", cred.Uid, "pid", cred.Pid, "qemu_uid", s.qemuUID)
+			return nil, err
 		}
-	})
+		cred, machine, err := s.checkPeer(c)
+		if err == nil {
+			if l.vfio {
+				s.mu.Lock()
+				s.admitted = admittedPeer{pid: cred.Pid, machine: machine}
+				s.mu.Unlock()
+			}
+			return c, nil
+		}
+		_ = c.Close()
+		s.d.access.refused.Add(1)
+		socket := "qmp"
+		if l.vfio {
+			socket = "vfio-user"
+		}
+		args := []any{"socket", socket, "err", err}
+		if cred != nil {
+			args = append(args, "uid", cred.Uid, "pid", cred.Pid)
+		}
+		if errors.Is(err, errNotThisVM) {
+			s.lim.Warn("peer-identity", "connection refused: not this VM's QEMU", args...)
+		} else {
+			s.lim.Warn("peer-unknown", "connection refused: cannot tell whose QEMU the peer is", args...)
+		}
+	}
+}
+
+// checkPeer applies the VM's identity to a connection's peer; it returns
+// the peer's credentials and the libvirt machine through which it is the
+// VM's QEMU, if any. Root and the daemon's own user pass the uid rule but
+// not the cgroup rules: a root QEMU in another domain's cgroup is still
+// another VM's.
+func (s *vmSession) checkPeer(c net.Conn) (*unix.Ucred, string, error) {
+	cred, err := peerCred(c)
+	if err != nil {
+		return nil, "", fmt.Errorf("peer credentials: %w", err)
+	}
+	if u := s.identity.uid; u != 0 && cred.Uid != u && cred.Uid != 0 && int(cred.Uid) != os.Geteuid() {
+		return cred, "", fmt.Errorf("uid %d, the VM's QEMU runs as %d: %w", cred.Uid, u, errNotThisVM)
+	}
+	p, err := readPeerProcess(c, cred)
+	if errors.Is(err, errPeerOutside) && s.identity.cgroup == "" {
+		// A daemon in a container, its QEMUs outside: the libvirt machine
+		// rule cannot be applied, and the VM is identified as without it
+		// (by uid, or by the socket group). A VM registered with a cgroup
+		// of its own is refused below: that rule cannot be checked.
+		s.lim.Warn("peer-outside", "QEMU outside the daemon's pid namespace: its cgroup cannot be checked, "+
+			"so the VM's sockets admit it by uid or socket group only", "pid", cred.Pid, "uid", cred.Uid)
+		return cred, "", nil
+	}
+	if err != nil {
+		return cred, "", fmt.Errorf("peer cgroups: %w", err)
+	}
+	machine, err := s.identity.admitCgroups(s.name, p.cgroups, func(m string) string { return s.d.machineTwin(s.name, m) })
+	return cred, machine, err
 }

@@ -109,7 +109,17 @@ type VMStatus struct {
 	// QEMUUID is the only uid (besides root and the daemon's) the VM's
 	// sockets admit; 0: any peer of the socket group (VMRequest.QEMUUID).
 	QEMUUID uint32 `json:"qemu_uid,omitempty"`
-	QMP     string `json:"qmp"`
+	// QEMUCgroup is the cgroup the VM's sockets admit peers in (and
+	// below); "": the libvirt machine rule (VMRequest.QEMUCgroup).
+	QEMUCgroup string `json:"qemu_cgroup,omitempty"`
+	// Identity says how the VM's sockets know its QEMU: "cgroup PATH",
+	// "uid N" (both, comma-separated, if both are set), "libvirt machine
+	// NAME" (the connected QEMU was admitted through its libvirt machine
+	// cgroup NAME), or "socket group" (IdentitySocketGroup: any peer of
+	// the socket group outside libvirt machine cgroups may connect as
+	// the VM).
+	Identity string `json:"identity"`
+	QMP      string `json:"qmp"`
 	// MigrationsCancelled and SnapshotsCancelled count the migrations and
 	// snapshot jobs of the VM the daemon cancelled.
 	MigrationsCancelled uint64 `json:"migrations_cancelled"`
@@ -145,6 +155,15 @@ type VMRequest struct {
 	// user), so that no other QEMU of the socket group can connect as
 	// this VM. 0: any peer the socket group admits.
 	QEMUUID uint32 `json:"qemu_uid,omitempty"`
+	// QEMUCgroup, if set, is the cgroup the VM's QEMU runs in, as
+	// /proc/PID/cgroup shows it to the daemon (a systemd scope of its own,
+	// say /machine.slice/vm1.scope): the VM's sockets then admit only
+	// peers in it or below it (the unified hierarchy's path, or
+	// name=systemd's on a host without cgroup2), whatever their uid. A
+	// VM without one admits no QEMU of another libvirt domain (a peer in
+	// a libvirt machine cgroup that names another VM). CheckCgroupPath
+	// says which paths are valid.
+	QEMUCgroup string `json:"qemu_cgroup,omitempty"`
 }
 
 // Controller is what the control socket serves.
@@ -204,7 +223,8 @@ func controlHandler(c Controller, log *slog.Logger) http.Handler {
 		switch {
 		case errors.Is(err, ErrVMExists):
 			writeError(w, http.StatusConflict, err)
-		case errors.Is(err, ErrBadVMName), errors.Is(err, ErrBadGIDPolicy), errors.Is(err, ErrBadMAC), errors.Is(err, ErrBadRoCEMode):
+		case errors.Is(err, ErrBadVMName), errors.Is(err, ErrBadGIDPolicy), errors.Is(err, ErrBadMAC), errors.Is(err, ErrBadRoCEMode),
+			errors.Is(err, ErrBadCgroup):
 			writeError(w, http.StatusBadRequest, err)
 		case err != nil:
 			writeError(w, http.StatusInternalServerError, err)

@@ -135,6 +135,7 @@ func New(cfg Config) (*Daemon, error) {
 	if err := access.prepareDir(cfg.SocketDir); err != nil {
 		return nil, err
 	}
+	warnHiddenProc(cfg.Logger)
 	if cfg.MemoryBudget == 0 {
 		var si unix.Sysinfo_t
 		if err := unix.Sysinfo(&si); err != nil {
@@ -380,6 +381,11 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if err != nil {
 		return VMStatus{}, fmt.Errorf("VM %s: roce_mode: %w", req.Name, err)
 	}
+	if req.QEMUCgroup != "" {
+		if err := CheckCgroupPath(req.QEMUCgroup); err != nil {
+			return VMStatus{}, fmt.Errorf("VM %s: qemu_cgroup: %w", req.Name, err)
+		}
+	}
 	if mode == 0 {
 		mode = d.cfg.Fabric.RoCEMode
 	}
@@ -409,13 +415,33 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if req.MemBytes > 0 {
 		lockLimit = min(d.cfg.MaxLockedMemory, req.MemBytes+LockSlack)
 	}
-	s, err := startVM(d, req.Name, mac, pol, mode, vdev.NewBudget(lockLimit, d.locked), req.QEMUUID)
+	for other := range d.vms {
+		if libvirtNamesCollide(req.Name, other) {
+			d.log.Warn("libvirt gives this VM's QEMU the machine cgroup it gives another VM's (the names differ only in "+
+				"characters libvirt drops): QEMUs in that cgroup are refused on both VMs' sockets; rename one",
+				"vm", req.Name, "other_vm", other)
+		}
+	}
+	s, err := startVM(d, req.Name, mac, pol, mode, vdev.NewBudget(lockLimit, d.locked), vmIdentity{uid: req.QEMUUID, cgroup: req.QEMUCgroup})
 	if err != nil {
 		return VMStatus{}, err
 	}
 	d.vms[req.Name] = s
 	d.keep.saveVM(req)
 	return s.status(), nil
+}
+
+// machineTwin returns a registered VM other than vm whose QEMU libvirt
+// would give machine name machine too, or "".
+func (d *Daemon) machineTwin(vm, machine string) string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for name := range d.vms {
+		if name != vm && machineNames(machine, name) {
+			return name
+		}
+	}
+	return ""
 }
 
 // RemoveVM unregisters a VM, disconnecting its QEMU if connected.

@@ -42,7 +42,8 @@ func FuzzParseGIDAllow(f *testing.F) {
 // 48-bit MAC or none, and an allow list that parses.
 func FuzzParseVMFlag(f *testing.F) {
 	for _, s := range []string{"vm1", "vm1=52:54:00:12:34:56", "vm1,gid-allow=10.1.0.0/24,gid-allow=fd00::/64",
-		"vm1=52:54:00:12:34:56,gid-allow=none", "vm1,gid-allow=", "vm1,mac=x", "=52:54:00:12:34:56", "vm1=,", "a,gid-allow=1.2.3.4/33"} {
+		"vm1=52:54:00:12:34:56,gid-allow=none", "vm1,gid-allow=", "vm1,mac=x", "=52:54:00:12:34:56", "vm1=,", "a,gid-allow=1.2.3.4/33",
+		"vm1,cgroup=/machine.slice/vm1.scope", "vm1,cgroup=/a/../b", "vm1,cgroup=/", "vm1,uid=1000,cgroup=/x"} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, s string) {
@@ -56,6 +57,9 @@ func FuzzParseVMFlag(f *testing.F) {
 		}
 		_, err = ParseGIDAllow(req.GIDAllow...)
 		require.NoError(t, err)
+		if req.QEMUCgroup != "" {
+			require.NoError(t, CheckCgroupPath(req.QEMUCgroup))
+		}
 	})
 }
 

@@ -482,7 +482,7 @@ func (s *vmSession) listenMonitors() (net.Listener, error) {
 		_ = ln.Close()
 		return nil, err
 	}
-	return s.admit(s.d.access.listener(ln, "qmp")), nil
+	return s.admit(s.d.access.listener(ln, "qmp"), false), nil
 }
 
 // closeMonitors ends every monitor connection and refuses new ones (the

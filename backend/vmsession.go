@@ -42,9 +42,8 @@ type vmSession struct {
 
 	refusals atomic.Uint64
 	locked   *vdev.Budget // the guest memory its QEMU may map and lock
-	// qemuUID, if not 0, is the only uid besides root and the daemon's
-	// own that the VM's sockets admit (VMRequest.QEMUUID).
-	qemuUID uint32
+	// identity is what the VM's sockets require of a peer (admit).
+	identity vmIdentity
 
 	// The daemon's QMP monitors of the VM's QEMU (vmmonitor.go).
 	qmpSocket           string
@@ -58,7 +57,15 @@ type vmSession struct {
 	conn        *vmConn                 // the connected QEMU, if any
 	connGone    chan struct{}           // closed when conn's teardown ends
 	lastRefused [2]string               // GID and reason of the latest refused bind
+	admitted    admittedPeer            // the latest peer admitted on the vfio-user socket
 	monitors    map[*vmMonitor]struct{} // nil once the session stops
+}
+
+// admittedPeer is a peer the vfio-user socket admitted: its PID and the
+// libvirt machine through which it is the VM's QEMU ("" if none).
+type admittedPeer struct {
+	pid     int32
+	machine string
 }
 
 // reconnectWait bounds how long a new QEMU connection waits for the
@@ -85,6 +92,9 @@ type vmConn struct {
 	keeper  *connKeeper
 	journal *journalFile
 	resumed bool
+	// machine is the libvirt machine through which the QEMU is the VM's
+	// ("" if none, or not known: VMStatus.Identity).
+	machine string
 	// base are the VM's counters as the predecessor left them (a live
 	// upgrade carries them over); status adds them.
 	base map[string]uint64
@@ -93,8 +103,8 @@ type vmConn struct {
 	gids map[int]hostverbs.GIDEntry
 }
 
-func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode hostverbs.GIDType, locked *vdev.Budget, qemuUID uint32) (*vmSession, error) {
-	s := &vmSession{d: d, name: name, mac: mac, mode: mode, socket: SocketPath(d.cfg.SocketDir, name), qemuUID: qemuUID,
+func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode hostverbs.GIDType, locked *vdev.Budget, id vmIdentity) (*vmSession, error) {
+	s := &vmSession{d: d, name: name, mac: mac, mode: mode, socket: SocketPath(d.cfg.SocketDir, name), identity: id,
 		qmpSocket: QMPSocketPath(d.cfg.SocketDir, name), qmpDone: make(chan struct{}), monitors: map[*vmMonitor]struct{}{},
 		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
 	s.lim = ratelog.New(s.log, 0)
@@ -121,7 +131,7 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode h
 	go s.serveMonitors(qln)
 	go func() {
 		defer close(s.done)
-		if err := srv.Serve(s.admit(d.access.listener(ln, "vm"))); err != nil && !errors.Is(err, vfiouser.ErrServerClosed) && !errors.Is(err, net.ErrClosed) {
+		if err := srv.Serve(s.admit(d.access.listener(ln, "vm"), true)); err != nil && !errors.Is(err, vfiouser.ErrServerClosed) && !errors.Is(err, net.ErrClosed) {
 			s.log.Error("vfio-user server stopped", "err", err)
 		}
 	}()
@@ -170,7 +180,8 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	if h.Resumed {
 		pending, s.pending = s.pending, nil
 	}
-	c := &vmConn{since: time.Now(), pid: h.PeerPID, mem: h.Memory, gids: map[int]hostverbs.GIDEntry{}, host: h, resumed: pending != nil}
+	c := &vmConn{since: time.Now(), pid: h.PeerPID, mem: h.Memory, gids: map[int]hostverbs.GIDEntry{}, host: h, resumed: pending != nil,
+		machine: s.peerMachine(h)}
 	if s.d.keep.active() {
 		c.keeper = &connKeeper{k: s.d.keep, vm: s.name}
 		h.Keeper = c.keeper
@@ -258,6 +269,31 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		s.lim.Info("connect", "QEMU connected", "conn", h.Name)
 	}
 	return fn, nil
+}
+
+// peerMachine returns the libvirt machine through which a new
+// connection's QEMU is the VM's: what admit found for it, or, for a
+// connection a previous daemon admitted (resumed), what its process's
+// cgroups say now (for status only: it is not admitted again). s.mu is
+// held.
+func (s *vmSession) peerMachine(h *vfiouser.Host) string {
+	if h.PeerPID > 0 && s.admitted.pid == h.PeerPID {
+		return s.admitted.machine
+	}
+	if !h.Resumed || h.PeerPID <= 0 || s.identity.cgroup != "" {
+		return ""
+	}
+	p, err := readProcess(int(h.PeerPID), -1)
+	if err != nil {
+		return ""
+	}
+	m, err := s.identity.admitCgroups(s.name, p.cgroups, func(string) string { return "" })
+	if err != nil {
+		s.lim.Warn("peer-identity-resumed", "the resumed QEMU connection's process is not this VM's (it was admitted by the previous daemon)",
+			"qemu_pid", h.PeerPID, "err", err)
+		return ""
+	}
+	return m
 }
 
 // resume serves a connection a previous daemon left in the store.
@@ -462,7 +498,7 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 func (s *vmSession) status() VMStatus {
 	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String(),
 		GIDAllow: FormatGIDAllow(s.policy.allow), RoCEMode: RoCEModeName(s.mode), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit(),
-		QMPSocket: s.qmpSocket, QEMUUID: s.qemuUID, QMP: s.monitorState(), MigrationsCancelled: s.migrationsCancelled.Load(), SnapshotsCancelled: s.snapshotsCancelled.Load()}
+		QMPSocket: s.qmpSocket, QEMUUID: s.identity.uid, QEMUCgroup: s.identity.cgroup, QMP: s.monitorState(), MigrationsCancelled: s.migrationsCancelled.Load(), SnapshotsCancelled: s.snapshotsCancelled.Load()}
 	for _, a := range s.d.owners.reserved(s.name) {
 		st.ReservedGIDs = append(st.ReservedGIDs, a.String())
 	}
@@ -471,6 +507,11 @@ func (s *vmSession) status() VMStatus {
 	c := s.conn
 	st.LastRefusedGID, st.LastRefusedReason = s.lastRefused[0], s.lastRefused[1]
 	s.mu.Unlock()
+	machine := ""
+	if c != nil {
+		machine = c.machine
+	}
+	st.Identity = s.identity.describe(machine)
 	if c == nil {
 		return st
 	}

@@ -88,6 +88,9 @@ type VMSpec struct {
 	// with (VMRequest.QEMUUID); libvirt-xml gives the domain a static DAC
 	// label with them, so libvirt starts its QEMU so.
 	QEMUUID, QEMUGID uint32
+	// QEMUCgroup, if set, is the cgroup the VM's QEMU runs in
+	// (VMRequest.QEMUCgroup).
+	QEMUCgroup string
 }
 
 // SocketPath returns the socket path of VM name in dir.
@@ -208,10 +211,13 @@ func (s VMSpec) QMPArgs() []string {
 }
 
 // ParseVMFlag parses a `serve --vm` value: NAME, NAME=MAC, then optional
-// comma-separated options, of which there is one: gid-allow=PREFIX
-// (repeatable; a CIDR prefix, a single address, or "none"). For example
+// comma-separated options: gid-allow=PREFIX (repeatable; a CIDR prefix, a
+// single address, or "none"), mem=SIZE, roce=v1|v2, uid=N (the QEMU's
+// user) and cgroup=PATH (the QEMU's cgroup, VMRequest.QEMUCgroup). For
+// example
 //
 //	vm1=52:54:00:12:34:56,gid-allow=10.1.0.0/24,gid-allow=fd00:1::/64
+//	vm2,cgroup=/machine.slice/vm2.scope
 func ParseVMFlag(v string) (VMRequest, error) {
 	head, opts, _ := strings.Cut(v, ",")
 	name, mac, hasMAC := strings.Cut(head, "=")
@@ -245,6 +251,11 @@ func ParseVMFlag(v string) (VMRequest, error) {
 				return VMRequest{}, fmt.Errorf("VM %s: uid=%q: want the QEMU's user ID (not 0: root is always admitted)", name, val)
 			}
 			req.QEMUUID = uint32(n)
+		case ok && k == "cgroup":
+			if err := CheckCgroupPath(val); err != nil {
+				return VMRequest{}, fmt.Errorf("VM %s: %w", name, err)
+			}
+			req.QEMUCgroup = val
 		case ok && k == "mem":
 			n, err := ParseSize(val)
 			if err != nil || n == 0 {
@@ -252,7 +263,7 @@ func ParseVMFlag(v string) (VMRequest, error) {
 			}
 			req.MemBytes = n
 		default:
-			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX, mem=SIZE, roce=v1|v2 or uid=N: %w", name, o, ErrBadGIDPolicy)
+			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX, mem=SIZE, roce=v1|v2, uid=N or cgroup=PATH: %w", name, o, ErrBadGIDPolicy)
 		}
 	}
 	if _, err := ParseGIDAllow(req.GIDAllow...); err != nil {

@@ -189,10 +189,18 @@ func doctor(ctx context.Context, h hostEnv, o doctorOpts) []checkResult {
 	return res
 }
 
+// identified reports whether a VM's sockets know its QEMU: by its uid, its
+// cgroup, or (the default) the libvirt machine cgroup its connected QEMU
+// was admitted through. A daemon from before identities says only the uid.
+func identified(v backend.VMStatus) bool {
+	return v.QEMUUID != 0 || v.QEMUCgroup != "" || strings.Contains(v.Identity, backend.IdentityLibvirtMachine)
+}
+
 // checkVMs asks the running daemon (if any) which connected VMs are
 // exposed: without a verified QMP monitor of their QEMU (a migration or
 // snapshot would drop the device unnoticed) or admitting any QEMU of the
-// socket group (no --qemu-uid). Every connected VM's device dies with the
+// socket group (no --qemu-uid or --qemu-cgroup, and not admitted through
+// its libvirt machine cgroup). Every connected VM's device dies with the
 // daemon until its QEMU is restarted: that is said once.
 func checkVMs(ctx context.Context, socketDir string) checkResult {
 	const name = "vms"
@@ -213,8 +221,8 @@ func checkVMs(ctx context.Context, socketDir string) checkResult {
 		if v.QMP != backend.QMPVerified {
 			why = append(why, "no QMP monitor of its QEMU (migrations and snapshots unguarded)")
 		}
-		if v.QEMUUID == 0 {
-			why = append(why, "any QEMU of the socket group may connect as it")
+		if !identified(v) {
+			why = append(why, "any QEMU of the socket group may connect as it (no --qemu-uid or --qemu-cgroup, and its QEMU is in no libvirt machine cgroup)")
 		}
 		if len(why) > 0 {
 			exposed = append(exposed, v.Name+": "+strings.Join(why, ", "))
@@ -229,14 +237,14 @@ func checkVMs(ctx context.Context, socketDir string) checkResult {
 			"(run the daemon as the packaged service, or serve --keep-state for live upgrades)"
 	}
 	if len(exposed) > 0 {
-		return warn(name, "start the VMs with the arguments qemu-args or libvirt-xml print (--qmp-monitor, --qemu-uid)",
+		return warn(name, "start the VMs with the arguments qemu-args or libvirt-xml print (--qmp-monitor; --qemu-uid or --qemu-cgroup unless libvirt places the QEMU in a machine cgroup)",
 			"%d VMs connected; exposed: %s; %s", len(connected), strings.Join(exposed, "; "), restart)
 	}
 	if !st.KeepsState {
 		return warn(name, "run the daemon as the packaged service (systemd keeps its VMs' connections), or serve --keep-state",
-			"%d VMs connected, each with a verified QMP monitor and its own QEMU uid; %s", len(connected), restart)
+			"%d VMs connected, each with a verified QMP monitor and an identity of its own (uid, cgroup or libvirt machine); %s", len(connected), restart)
 	}
-	return ok(name, "%d VMs connected, each with a verified QMP monitor and its own QEMU uid; %s", len(connected), restart)
+	return ok(name, "%d VMs connected, each with a verified QMP monitor and an identity of its own (uid, cgroup or libvirt machine); %s", len(connected), restart)
 }
 
 var qemuVersionRE = regexp.MustCompile(`QEMU emulator version (\d+)\.(\d+)(?:\.(\d+))?`)

@@ -167,3 +167,41 @@ func TestGIDAllowFlags(t *testing.T) {
 	assert.Equal(t, 2, code)
 	assert.Contains(t, stderr, "bad GID allow list")
 }
+
+// TestQEMUCgroupFlag: qemu-args --qemu-cgroup registers the VM's cgroup
+// (status shows it as the VM's identity), a conflicting one is refused
+// like a conflicting MAC, and a path the daemon cannot compare is refused
+// before anything starts.
+func TestQEMUCgroupFlag(t *testing.T) {
+	dir := t.TempDir()
+	runDaemon(t, backend.Config{SocketDir: dir, VMs: []backend.VMRequest{{Name: "plain"}}})
+
+	code, _, stderr := cli(t, "qemu-args", "--vm", "t1", "--socket-dir", dir, "--qemu-cgroup", "/machine.slice/t1.scope")
+	require.Equal(t, 0, code, stderr)
+	code, out, _ := cli(t, "status", "--socket-dir", dir, "--json")
+	require.Equal(t, 0, code)
+	assert.Contains(t, out, `"qemu_cgroup": "/machine.slice/t1.scope"`)
+	assert.Contains(t, out, `"identity": "cgroup /machine.slice/t1.scope"`)
+	_, out, _ = cli(t, "status", "--socket-dir", dir)
+	assert.Contains(t, out, "t1: identity: cgroup /machine.slice/t1.scope")
+	assert.Contains(t, out, "plain: identity: socket group")
+	code, _, stderr = cli(t, "qemu-args", "--vm", "t1", "--socket-dir", dir)
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, `registered for QEMU cgroup "/machine.slice/t1.scope", not ""`)
+	code, _, stderr = cli(t, "qemu-args", "--vm", "t2", "--socket-dir", dir, "--qemu-cgroup", "/machine.slice/../x")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "--qemu-cgroup")
+	code, _, stderr = cli(t, "serve", "--socket-dir", t.TempDir(), "--vm", "v1,cgroup=/")
+	assert.Equal(t, 2, code)
+	assert.Contains(t, stderr, "cgroup must be an absolute, clean path")
+}
+
+// TestIdentified: doctor counts a VM as identified by its uid, its cgroup
+// or the libvirt machine its QEMU was admitted through.
+func TestIdentified(t *testing.T) {
+	assert.False(t, identified(backend.VMStatus{Identity: backend.IdentitySocketGroup}))
+	assert.False(t, identified(backend.VMStatus{}), "a daemon from before identities, no uid")
+	assert.True(t, identified(backend.VMStatus{QEMUUID: 1000}))
+	assert.True(t, identified(backend.VMStatus{QEMUCgroup: "/x", Identity: "cgroup /x"}))
+	assert.True(t, identified(backend.VMStatus{Identity: "libvirt machine qemu-3-vm1"}))
+}

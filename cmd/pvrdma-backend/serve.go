@@ -21,7 +21,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 )
 
-// vmList collects repeated --vm NAME[=MAC][,gid-allow=PREFIX...] flags.
+// vmList collects repeated --vm NAME[=MAC][,gid-allow=PREFIX...][,cgroup=PATH...] flags.
 type vmList []backend.VMRequest
 
 func (l *vmList) String() string { return fmt.Sprint(*l) }
@@ -75,7 +75,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	ibBusy := fs.Duration("ibverbs-busy-poll", 0, "ibverbs: keep polling CQs that just completed work this long (e.g. 50us) before waiting for the next completion event: lower latency for that much CPU after each burst; 0: off")
 	createRXE := fs.String("create-rxe", "", "ibverbs: create a Soft-RoCE link over this netdev (rdma link add rxe_NETDEV type rxe netdev NETDEV), relay to it, remove it at shutdown")
 	var vms vmList
-	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC, optionally followed by ,gid-allow=PREFIX (its own GID allow list; both repeatable), ,mem=SIZE and ,roce=v1|v2")
+	fs.Var(&vms, "vm", "register a VM at start: NAME or NAME=MAC, optionally followed by ,gid-allow=PREFIX (its own GID allow list; both repeatable), ,mem=SIZE, ,roce=v1|v2, ,uid=N (its QEMU's user: the VM's sockets admit only it and root) and ,cgroup=PATH (its QEMU's cgroup, as /proc/PID/cgroup shows it: the VM's sockets admit only peers in it or below; without it, a QEMU in another libvirt domain's machine cgroup is refused)")
 	gidAllow := fs.String("gid-allow", "",
 		"the fabric's GID pool: prefixes (CIDR, comma-separated; \"none\": only each VM's own link-local GID) VMs registered without their own gid-allow may bind (default: none; a guest's GID captures the fabric's traffic to that address and, in IP mode, becomes a host address)")
 	lim := vdev.DefaultLimits()

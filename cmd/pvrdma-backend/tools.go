@@ -38,6 +38,7 @@ type vmFlags struct {
 	qmp                               bool
 	qemuUID                           uint
 	qemuGroup                         string
+	qemuCgroup                        string
 }
 
 func (v *vmFlags) register(fs *flag.FlagSet) {
@@ -51,6 +52,7 @@ func (v *vmFlags) register(fs *flag.FlagSet) {
 	v.mem = 1 << 30
 	fs.Var(&v.mem, "mem", "guest RAM size, backed by a shared memfd")
 	fs.UintVar(&v.qemuUID, "qemu-uid", 0, "the user ID the VM's QEMU runs as, if it has one of its own: the VM's sockets then admit only it (and root); libvirt-xml gives the domain that DAC label")
+	fs.StringVar(&v.qemuCgroup, "qemu-cgroup", "", "the cgroup the VM's QEMU runs in, if its manager gives it one of its own (a systemd scope, say /machine.slice/vm1.scope; as /proc/PID/cgroup shows it): the VM's sockets then admit only peers in it or below it. Without it, a QEMU in another libvirt domain's machine cgroup is refused")
 	fs.StringVar(&v.qemuGroup, "qemu-group", "pvrdma", "with --qemu-uid: the group of the QEMU libvirt-xml's DAC label sets (the socket group)")
 	fs.BoolVar(&v.qmp, "qmp-monitor", true, "give the daemon a QMP monitor of its own on the VM (QEMU connects to <socket-dir>/<vm>.qmp): it cancels migrations and snapshots, which QEMU would complete without the device's state")
 }
@@ -73,6 +75,12 @@ func (v *vmFlags) spec() (backend.VMSpec, error) {
 			return spec, fmt.Errorf("--qemu-group %s: %w", v.qemuGroup, err)
 		}
 		spec.QEMUUID, spec.QEMUGID = uint32(v.qemuUID), uint32(gid)
+	}
+	if v.qemuCgroup != "" {
+		if err := backend.CheckCgroupPath(v.qemuCgroup); err != nil {
+			return spec, fmt.Errorf("--qemu-cgroup: %w", err)
+		}
+		spec.QEMUCgroup = v.qemuCgroup
 	}
 	if v.mac != "" {
 		mac, err := net.ParseMAC(v.mac)
@@ -110,7 +118,7 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 	}
 	c := backend.NewControlClient(controlPath(socketDir))
 	_, err := c.AddVM(ctx, backend.VMRequest{Name: spec.Name, MAC: mac.String(), GIDAllow: spec.GIDAllow, MemBytes: spec.MemBytes,
-		RoCEMode: spec.RoCEMode, QEMUUID: spec.QEMUUID})
+		RoCEMode: spec.RoCEMode, QEMUUID: spec.QEMUUID, QEMUCgroup: spec.QEMUCgroup})
 	if err == nil {
 		return nil
 	}
@@ -133,6 +141,10 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 		if vm.Name == spec.Name && vm.QEMUUID != spec.QEMUUID {
 			return fmt.Errorf("VM %s is registered for QEMU uid %d, not %d (--qemu-uid; 0: any QEMU of the socket group): unregister it first",
 				spec.Name, vm.QEMUUID, spec.QEMUUID)
+		}
+		if vm.Name == spec.Name && vm.QEMUCgroup != spec.QEMUCgroup {
+			return fmt.Errorf("VM %s is registered for QEMU cgroup %q, not %q (--qemu-cgroup; empty: the libvirt machine rule): unregister it first",
+				spec.Name, vm.QEMUCgroup, spec.QEMUCgroup)
 		}
 		if vm.Name == spec.Name && spec.RoCEMode != "" && vm.RoCEMode != spec.RoCEMode {
 			return fmt.Errorf("VM %s is registered as RoCE %s, not %s: unregister it first", spec.Name, vm.RoCEMode, spec.RoCEMode)
@@ -293,8 +305,12 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 			fmt.Fprintf(stdout, "%s: %d migrations and %d snapshot jobs cancelled (QEMU's vfio-user-pci would drop the device)\n",
 				vm.Name, vm.MigrationsCancelled, vm.SnapshotsCancelled)
 		}
-		if vm.QEMUUID == 0 {
-			fmt.Fprintf(stdout, "%s: any QEMU of the socket group may connect as this VM (no --qemu-uid)\n", vm.Name)
+		switch {
+		case vm.Identity == backend.IdentitySocketGroup || vm.Identity == "" && vm.QEMUUID == 0:
+			fmt.Fprintf(stdout, "%s: identity: socket group: any QEMU of the socket group outside libvirt machine cgroups "+
+				"may connect as this VM (no --qemu-uid or --qemu-cgroup, and its QEMU, if connected, is in no libvirt machine cgroup)\n", vm.Name)
+		case vm.Identity != "":
+			fmt.Fprintf(stdout, "%s: identity: %s\n", vm.Name, vm.Identity)
 		}
 		if vm.Connected && vm.QMP != backend.QMPVerified {
 			fmt.Fprintf(stdout, "%s: exposed: the daemon has no QMP monitor of this VM's QEMU (qemu-args --qmp-monitor): "+

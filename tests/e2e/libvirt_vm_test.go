@@ -27,7 +27,11 @@ import (
 // libvirtScript runs Debian's libvirtd for one transient domain in a private mount
 // namespace (tmpfs over libvirt's config, state, log and cache directories, and a
 // libvirt-qemu user added to a private copy of /etc/passwd), so the host's files are
-// never touched: QEMU runs as root, without cgroups, namespaces or a security driver.
+// never touched: QEMU runs as root, without namespaces or a security driver, in the machine
+// cgroup libvirt makes for the domain (cgroup_controllers = [ "cpuacct" ]: accounting only,
+// nothing that schedules or limits it; with no systemd here, libvirt's own layout,
+// /machine/qemu-<id>-<name>.libvirt-qemu, on the unified hierarchy if it has a controller,
+// else on cpuacct's v1 hierarchy).
 // $1 is the domain XML, $2 the domain's name, $3 a host directory for the console log,
 // libvirt's QEMU log and QEMU's PID, $4 the pvrdma-backend binary whose libvirt hook is
 // installed as /etc/libvirt/hooks/qemu.d/pvrdma-backend (the package's hook runs
@@ -51,7 +55,7 @@ group = "root"
 dynamic_ownership = 0
 remember_owner = 0
 security_driver = "none"
-cgroup_controllers = [ ]
+cgroup_controllers = [ "cpuacct" ]
 namespaces = [ ]
 stdio_handler = "file"
 EOC
@@ -95,7 +99,9 @@ exit $rc
 // TestLibvirtDomain: the domain `pvrdma-backend libvirt-xml` prints, started by
 // Debian 12's libvirt with the test bed's QEMU 11 as its emulator (only the boot files
 // and serial ports of the test bed added), gives a stock guest our device with its
-// port ACTIVE, and verbs work through it.
+// port ACTIVE, and verbs work through it. libvirt puts the QEMU in the domain's machine
+// cgroup, and the daemon admits it through that cgroup (issue 23: the VM is registered
+// without a uid, yet no other libvirt domain's QEMU could connect as it).
 func TestLibvirtDomain(t *testing.T) {
 	for _, tool := range []string{"libvirtd", "virsh", "virt-xml-validate", "unshare"} {
 		if _, err := exec.LookPath(tool); err != nil {
@@ -107,6 +113,7 @@ func TestLibvirtDomain(t *testing.T) {
 	for _, d := range []string{"/etc/libvirt", "/run/libvirt", "/var/lib/libvirt", "/var/log/libvirt", "/var/cache/libvirt"} {
 		require.NoError(t, os.MkdirAll(d, 0o755))
 	}
+	cleanupMachinePartitions(t)
 	work := t.TempDir()
 	sockDir := filepath.Join(work, "sock")
 	d := daemon(t, backend.Config{SocketDir: sockDir})
@@ -195,6 +202,26 @@ cat /tmp/server.log
 		}
 		return false
 	}, 3*time.Minute, 50*time.Millisecond, "libvirt's QEMU connected the daemon's QMP monitor")
+	// The QEMU's cgroups, and the identity the daemon admitted it with.
+	if b, err := os.ReadFile(filepath.Join(logs, "qemu.pid")); err == nil {
+		cg, _ := os.ReadFile("/proc/" + strings.TrimSpace(string(b)) + "/cgroup")
+		t.Logf("libvirt's QEMU (pid %s) is in:\n%s", strings.TrimSpace(string(b)), cg)
+	}
+	st := d.Status()
+	for _, v := range st.VMs {
+		if v.Name == name {
+			if !assert.Regexp(t, `^`+backend.IdentityLibvirtMachine+` qemu-[1-9][0-9]*-lv1$`, v.Identity,
+				"the daemon admitted libvirt's QEMU through its machine cgroup") {
+				lvlog, _ := os.ReadFile(filepath.Join(logs, "libvirtd.log"))
+				for _, l := range strings.Split(string(lvlog), "\n") {
+					if strings.Contains(strings.ToLower(l), "cgroup") {
+						t.Logf("libvirtd: %s", l)
+					}
+				}
+			}
+		}
+	}
+	assert.Zero(t, st.Counters["refused_peers"], "no peer refused")
 	res, err := g.WaitOK(ctx)
 	if qlog, rerr := os.ReadFile(filepath.Join(logs, "qemu.log")); rerr == nil {
 		t.Logf("libvirt's QEMU log (its command line):\n%s", qlog)
@@ -261,6 +288,49 @@ func canRaiseMemlock() bool {
 	}
 	caps, err := unix.PrctlRetInt(unix.PR_CAPBSET_READ, unix.CAP_SYS_RESOURCE, 0, 0, 0)
 	return err == nil && caps == 1
+}
+
+// cleanupMachinePartitions removes, at the end of the test, the partition cgroup
+// (/machine) libvirt creates on each hierarchy for its domains and leaves behind when
+// they stop, where it did not exist before (rmdir: empty cgroups only).
+func cleanupMachinePartitions(t *testing.T) {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	require.NoError(t, err)
+	var created []string
+	for _, l := range strings.Split(string(b), "\n") {
+		pre, post, ok := strings.Cut(l, " - ")
+		f, g := strings.Fields(pre), strings.Fields(post)
+		if !ok || len(f) < 5 || len(g) < 1 || (g[0] != "cgroup" && g[0] != "cgroup2") {
+			continue
+		}
+		dir := filepath.Join(f[4], "machine")
+		if _, err := os.Stat(dir); os.IsNotExist(err) {
+			created = append(created, dir)
+		}
+	}
+	t.Cleanup(func() {
+		for _, dir := range created {
+			if err := rmdirCgroups(dir); err != nil && !os.IsNotExist(err) {
+				t.Logf("libvirt's partition %s left behind: %v", dir, err)
+			}
+		}
+	})
+}
+
+// rmdirCgroups removes a cgroup and those below it, deepest first (a domain's cgroup is
+// left when its QEMU was killed after libvirtd stopped); one that still has processes
+// stays.
+func rmdirCgroups(dir string) error {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		if e.IsDir() {
+			_ = rmdirCgroups(filepath.Join(dir, e.Name()))
+		}
+	}
+	return os.Remove(dir)
 }
 
 // repoDir is the module's root directory.
