@@ -141,15 +141,8 @@ func TestVMIdentity(t *testing.T) {
 	require.NoError(t, os.Chmod(top, 0o755))
 	dir := filepath.Join(top, "pvrdma")
 	const otherQEMU = 4792 // another QEMU's user, in the socket group
-	logger, serving := servingLogger(slog.NewTextHandler(io.Discard, nil))
-	d, err := New(Config{SocketDir: dir, SocketGroup: strconv.Itoa(testGID), Logger: logger,
+	d := serveQuiet(t, Config{SocketDir: dir, SocketGroup: strconv.Itoa(testGID),
 		VMs: []VMRequest{{Name: "vm1", QEMUUID: nobodyUID}, {Name: "vm2"}}})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- d.Run(ctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	waitServing(t, serving, done)
 
 	for _, sock := range []string{d.SocketPath("vm1"), d.QMPSocketPath("vm1")} {
 		assert.Equal(t, "open", dialAs(t, sock, nobodyUID, testGID, "", time.Second), "%s: the VM's QEMU", sock)

@@ -2,12 +2,10 @@ package backend
 
 import (
 	"bufio"
-	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"os"
 	"os/exec"
@@ -213,15 +211,8 @@ func TestVMCgroupIdentity(t *testing.T) {
 	explicit := tc.path(own)
 	require.NoError(t, CheckCgroupPath(explicit))
 
-	logger, serving := servingLogger(slog.NewTextHandler(io.Discard, nil))
-	d, err := New(Config{SocketDir: filepath.Join(t.TempDir(), "pvrdma"), Logger: logger,
+	d := serveQuiet(t, Config{SocketDir: filepath.Join(t.TempDir(), "pvrdma"),
 		VMs: []VMRequest{{Name: "vma"}, {Name: "vmb"}, {Name: "vmc"}, {Name: "vmd", QEMUCgroup: explicit}}})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- d.Run(ctx) }()
-	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
-	waitServing(t, serving, done)
 	refused := func() uint64 { return d.Status().Counters["refused_peers"] }
 
 	// Another domain's QEMU on vma's sockets: closed at accept, counted.

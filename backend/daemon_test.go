@@ -2,6 +2,7 @@ package backend
 
 import (
 	"context"
+	"io"
 	"log/slog"
 	"net"
 	"os"
@@ -74,6 +75,22 @@ func waitServing(t *testing.T, serving <-chan struct{}, done chan error) {
 	case <-time.After(hangBound):
 		t.Fatalf("daemon not serving after %v", hangBound)
 	}
+}
+
+// serveQuiet runs a daemon of cfg (its log discarded) until the test
+// ends, which requires that it stops cleanly, and returns once it serves.
+func serveQuiet(t *testing.T, cfg Config) *Daemon {
+	t.Helper()
+	logger, serving := servingLogger(slog.NewTextHandler(io.Discard, nil))
+	cfg.Logger = logger
+	d, err := New(cfg)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx) }()
+	t.Cleanup(func() { cancel(); require.NoError(t, <-done) })
+	waitServing(t, serving, done)
+	return d
 }
 
 func testDaemon(t *testing.T) (*Daemon, string, context.CancelFunc) {
