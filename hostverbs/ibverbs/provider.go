@@ -130,6 +130,9 @@ func New(cfg Config) (*Provider, error) {
 	if ctx == nil {
 		names, _ := l.deviceNames()
 		l.close()
+		if problem := accessProblem("/sys", "/dev", cfg.Device); problem != "" {
+			return nil, fmt.Errorf("ibverbs: open %s: %s: %w", cfg.Device, problem, ErrNoAccess)
+		}
 		have := "none"
 		if len(names) > 0 {
 			have = strings.Join(names, ", ")

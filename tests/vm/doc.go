@@ -24,4 +24,9 @@
 // output and exit status on a second serial port (ttyS1), framed with a per-boot nonce
 // so that nothing the scenario prints can be taken for the result. The kernel console
 // (ttyS0) and the result channel are both copied into the test log.
+//
+// A guest with Config.Root boots a host directory (a Debian root with systemd) as its root
+// file system over virtio-9p: /init sets it up as usual, switches to the root's systemd,
+// and a unit it leaves in /run/systemd/system runs the scenario and reports the same way
+// (guest/root-run.sh). A packaged systemd unit can then be tested with kernel RDMA devices.
 package vm

@@ -21,7 +21,7 @@ import (
 )
 
 // kernelRecipe names what the kernel component holds; bump it when the build changes.
-const kernelRecipe = "kernel-v2"
+const kernelRecipe = "kernel-v3"
 
 // guestModules are the modules shipped in the initramfs (with their dependencies).
 var guestModules = []string{
@@ -31,12 +31,14 @@ var guestModules = []string{
 	"crc32_generic", "udp_tunnel", "ip6_udp_tunnel", "rdma_rxe",
 	"virtio_pci", "virtio_net",
 	"8021q",
+	// 9p over virtio: the root file system of guests booted with Config.Root.
+	"9pnet_virtio", "9p",
 }
 
 // moduleSubtreeRE selects the parts of the module tree that can hold guestModules and
 // their dependencies (extracting all of it costs ~10 s); installModules fails loudly if a
 // dependency lies outside.
-var moduleSubtreeRE = regexp.MustCompile(`^lib/modules/[^/]+/(modules\.[a-z.]+|kernel/(drivers/infiniband|drivers/virtio|drivers/net/vmxnet3|net|lib|crypto|fs/configfs)/.*|kernel/drivers/net/[^/]+\.ko)$`)
+var moduleSubtreeRE = regexp.MustCompile(`^lib/modules/[^/]+/(modules\.[a-z.]+|kernel/(drivers/infiniband|drivers/virtio|drivers/net/vmxnet3|net|lib|crypto|fs/configfs|fs/9p|fs/netfs|fs/fscache)/.*|kernel/drivers/net/[^/]+\.ko)$`)
 
 // pvrdmaSrcDir is the driver's directory inside Debian's linux-source tarball.
 const pvrdmaSrcDir = "drivers/infiniband/hw/vmw_pvrdma"

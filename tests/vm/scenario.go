@@ -18,12 +18,26 @@ var initScript []byte
 //go:embed guest/lib.sh
 var libScript []byte
 
+//go:embed guest/root-run.sh
+var rootRunScript []byte
+
+//go:embed guest/pvt-scenario.service
+var rootRunUnit []byte
+
 // Guest paths of the per-boot archive.
 const (
 	guestLib       = "usr/lib/pvt/lib.sh"
 	guestOverrides = "usr/lib/pvt/overrides.sh" // in the base image
 	guestScenario  = "pvt/scenario"
 	guestConfig    = "etc/pvt/config"
+	// A guest with its own root (Config.Root): the runner and its unit, which /init
+	// copies with the scenario and the helpers into /run/pvt and
+	// /run/systemd/system before switching to the root.
+	guestRootRun  = "usr/lib/pvt/root-run.sh"
+	guestRootUnit = "usr/lib/pvt/pvt-scenario.service"
+	rootLib       = "/run/pvt/lib.sh"
+	// rootTag is the 9p mount tag of the shared root.
+	rootTag = "pvtroot"
 )
 
 var (
@@ -34,9 +48,10 @@ var (
 
 // guestConfigFile renders /etc/pvt/config (sourced by /init). Every value has been
 // validated, so plain double quotes are safe.
-func guestConfigFile(nonce, hostname string, preload, modules []string, nics []NIC) []byte {
+func guestConfigFile(nonce, hostname string, preload, modules []string, nics []NIC, root string) []byte {
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "PVT_NONCE=%q\n", nonce)
+	fmt.Fprintf(&b, "PVT_ROOT=%q\n", root)
 	fmt.Fprintf(&b, "PVT_HOSTNAME=%q\n", hostname)
 	fmt.Fprintf(&b, "PVT_PRELOAD=%q\n", strings.Join(preload, " "))
 	fmt.Fprintf(&b, "PVT_MODULES=%q\n", strings.Join(modules, " "))
@@ -53,17 +68,28 @@ func guestConfigFile(nonce, hostname string, preload, modules []string, nics []N
 }
 
 // writeOverlay writes the per-boot cpio archive: /init, the helper library, the config,
-// the scenario and the test's files. The kernel unpacks it over the base archive.
+// the scenario and the test's files. The kernel unpacks it over the base archive. For a
+// guest with its own root, the archive has the root's scenario runner instead of the
+// test's files (Start writes those into the root).
 func writeOverlay(w io.Writer, cfg *Config, nonce string) error {
 	cw := newCPIOWriter(w)
 	cw.file("init", 0o755, initScript)
 	cw.file(guestLib, 0o644, libScript)
-	cw.file(guestConfig, 0o600, guestConfigFile(nonce, cfg.Name, preloadModules(cfg), cfg.modules(), cfg.NICs))
-	script := "set -e\n. /" + guestLib + "\n" + cfg.Scenario + "\n"
+	tag, lib := "", "/"+guestLib
+	if cfg.Root != "" {
+		tag, lib = rootTag, rootLib
+	}
+	cw.file(guestConfig, 0o600, guestConfigFile(nonce, cfg.Name, preloadModules(cfg), cfg.modules(), cfg.NICs, tag))
+	script := "set -e\n. " + lib + "\n" + cfg.Scenario + "\n"
 	if cfg.NoErrExit {
-		script = ". /" + guestLib + "\n" + cfg.Scenario + "\n"
+		script = ". " + lib + "\n" + cfg.Scenario + "\n"
 	}
 	cw.file(guestScenario, 0o755, []byte(script))
+	if cfg.Root != "" {
+		cw.file(guestRootRun, 0o755, rootRunScript)
+		cw.file(guestRootUnit, 0o644, rootRunUnit)
+		return cw.close()
+	}
 	for _, p := range sortedKeys(cfg.Files) {
 		if err := cw.file(usrMerged(p), 0o755, cfg.Files[p]); err != nil {
 			return err
@@ -81,7 +107,11 @@ func writeOverlay(w io.Writer, cfg *Config, nonce string) error {
 	return cw.close()
 }
 
-// preloadModules are loaded before Config.Modules: the NIC drivers.
+// rootModules mount a guest's own root (Config.Root): 9p over virtio-pci.
+var rootModules = []string{"virtio_pci", "9pnet_virtio", "9p"}
+
+// preloadModules are loaded before Config.Modules: the NIC drivers and, for a guest
+// with its own root, rootModules.
 func preloadModules(cfg *Config) []string {
 	var mods []string
 	add := func(m string) {
@@ -96,6 +126,11 @@ func preloadModules(cfg *Config) []string {
 		case "virtio-net-pci":
 			add("virtio_pci")
 			add("virtio_net")
+		}
+	}
+	if cfg.Root != "" {
+		for _, m := range rootModules {
+			add(m)
 		}
 	}
 	return mods
@@ -152,6 +187,11 @@ func (cfg *Config) validate(img *Image) error {
 	}
 	for p := range cfg.HostFiles {
 		if err := checkGuestPath(p); err != nil {
+			return fmt.Errorf("vm %s: %w", cfg.Name, err)
+		}
+	}
+	if cfg.Root != "" {
+		if err := cfg.validateRoot(img); err != nil {
 			return fmt.Errorf("vm %s: %w", cfg.Name, err)
 		}
 	}

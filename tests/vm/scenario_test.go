@@ -58,3 +58,41 @@ func TestWriteOverlay(t *testing.T) {
 	require.Equal(t, DefaultModules(), (&Config{}).modules(), "nil Modules means the defaults")
 	require.Empty(t, (&Config{Modules: []string{}}).modules(), "an empty list means none")
 }
+
+// TestWriteOverlayRoot: a guest with its own root gets the 9p modules, the root's tag,
+// the runner and its unit, and a scenario that sources the helpers from /run; the test's
+// files go into the root, not the archive.
+func TestWriteOverlayRoot(t *testing.T) {
+	cfg := Config{Name: "r1", Root: "/srv/root", Modules: []string{},
+		NICs:     []NIC{{MAC: "52:54:00:aa:00:01", IP: "10.77.0.1/24"}},
+		Scenario: "echo hi",
+		Files:    map[string][]byte{"/usr/bin/tool": []byte("tool")},
+	}
+	var b bytes.Buffer
+	require.NoError(t, writeOverlay(&b, &cfg, "feedface"))
+	ents, err := readCPIO(b.Bytes())
+	require.NoError(t, err)
+	files := map[string]cpioEntry{}
+	for _, e := range ents {
+		files[e.Name] = e
+	}
+	conf := string(files[guestConfig].Data)
+	require.Contains(t, conf, `PVT_ROOT="pvtroot"`)
+	require.Contains(t, conf, `PVT_PRELOAD="vmxnet3 virtio_pci 9pnet_virtio 9p"`)
+	require.True(t, strings.HasPrefix(string(files[guestScenario].Data), "set -e\n. /run/pvt/lib.sh\n"))
+	require.Equal(t, rootRunScript, files[guestRootRun].Data)
+	require.Equal(t, rootRunUnit, files[guestRootUnit].Data)
+	require.NotContains(t, files, "usr/bin/tool", "Start writes the test's files into the root")
+
+	cfg.Root = ""
+	b.Reset()
+	require.NoError(t, writeOverlay(&b, &cfg, "feedface"))
+	ents, err = readCPIO(b.Bytes())
+	require.NoError(t, err)
+	for _, e := range ents {
+		if e.Name == guestConfig {
+			require.Contains(t, string(e.Data), `PVT_ROOT=""`)
+		}
+		require.NotEqual(t, guestRootRun, e.Name)
+	}
+}

@@ -96,6 +96,22 @@ type Config struct {
 	// Boot.ResultSocket. Launch needs a nil Network; NICs only tell the guest's init which
 	// interfaces to configure.
 	Launch func(b Boot) (*exec.Cmd, error)
+	// Root, if set, is a host directory the guest boots as its root file system under
+	// the root's own init, which must be systemd (a Debian root made by debootstrap with
+	// systemd-sysv, for example): the packaged daemon's unit can then run as on a host.
+	// /init sets the guest up as for any guest (Modules, NICs), reports SETUP, mounts
+	// the directory (shared read-write over virtio-9p with security_model=passthrough:
+	// owners and modes are the host's) and switches to its /sbin/init. The scenario runs
+	// with the root's /bin/sh (and guest/lib.sh) from a unit /init leaves in
+	// /run/systemd/system, ordered after multi-user.target; that unit reports END and
+	// powers off (guest/root-run.sh), so Result.Timings.Scenario includes systemd's
+	// boot. Before booting, Start copies the guest kernel's modules into
+	// Root/lib/modules/<abi> (for the root's modprobe and systemd-modules-load) and
+	// writes Files and HostFiles into Root rather than the initramfs. The kernel command
+	// line gets net.ifnames=0 (the NICs keep the names /init configured them under),
+	// systemd.hostname=Name and a mask of the console's getty. The directory is the
+	// guest's to change: give each boot its own copy. Not with Launch.
+	Root string
 }
 
 // Boot is what a Config.Launch needs to boot the test bed's guest.
@@ -224,6 +240,11 @@ func Start(ctx context.Context, t TB, img *Image, nw *Network, cfg Config) (*VM,
 			cfg.NICs[i].MAC = randomMAC()
 		}
 	}
+	if cfg.Root != "" {
+		if err := installRoot(img, &cfg); err != nil {
+			return nil, fmt.Errorf("vm %s: %w", cfg.Name, err)
+		}
+	}
 	sweepStale(t.Logf)
 	dir, err := os.MkdirTemp("", fmt.Sprintf("%s%d-%s-", namePrefix, os.Getpid(), cfg.Name))
 	if err != nil {
@@ -275,7 +296,13 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 	if err := v.writeInitrd(img, initrd); err != nil {
 		return fmt.Errorf("initrd: %w", err)
 	}
-	appendLine := strings.TrimSpace("console=ttyS0 quiet loglevel=3 panic=-1 no_timer_check rdinit=/init " + v.cfg.KernelArgs)
+	kargs := "console=ttyS0 quiet loglevel=3 panic=-1 no_timer_check rdinit=/init"
+	if v.cfg.Root != "" {
+		// No login prompt on the console: a root without udev would wait 90 s for the
+		// serial port's device unit before giving up on it.
+		kargs += " net.ifnames=0 systemd.hostname=" + v.cfg.Name + " systemd.mask=serial-getty@ttyS0.service"
+	}
+	appendLine := strings.TrimSpace(kargs + " " + v.cfg.KernelArgs)
 	args := []string{
 		"-name", v.cfg.Name,
 		"-machine", "q35,memory-backend=ram",
@@ -323,6 +350,12 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 			}
 		}
 		args = append(args, "-device", dev)
+	}
+	if v.cfg.Root != "" {
+		// QEMU's option syntax escapes a comma by doubling it.
+		args = append(args,
+			"-fsdev", "local,id="+rootTag+",path="+strings.ReplaceAll(v.cfg.Root, ",", ",,")+",security_model=passthrough",
+			"-device", "virtio-9p-pci,fsdev="+rootTag+",mount_tag="+rootTag)
 	}
 	args = append(args, v.cfg.ExtraArgs...)
 
