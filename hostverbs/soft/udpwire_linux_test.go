@@ -237,7 +237,6 @@ func TestUDPWireReceiveIntegrity(t *testing.T) {
 	}
 }
 
-
 // TestUDPWireInheritKeepsQueued: a wire that pauses receiving leaves what
 // arrives in the kernel; a successor that inherits its port 4791 sockets
 // (a live upgrade, systemd's descriptor store) takes them over, paused
