@@ -73,9 +73,14 @@ type cgroupLine struct {
 // unescaped, but refuses cgroup names with a newline (cgroup_mkdir), so
 // every line is one hierarchy; a repeated hierarchy, a line that is not
 // ID:CONTROLLERS:/PATH, or more than the bounds is an error rather than a
-// guess.
+// guess. An empty file is no hierarchy: a kernel on which no cgroup file
+// system was ever mounted (cgroup2's line appears once one was) lists none,
+// as in the test bed's guests, which run the daemon under a busybox init.
 func parseProcCgroup(b []byte) ([]cgroupLine, error) {
-	if len(b) == 0 || len(b) > maxProcCgroupBytes {
+	if len(b) == 0 {
+		return nil, nil
+	}
+	if len(b) > maxProcCgroupBytes {
 		return nil, fmt.Errorf("%d bytes: %w", len(b), errBadProcCgroup)
 	}
 	if b[len(b)-1] != '\n' {

@@ -144,8 +144,16 @@ func TestParseProcCgroup(t *testing.T) {
 	require.NoError(t, err, "a ':' in a cgroup name")
 	assert.Equal(t, "/a:b/c", colon[0].Path)
 
+	none, err := parseProcCgroup(nil)
+	require.NoError(t, err, "no cgroup file system ever mounted: no hierarchy")
+	assert.Empty(t, none)
+	machine, err := vmIdentity{}.admitCgroups("vma", none, func(string) string { return "" })
+	require.NoError(t, err, "in no machine cgroup: the default rule admits")
+	assert.Empty(t, machine)
+	_, err = vmIdentity{cgroup: "/machine.slice/vma.scope"}.admitCgroups("vma", none, func(string) string { return "" })
+	require.ErrorIs(t, err, errNotThisVM, "cgroup= cannot be checked without a hierarchy")
+
 	for _, bad := range []string{
-		"",
 		"0::/a",                   // no final newline (truncated)
 		"0::/a\n\n",               // empty line
 		"0::/a\n0::/b\n",          // a hierarchy twice (what a newline in a name would forge)
