@@ -20,15 +20,8 @@ func TestWriteOverlay(t *testing.T) {
 		HostFiles: map[string]string{"/usr/local/bin/helper": host},
 	}
 	require.NoError(t, cfg.validate(nil))
-	var b bytes.Buffer
-	require.NoError(t, writeOverlay(&b, &cfg, "feedface"))
-	ents, err := readCPIO(b.Bytes())
-	require.NoError(t, err)
-	files := map[string]cpioEntry{}
-	for _, e := range ents {
-		files[e.Name] = e
-		require.NotEqual(t, "bin", e.Name, "never replace the /bin symlink of the base archive")
-	}
+	files := overlayFiles(t, &cfg)
+	require.NotContains(t, files, "bin", "never replace the /bin symlink of the base archive")
 	require.Equal(t, initScript, files["init"].Data)
 	require.Equal(t, uint32(modeRegular|0o755), files["init"].Mode)
 	require.Equal(t, libScript, files[guestLib].Data)
@@ -45,15 +38,7 @@ func TestWriteOverlay(t *testing.T) {
 	require.Equal(t, uint32(modeRegular|0o750), files["usr/local/bin/helper"].Mode)
 
 	cfg.NoErrExit = true
-	b.Reset()
-	require.NoError(t, writeOverlay(&b, &cfg, "feedface"))
-	ents, err = readCPIO(b.Bytes())
-	require.NoError(t, err)
-	for _, e := range ents {
-		if e.Name == guestScenario {
-			require.NotContains(t, string(e.Data), "set -e")
-		}
-	}
+	require.NotContains(t, string(overlayFiles(t, &cfg)[guestScenario].Data), "set -e")
 	require.Nil(t, (&Config{}).Modules)
 	require.Equal(t, DefaultModules(), (&Config{}).modules(), "nil Modules means the defaults")
 	require.Empty(t, (&Config{Modules: []string{}}).modules(), "an empty list means none")
@@ -68,14 +53,7 @@ func TestWriteOverlayRoot(t *testing.T) {
 		Scenario: "echo hi",
 		Files:    map[string][]byte{"/usr/bin/tool": []byte("tool")},
 	}
-	var b bytes.Buffer
-	require.NoError(t, writeOverlay(&b, &cfg, "feedface"))
-	ents, err := readCPIO(b.Bytes())
-	require.NoError(t, err)
-	files := map[string]cpioEntry{}
-	for _, e := range ents {
-		files[e.Name] = e
-	}
+	files := overlayFiles(t, &cfg)
 	conf := string(files[guestConfig].Data)
 	require.Contains(t, conf, `PVT_ROOT="pvtroot"`)
 	require.Contains(t, conf, `PVT_PRELOAD="vmxnet3 virtio_pci 9pnet_virtio 9p"`)
@@ -85,14 +63,21 @@ func TestWriteOverlayRoot(t *testing.T) {
 	require.NotContains(t, files, "usr/bin/tool", "Start writes the test's files into the root")
 
 	cfg.Root = ""
-	b.Reset()
-	require.NoError(t, writeOverlay(&b, &cfg, "feedface"))
-	ents, err = readCPIO(b.Bytes())
+	files = overlayFiles(t, &cfg)
+	require.Contains(t, string(files[guestConfig].Data), `PVT_ROOT=""`)
+	require.NotContains(t, files, guestRootRun)
+}
+
+// overlayFiles writes cfg's overlay archive and reads it back, by name.
+func overlayFiles(t *testing.T, cfg *Config) map[string]cpioEntry {
+	t.Helper()
+	var b bytes.Buffer
+	require.NoError(t, writeOverlay(&b, cfg, "feedface"))
+	ents, err := readCPIO(b.Bytes())
 	require.NoError(t, err)
+	files := map[string]cpioEntry{}
 	for _, e := range ents {
-		if e.Name == guestConfig {
-			require.Contains(t, string(e.Data), `PVT_ROOT=""`)
-		}
-		require.NotEqual(t, guestRootRun, e.Name)
+		files[e.Name] = e
 	}
+	return files
 }
