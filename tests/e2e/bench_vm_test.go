@@ -6,6 +6,9 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
@@ -100,7 +103,7 @@ func BenchmarkVMvsRxe(b *testing.B) {
 // guestPerfSteps are the guest workloads of BenchmarkGuestPerf.
 var guestPerfSteps = []step{
 	{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 1000 -s 4096", "ibv_rc_pingpong -d $dev -g $g -n 1000 -s 4096 $peer"},
-	{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536", "ib_write_bw -d $dev -x $g -F -n 200 -s 65536 $peer"},
+	{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 5000 -s 65536", "ib_write_bw -d $dev -x $g -F -n 5000 -s 65536 $peer"},
 }
 
 // BenchmarkGuestPerf is two stock guests through pvrdma-backend and
@@ -110,16 +113,26 @@ var guestPerfSteps = []step{
 // same binary, so one run says nothing and alternating pairs do. It
 // reports the client's ibv_rc_pingpong -s 4096 time per iteration
 // (pingpong_us) and ib_write_bw 64 KiB average bandwidth (write_MB/s).
+//
+// With PVRDMA_BENCH_DAEMON=PATH the guests use a daemon binary run as a
+// process of its own (`PATH serve`) instead of the daemon of this test
+// binary: the guard (scripts/bench-guard) and bisections run one harness,
+// this one, against daemons built from other versions.
 func BenchmarkGuestPerf(b *testing.B) {
 	img := image(b)
 	for i := 0; i < b.N; i++ {
-		d := daemon(b, backend.Config{Logger: quietLogger()}, "gp1", "gp2")
+		var dir string
+		if bin := os.Getenv("PVRDMA_BENCH_DAEMON"); bin != "" {
+			dir = daemonProcess(b, bin, "gp1", "gp2")
+		} else {
+			dir = filepath.Dir(daemon(b, backend.Config{Logger: quietLogger()}, "gp1", "gp2").SocketPath("gp1"))
+		}
 		ctx := context.Background()
 		nw, err := vm.NewNetwork(b, vm.NetworkConfig{})
 		require.NoError(b, err)
 		cfgs := []vm.Config{
-			pvrdmaGuest(d, "gp1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, guestPerfSteps)),
-			pvrdmaGuest(d, "gp2", "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, guestPerfSteps)),
+			pvrdmaGuestIn(dir, "gp1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, guestPerfSteps)),
+			pvrdmaGuestIn(dir, "gp2", "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, guestPerfSteps)),
 		}
 		for i := range cfgs {
 			cfgs[i].NoErrExit, cfgs[i].Timeout, cfgs[i].QuietConsole = true, 10*time.Minute, true
@@ -136,4 +149,37 @@ func BenchmarkGuestPerf(b *testing.B) {
 		b.ReportMetric(pp.UsecPerIter, "pingpong_us")
 		b.ReportMetric(bw[0].AvgMBps, "write_MB/s")
 	}
+}
+
+// daemonProcess runs `bin serve` with the named VMs registered, the test
+// bed's address pool and warnings only, in the test's network namespace
+// (the guests' fabric is in process), and returns its socket directory.
+// It stops at cleanup.
+func daemonProcess(b testing.TB, bin string, names ...string) string {
+	b.Helper()
+	dir := b.TempDir()
+	args := []string{"serve", "--socket-dir", dir, "--gid-allow", "10.77.0.0/24", "--log-level", "warn"}
+	for _, n := range names {
+		args = append(args, "--vm", n)
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	require.NoError(b, cmd.Start())
+	done := make(chan struct{})
+	go func() { _ = cmd.Wait(); close(done) }()
+	b.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+	})
+	require.Eventually(b, func() bool {
+		_, err := os.Stat(filepath.Join(dir, "control.sock"))
+		return err == nil
+	}, 30*time.Second, 20*time.Millisecond, "%s serve did not start", bin)
+	return dir
 }
