@@ -12,6 +12,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // IRQ raises the device's interrupts: MSI-X vector v (VectorResponse,
@@ -192,7 +193,7 @@ type Device struct {
 	checkGID func(int, hostverbs.GIDEntry) error
 	mac      [6]byte
 	limits   Limits
-	caps     Caps
+	caps     abi.Caps
 	stats    counters
 	// dist is what the device measures (Config.Distributions; nil: off).
 	dist *distributions
@@ -206,10 +207,10 @@ type Device struct {
 	// them only under mu and the ring's own lock.
 	asyncMu  sync.Mutex
 	async    *ringbuf.Producer
-	eqeBuf   [EQESize]byte
+	eqeBuf   [abi.EQESize]byte
 	notifyMu sync.Mutex
 	notify   *ringbuf.Producer
-	cqneBuf  [CQNESize]byte
+	cqneBuf  [abi.CQNESize]byte
 
 	// live maps a QP handle to the QP while it exists, for completion
 	// handlers (which must not take mu). See qp.context.
@@ -253,9 +254,9 @@ type Device struct {
 
 	// Scratch space for the BAR goroutine (guarded by mu): command slots
 	// and one WQE at a time.
-	req  [CmdReqSize]byte
-	resp [CmdRespSize]byte
-	wqe  [SQWQEHdrSize + SGESize*maxSGELimit]byte
+	req  [abi.CmdReqSize]byte
+	resp [abi.CmdRespSize]byte
+	wqe  [abi.SQWQEHdrSize + abi.SGESize*maxSGELimit]byte
 	sgl  [maxSGELimit]hostverbs.SGE
 	swr  hostverbs.SendWR
 	rwr  hostverbs.RecvWR
@@ -313,7 +314,7 @@ func (d *Device) Fault() error {
 }
 
 // Caps returns the capabilities the device reports to the guest.
-func (d *Device) Caps() Caps { return d.caps }
+func (d *Device) Caps() abi.Caps { return d.caps }
 
 // Stats returns a snapshot of the device's counters.
 func (d *Device) Stats() Stats {
@@ -390,7 +391,7 @@ func (d *Device) Reset() {
 	defer d.mu.Unlock()
 	d.resetLocked()
 	if !d.closed {
-		d.journalReg(RegCtl, CtlReset)
+		d.journalReg(abi.RegCtl, abi.CtlReset)
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // mr is a memory region. Its lkey and rkey are the provider's, returned to
@@ -60,7 +61,7 @@ func validAccess(a uint32) (hostverbs.Access, error) {
 }
 
 func (d *Device) cmdCreateMR(req, resp []byte) error {
-	var r CreateMR
+	var r abi.CreateMR
 	r.Decode(req)
 	p, err := d.pd(r.PDHandle)
 	if err != nil {
@@ -72,7 +73,7 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 	}
 	m := &mr{pd: p, access: acc, valid: true}
 	switch r.Flags {
-	case MRFlagDMA:
+	case abi.MRFlagDMA:
 		// All of guest-physical memory, for the kernel's own use (GSI
 		// MADs). Never for a user context and never remotely accessible:
 		// an rkey for it would expose the whole guest to the network.
@@ -81,7 +82,7 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 		}
 		m.dma = true
 		m.pages = guestmem.Identity()
-	case MRFlagFRMR:
+	case abi.MRFlagFRMR:
 		if r.NChunks == 0 || r.NChunks > ringbuf.MaxFastRegPages {
 			return fmt.Errorf("fast-reg MR of %d pages (max %d): %w", r.NChunks, ringbuf.MaxFastRegPages, ringbuf.ErrPageCount)
 		}
@@ -125,14 +126,14 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 	d.keys[m.lkey] = m
 	d.mrBytes += m.bytes
 	p.refs++
-	CreateMRResp{MRHandle: h, LKey: m.lkey, RKey: m.rkey}.Encode(resp)
+	abi.CreateMRResp{MRHandle: h, LKey: m.lkey, RKey: m.rkey}.Encode(resp)
 	return nil
 }
 
 // userMRPages validates a user MR's range and page directory: nchunks
 // must be exactly the pages [start, start+length) spans (CVE-2021-3582),
 // within the MR size cap and the VM's registered-bytes quota.
-func (d *Device) userMRPages(m *mr, r *CreateMR) error {
+func (d *Device) userMRPages(m *mr, r *abi.CreateMR) error {
 	if r.Length == 0 || r.Length > d.caps.MaxMRSize {
 		return fmt.Errorf("MR length %#x (max %#x): %w", r.Length, d.caps.MaxMRSize, syscall.EINVAL)
 	}
@@ -178,7 +179,7 @@ func (d *Device) frmrKey(h uint32) uint32 {
 }
 
 func (d *Device) cmdDestroyMR(req, resp []byte) error {
-	var r DestroyMR
+	var r abi.DestroyMR
 	r.Decode(req)
 	m, ok := d.mrs.get(r.MRHandle)
 	if !ok {
@@ -210,7 +211,7 @@ func (d *Device) destroyMR(m *mr) error {
 // must name a valid MR of the same PD whose range holds the SGE, with
 // local write access if the device writes there (receives, READ and atomic
 // results). It returns the lkey to hand the provider.
-func (d *Device) checkSGE(s *SGE, p *pd, write bool) (uint32, hostverbs.WCStatus) {
+func (d *Device) checkSGE(s *abi.SGE, p *pd, write bool) (uint32, hostverbs.WCStatus) {
 	m := d.keys[s.LKey]
 	switch {
 	case m == nil || !m.valid || m.pd != p:
@@ -228,7 +229,7 @@ func (d *Device) checkSGE(s *SGE, p *pd, write bool) (uint32, hostverbs.WCStatus
 // pl_pdir_dma, the new key and the access flags. The pages are registered
 // with the provider; local SGEs using the new key are translated to the
 // provider's lkey.
-func (d *Device) fastReg(q *qp, fr *WRFastReg) hostverbs.WCStatus {
+func (d *Device) fastReg(q *qp, fr *abi.WRFastReg) hostverbs.WCStatus {
 	m := d.frmrs[fr.RKey&^0xff]
 	if m == nil || m.pd != q.pd {
 		return hostverbs.WCLocProtErr

@@ -12,6 +12,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // ErrJournal: a journal Restore was given is malformed or contradicts
@@ -293,28 +294,28 @@ func newReplayer(d *Device, rep *RestoreReport, recs []jrec) *replayer {
 		switch {
 		case r.typ == recRegister && len(p) == 8:
 			reg, v := binary.LittleEndian.Uint32(p), binary.LittleEndian.Uint32(p[4:])
-			if reg == RegDSRHigh || (reg == RegCtl && v == CtlReset) {
+			if reg == abi.RegDSRHigh || (reg == abi.RegCtl && v == abi.CtlReset) {
 				clear(open)
 			}
-		case r.typ == recCommand && len(p) >= CmdHdrSize:
-			code := binary.LittleEndian.Uint32(p[cmdHdrCmd:])
-			if code >= NumCmds || len(p) != commands[code].reqSize+commands[code].respSize {
+		case r.typ == recCommand && len(p) >= abi.CmdHdrSize:
+			code := binary.LittleEndian.Uint32(p[abi.CmdHdrCmdOffset:])
+			if code >= abi.NumCmds || len(p) != commands[code].reqSize+commands[code].respSize {
 				continue // apply refuses it
 			}
 			c := &commands[code]
 			switch code {
-			case CmdCreateCQ:
-				var resp CreateCQResp
+			case abi.CmdCreateCQ:
+				var resp abi.CreateCQResp
 				resp.Decode(p[c.reqSize:])
 				open[resp.CQHandle] = i
-			case CmdResizeCQ:
-				var r ResizeCQ
+			case abi.CmdResizeCQ:
+				var r abi.ResizeCQ
 				r.Decode(p)
 				if j, ok := open[r.CQHandle]; ok {
 					rp.cqEff[j] = r.CQE
 				}
-			case CmdDestroyCQ:
-				var r handleReq
+			case abi.CmdDestroyCQ:
+				var r abi.HandleReq
 				r.Decode(p)
 				delete(open, r.Handle)
 			}
@@ -357,23 +358,23 @@ func (rp *replayer) register(p []byte) error {
 	}
 	reg, v := uint64(binary.LittleEndian.Uint32(p)), binary.LittleEndian.Uint32(p[4:])
 	switch reg {
-	case RegDSRLow, RegDSRHigh:
+	case abi.RegDSRLow, abi.RegDSRHigh:
 		if d.active {
 			return fmt.Errorf("DSR write while the device is active: %w", ErrJournal)
 		}
-	case RegCtl:
+	case abi.RegCtl:
 		switch {
-		case v != CtlActivate && v != CtlReset:
+		case v != abi.CtlActivate && v != abi.CtlReset:
 			return fmt.Errorf("CTL %d: %w", v, ErrJournal)
-		case v == CtlActivate && d.dsr == nil:
+		case v == abi.CtlActivate && d.dsr == nil:
 			return fmt.Errorf("activate: %w", rp.noDSR())
 		}
-	case RegIMR, RegMACL, RegMACH:
+	case abi.RegIMR, abi.RegMACL, abi.RegMACH:
 	default:
 		return fmt.Errorf("register %#x: %w", reg, ErrJournal)
 	}
 	d.writeReg(reg, v)
-	if reg == RegDSRHigh && d.dsr == nil {
+	if reg == abi.RegDSRHigh && d.dsr == nil {
 		rp.note("device shared region not loaded again: %v", d.fault)
 	}
 	return nil
@@ -425,10 +426,10 @@ func checkLive[T comparable](t *table[T], h uint32, kind string) error {
 // recorded response.
 func (rp *replayer) command(i int, p []byte) error {
 	d := rp.d
-	if len(p) < CmdHdrSize {
+	if len(p) < abi.CmdHdrSize {
 		return fmt.Errorf("command record of %d bytes: %w", len(p), ErrJournal)
 	}
-	var hdr CmdHdr
+	var hdr abi.CmdHdr
 	hdr.Decode(p)
 	if !journaledCmd(hdr.Cmd) {
 		return fmt.Errorf("command %d in the journal: %w", hdr.Cmd, ErrJournal)
@@ -442,64 +443,65 @@ func (rp *replayer) command(i int, p []byte) error {
 	}
 	payload := append([]byte(nil), p...)
 	req, want := payload[:c.reqSize], payload[c.reqSize:]
-	clear(want[:RespHdrSize]) // the dispatcher's, not the command's
+	clear(want[:abi.RespHdrSize]) // the dispatcher's, not the command's
 	rp.force, rp.lostCause = force{}, nil
 	var h uint32
 	var err error
 	create := false
 	switch hdr.Cmd {
-	case CmdCreatePD:
-		var r CreatePDResp
+	case abi.CmdCreatePD:
+		var r abi.CreatePDResp
 		r.Decode(want)
 		h, create, err = r.PDHandle, true, checkNew(&d.pds, r.PDHandle, "PD")
-	case CmdCreateMR:
-		var r CreateMRResp
+	case abi.CmdCreateMR:
+		var r abi.CreateMRResp
 		r.Decode(want)
 		h, create, err = r.MRHandle, true, checkNew(&d.mrs, r.MRHandle, "MR")
 		rp.force.lkey, rp.force.rkey = r.LKey, r.RKey
-		var q CreateMR
+		var q abi.CreateMR
 		q.Decode(req)
-		if err == nil && q.Flags == MRFlagFRMR {
+		if err == nil && q.Flags == abi.MRFlagFRMR {
 			err = rp.checkFRMRKey(r.LKey, r.RKey)
 		}
-	case CmdCreateCQ:
-		var r CreateCQResp
+	case abi.CmdCreateCQ:
+		var r abi.CreateCQResp
 		r.Decode(want)
 		h, create, err = r.CQHandle, true, checkNew(&d.cqs, r.CQHandle, "CQ")
 		rp.force.cqe = rp.cqEff[i]
-	case CmdCreateQP:
-		var r CreateQPResp
+	case abi.CmdCreateQP:
+		var r abi.CreateQPResp
 		r.Decode(want)
 		h, create, err = r.QPHandle, true, checkNew(&d.qps, r.QPHandle, "QP")
 		rp.force.qpn = r.QPN
-	case CmdCreateSRQ:
-		var r CreateSRQResp
+	case abi.CmdCreateSRQ:
+		var r abi.CreateSRQResp
 		r.Decode(want)
 		h, create, err = r.SRQN, true, checkNew(&d.srqs, r.SRQN, "SRQ")
-	case CmdModifyQP:
+	case abi.CmdModifyQP:
 		// The state the guest believed current may be one a completion
 		// or event set, which the journal does not hold: the replayed
 		// state is the truth here.
-		put32(req, 20, u32(req, 20)&^uint32(hostverbs.AttrCurState))
-		h = u32(req, 16)
+		mask := binary.LittleEndian.Uint32(req[20:])
+		binary.LittleEndian.PutUint32(req[20:], mask&^uint32(hostverbs.AttrCurState))
+		h = binary.LittleEndian.Uint32(req[16:])
 		err = checkLive(&d.qps, h, "QP")
-	case CmdDestroyQP:
-		h = u32(req, reqArg0)
+	case abi.CmdDestroyQP:
+		h = reqHandle(req)
 		err = checkLive(&d.qps, h, "QP")
-	case CmdDestroyPD:
-		h = u32(req, reqArg0)
+	case abi.CmdDestroyPD:
+		h = reqHandle(req)
 		err = checkLive(&d.pds, h, "PD")
-	case CmdDestroyMR:
-		h = u32(req, reqArg0)
+	case abi.CmdDestroyMR:
+		h = reqHandle(req)
 		err = checkLive(&d.mrs, h, "MR")
-	case CmdResizeCQ, CmdDestroyCQ:
-		h = u32(req, reqArg0)
+	case abi.CmdResizeCQ, abi.CmdDestroyCQ:
+		h = reqHandle(req)
 		err = checkLive(&d.cqs, h, "CQ")
-	case CmdModifySRQ, CmdDestroySRQ:
-		h = u32(req, reqArg0)
+	case abi.CmdModifySRQ, abi.CmdDestroySRQ:
+		h = reqHandle(req)
 		err = checkLive(&d.srqs, h, "SRQ")
-	case CmdDestroyUC:
-		h = u32(req, reqArg0)
+	case abi.CmdDestroyUC:
+		h = reqHandle(req)
 		err = checkLive(&d.ucs, h, "context")
 	}
 	if err != nil {
@@ -543,16 +545,16 @@ func (rp *replayer) checkFRMRKey(lkey, rkey uint32) error {
 // succeeded notes what a replayed command that worked tells the report.
 func (rp *replayer) succeeded(code uint32, req []byte, h uint32) {
 	switch code {
-	case CmdCreateQP:
+	case abi.CmdCreateQP:
 		if rp.lostCause != nil {
 			rp.note("QP %d lost: %v", h, rp.lostCause)
 		}
-	case CmdCreateBind:
-		var r CreateBind
+	case abi.CmdCreateBind:
+		var r abi.CreateBind
 		r.Decode(req)
 		delete(rp.gidLost, r.Index)
-	case CmdDestroyBind:
-		var r DestroyBind
+	case abi.CmdDestroyBind:
+		var r abi.DestroyBind
 		r.Decode(req)
 		delete(rp.gidLost, r.Index)
 	}
@@ -564,18 +566,18 @@ func (rp *replayer) succeeded(code uint32, req []byte, h uint32) {
 func (rp *replayer) failed(code uint32, req []byte, h uint32, err error) error {
 	d := rp.d
 	switch code {
-	case CmdModifyQP:
+	case abi.CmdModifyQP:
 		if q, ok := d.qps.get(h); ok && !isLost(q.hv) {
 			rp.broken[h] = err
 		}
-	case CmdCreateBind:
-		var r CreateBind
+	case abi.CmdCreateBind:
+		var r abi.CreateBind
 		r.Decode(req)
 		rp.gidLost[r.Index] = err.Error()
 		rp.note("GID %d not bound: %v", r.Index, err)
-	case CmdResizeCQ, CmdModifySRQ, CmdDestroyBind:
+	case abi.CmdResizeCQ, abi.CmdModifySRQ, abi.CmdDestroyBind:
 		rp.note("%v", err)
-	case CmdDestroyPD, CmdDestroyCQ, CmdDestroyQP, CmdDestroySRQ:
+	case abi.CmdDestroyPD, abi.CmdDestroyCQ, abi.CmdDestroyQP, abi.CmdDestroySRQ:
 		if !d.goneAnyway(code, req) {
 			return fmt.Errorf("%w (%w)", err, ErrJournal)
 		}
@@ -593,8 +595,8 @@ func (rp *replayer) tombstone(code uint32, req, want, payload []byte, h uint32, 
 	d := rp.d
 	kind := ""
 	switch code {
-	case CmdCreatePD:
-		var r CreatePD
+	case abi.CmdCreatePD:
+		var r abi.CreatePD
 		r.Decode(req)
 		uar, err := d.context(r.CtxHandle)
 		if err != nil {
@@ -604,22 +606,22 @@ func (rp *replayer) tombstone(code uint32, req, want, payload []byte, h uint32, 
 			return fmt.Errorf("PD handle %d: %w", h, ErrJournal)
 		}
 		kind = "PD"
-	case CmdCreateMR:
-		var r CreateMR
+	case abi.CmdCreateMR:
+		var r abi.CreateMR
 		r.Decode(req)
 		p, err := d.pd(r.PDHandle)
 		if err != nil {
 			return fmt.Errorf("CREATE_MR %d: %w (%w)", h, err, ErrJournal)
 		}
-		var resp CreateMRResp
+		var resp abi.CreateMRResp
 		resp.Decode(want)
 		if !d.mrs.set(h, &mr{handle: h, pd: p, lkey: resp.LKey, rkey: resp.RKey, lost: true, rec: payload}) {
 			return fmt.Errorf("MR handle %d: %w", h, ErrJournal)
 		}
 		p.refs++
 		kind = "MR"
-	case CmdCreateCQ:
-		var r CreateCQ
+	case abi.CmdCreateCQ:
+		var r abi.CreateCQ
 		r.Decode(req)
 		uar, err := d.context(r.CtxHandle)
 		if err != nil {
@@ -629,8 +631,8 @@ func (rp *replayer) tombstone(code uint32, req, want, payload []byte, h uint32, 
 			return fmt.Errorf("CQ handle %d: %w", h, ErrJournal)
 		}
 		kind = "CQ"
-	case CmdCreateSRQ:
-		var r CreateSRQ
+	case abi.CmdCreateSRQ:
+		var r abi.CreateSRQ
 		r.Decode(req)
 		p, err := d.pd(r.PDHandle)
 		if err != nil {
@@ -642,7 +644,7 @@ func (rp *replayer) tombstone(code uint32, req, want, payload []byte, h uint32, 
 		}
 		p.refs++
 		kind = "SRQ"
-	case CmdCreateQP:
+	case abi.CmdCreateQP:
 		if err := rp.qpTombstone(req, want, payload, h); err != nil {
 			return err
 		}
@@ -657,30 +659,30 @@ func (rp *replayer) tombstone(code uint32, req, want, payload []byte, h uint32, 
 // and keys recorded, the rest derived from the request.
 func canonicalResp(code uint32, req, resp []byte) {
 	switch code {
-	case CmdCreatePD:
-		var r CreatePDResp
+	case abi.CmdCreatePD:
+		var r abi.CreatePDResp
 		r.Decode(resp)
-		CreatePDResp{PDHandle: r.PDHandle}.Encode(resp)
-	case CmdCreateMR:
-		var r CreateMRResp
+		abi.CreatePDResp{PDHandle: r.PDHandle}.Encode(resp)
+	case abi.CmdCreateMR:
+		var r abi.CreateMRResp
 		r.Decode(resp)
-		CreateMRResp{MRHandle: r.MRHandle, LKey: r.LKey, RKey: r.RKey}.Encode(resp)
-	case CmdCreateCQ:
-		var r CreateCQResp
+		abi.CreateMRResp{MRHandle: r.MRHandle, LKey: r.LKey, RKey: r.RKey}.Encode(resp)
+	case abi.CmdCreateCQ:
+		var r abi.CreateCQResp
 		r.Decode(resp)
-		var q CreateCQ
+		var q abi.CreateCQ
 		q.Decode(req)
-		CreateCQResp{CQHandle: r.CQHandle, CQE: q.CQE}.Encode(resp)
-	case CmdCreateSRQ:
-		var r CreateSRQResp
+		abi.CreateCQResp{CQHandle: r.CQHandle, CQE: q.CQE}.Encode(resp)
+	case abi.CmdCreateSRQ:
+		var r abi.CreateSRQResp
 		r.Decode(resp)
-		CreateSRQResp{SRQN: r.SRQN}.Encode(resp)
-	case CmdCreateQP:
-		var r CreateQPResp
+		abi.CreateSRQResp{SRQN: r.SRQN}.Encode(resp)
+	case abi.CmdCreateQP:
+		var r abi.CreateQPResp
 		r.Decode(resp)
-		var q CreateQP
+		var q abi.CreateQP
 		q.Decode(req)
-		c := CreateQPResp{QPN: r.QPN, QPHandle: r.QPHandle, MaxSendWR: q.MaxSendWR, MaxRecvWR: q.MaxRecvWR,
+		c := abi.CreateQPResp{QPN: r.QPN, QPHandle: r.QPHandle, MaxSendWR: q.MaxSendWR, MaxRecvWR: q.MaxRecvWR,
 			MaxSendSGE: q.MaxSendSGE, MaxRecvSGE: q.MaxRecvSGE}
 		if q.IsSRQ != 0 {
 			c.MaxRecvWR, c.MaxRecvSGE = 0, 0
@@ -692,9 +694,9 @@ func canonicalResp(code uint32, req, resp []byte) {
 // qpTombstone keeps a QP's handle, QPN and objects without rings.
 func (rp *replayer) qpTombstone(req, want, payload []byte, h uint32) error {
 	d := rp.d
-	var r CreateQP
+	var r abi.CreateQP
 	r.Decode(req)
-	var resp CreateQPResp
+	var resp abi.CreateQPResp
 	resp.Decode(want)
 	typ := hostverbs.QPType(r.QPType)
 	p, err := d.pd(r.PDHandle)
@@ -896,7 +898,7 @@ func (d *Device) cqRing(pages []guestmem.GPA, n uint32) (*ringbuf.Producer, erro
 	if err != nil {
 		return nil, err
 	}
-	area, err := ringbuf.NewArea(pages, guestmem.PageSize, CQESize, n)
+	area, err := ringbuf.NewArea(pages, guestmem.PageSize, abi.CQESize, n)
 	if err != nil {
 		return nil, err
 	}
@@ -914,9 +916,9 @@ func (d *Device) resizeCQRing(c *cq, geo ringbuf.Geometry) error {
 	case d.rp != nil:
 		return nil
 	case d.adopt:
-		return c.ring.ResizeAdopt(geo, CQESize) // the ring has been in use since
+		return c.ring.ResizeAdopt(geo, abi.CQESize) // the ring has been in use since
 	}
-	return c.ring.Resize(geo, CQESize)
+	return c.ring.Resize(geo, abi.CQESize)
 }
 
 // createProviderQP creates the provider QP of a new QP. During a restore
@@ -1047,3 +1049,10 @@ const (
 // successor (check-state) and saves only what it understands
 // (SaveTransportsFor).
 func JournalFeatures() []string { return []string{featureTransport, featureSRQ} }
+
+// reqHandle is the handle a request of the HandleReq layout names.
+func reqHandle(req []byte) uint32 {
+	var r abi.HandleReq
+	r.Decode(req)
+	return r.Handle
+}
