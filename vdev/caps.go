@@ -89,6 +89,14 @@ func computeCaps(a hostverbs.DeviceAttr, l Limits, mac [6]byte) abi.Caps {
 	}
 	c.GIDTblLen = minu(pos(a.GIDTableLen), pos(l.GIDTableLen), maxGIDTableLen)
 	c.LocalCAAckDelay = a.LocalCAAckDelay
+	if a.DeviceCapFlags&hostverbs.DeviceCapMemMgtExtensions != 0 && a.MaxFastRegPageListLen > 0 {
+		// Fast registration, local and remote invalidation: the driver
+		// then sets IB_DEVICE_MEM_MGT_EXTENSIONS, which kernel consumers
+		// (nvme-rdma, xprtrdma, iSER, SRP, RDS) require. Page lists hold
+		// 4 KiB pages (page_size_cap) and at most the ABI's 128 entries.
+		c.BMMEFlags = fastRegBMME
+		c.MaxFastRegPageListLen = minu(pos(a.MaxFastRegPageListLen), ringbuf.MaxFastRegPages)
+	}
 	if a.AtomicCap != hostverbs.AtomicNone {
 		c.AtomicOps = abi.AtomicOpCompSwap | abi.AtomicOpFetchAdd
 	}

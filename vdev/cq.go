@@ -313,6 +313,9 @@ func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32,
 	}
 	d.stats.completions.Add(1)
 	d.observeSend(at)
+	if wc.Status != hostverbs.WCSuccess {
+		c.reportError(q, wc)
+	}
 	switch {
 	case c.armed == armNext:
 		c.notifyDue = true
@@ -325,6 +328,21 @@ func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32,
 	if q.typ == hostverbs.QPTypeRC && wc.Status != hostverbs.WCSuccess && wc.Status != hostverbs.WCWRFlushErr {
 		q.state.Store(uint32(hostverbs.QPStateErr)) // an RC completion error moves the QP to ERR
 	}
+}
+
+// reportError counts an unsuccessful CQE and logs it, rate-limited: a
+// failure an operator can follow (the QP, the work request, the status;
+// the provider's log says why a remote access was refused). c.mu held.
+func (c *cq) reportError(q *qp, wc *hostverbs.WorkCompletion) {
+	d := c.dev
+	if wc.Status == hostverbs.WCWRFlushErr {
+		d.stats.flushCQEs.Add(1)
+		d.lim.Info("wc-flush", "pvrdma: work requests flushed: the QP is in ERR", "qp", q.handle, "qpn", wc.QPN, "wr_id", wc.WRID)
+		return
+	}
+	d.stats.errorCQEs.Add(1)
+	d.lim.Warn("wc-error", "pvrdma: work request completed in error", "qp", q.handle, "qpn", wc.QPN,
+		"type", q.typ, "status", wc.Status, "opcode", wc.Opcode, "wr_id", wc.WRID, "vendor_err", wc.VendorErr)
 }
 
 // unlock releases c.mu, then raises what the CQEs written under it call

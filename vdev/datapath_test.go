@@ -659,56 +659,105 @@ func TestResizeCQ(t *testing.T) {
 	assert.EqualValues(t, 16, errReg, "EBUSY: not empty")
 }
 
+// TestFastRegisterAndInvalidate: the device hands REG_MR and LOCAL_INV to
+// the provider's fast-reg MR (its key, base and consumer byte, is the
+// provider's, so peers' rkeys resolve there), checks what is the device's
+// to check (the key's MR, its PD, the page list), and completes them in
+// order after the sends before them. The provider's own semantics (the
+// key refused once invalidated, remote invalidation) are tested with the
+// soft provider (hostverbs/soft, soft_test.go).
 func TestFastRegisterAndInvalidate(t *testing.T) {
 	fv := newFakeVerbs()
 	g := probedGuest(t, fv)
 	g.bindGID(0, gidA)
 	pd := g.createPD(0)
+	otherPD := g.createPD(0)
 	cq := g.createCQ(0, 64)
 	q := g.createQP(qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 2, recvSGE: 1})
 	q.toRTS(5, gidB, 0)
 	fq := fv.qps[0]
 	var fr abi.CreateMRResp
 	fr.Decode(g.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: pd, Flags: abi.MRFlagFRMR, NChunks: 16}))
-	assert.Zero(t, fr.LKey&0xff, "consumer byte free for ib_update_fast_reg_key")
+	m := fv.mrs[len(fv.mrs)-1]
+	assert.Equal(t, m.lkey, fr.LKey, "the provider's base key")
+	assert.Equal(t, fr.LKey, fr.RKey)
 	errReg, _ := g.cmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: pd, Flags: abi.MRFlagFRMR, NChunks: 129})
 	assert.NotZero(t, errReg, "above PVRDMA_MAX_FAST_REG_PAGES")
-	// Not usable before registration.
-	q.postSend(wqe(hostverbs.WRSend, 1, 0), abi.SGE{Addr: 0x10000, Length: 8, LKey: fr.LKey})
-	assert.EqualValues(t, hostverbs.WCLocProtErr, cq.mustPoll().Status)
-	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
-	g.put32(q.sqState(), 0)
-	g.put32(q.rqState(), 0)
-	q.toRTS(5, gidB, 0)
 
 	pages := g.scatteredPages(4)
-	key := fr.LKey | 0x07
-	h := wqe(hostverbs.WRRegMR, 2, hostverbs.SendSignaled)
-	abi.WRFastReg{IOVAStart: 0xffff000000001000, PLPDirDMA: g.pdir(pages), PageShift: 12, PageListLen: 4,
-		Length: 4 * 4096, AccessFlags: uint32(hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite), RKey: key}.Encode(h.WR[:])
-	q.postSend(h)
+	key := fr.LKey&^0xff | (fr.LKey+1)&0xff
+	regWQE := func(wrid uint64, key uint32, shift uint32) abi.SQWQEHdr {
+		h := wqe(hostverbs.WRRegMR, wrid, hostverbs.SendSignaled)
+		abi.WRFastReg{IOVAStart: 0xffff000000001000, PLPDirDMA: g.pdir(pages), PageShift: shift, PageListLen: 4,
+			Length: 4 * 4096, AccessFlags: uint32(hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite), RKey: key}.Encode(h.WR[:])
+		return h
+	}
+	q.postSend(regWQE(2, key, 12))
 	e := cq.mustPoll()
 	assert.EqualValues(t, hostverbs.WCSuccess, e.Status)
 	assert.EqualValues(t, hostverbs.WCRegMR, e.Opcode)
-	m := fv.mrs[len(fv.mrs)-1]
-	assert.Equal(t, uint64(0xffff000000001000), m.attr.Pages.IOVA)
-	assert.EqualValues(t, pages[2], m.attr.Pages.Pages[2])
+	st, reg := fv.frmrs(t)[0].Registration()
+	require.Equal(t, hostverbs.MRValid, st)
+	assert.Equal(t, key, reg.Key, "the guest's key, consumer byte and all")
+	assert.Equal(t, uint64(0xffff000000001000), reg.Pages.IOVA)
+	assert.EqualValues(t, pages[2], reg.Pages.Pages[2])
+	assert.Equal(t, hostverbs.AccessLocalWrite|hostverbs.AccessRemoteWrite, reg.Access)
+
 	q.postSend(wqe(hostverbs.WRSend, 3, 0), abi.SGE{Addr: 0xffff000000001000 + 4000, Length: 200, LKey: key})
 	sends, _ := fq.take()
 	require.Len(t, sends, 1)
-	assert.Equal(t, m.lkey, sends[0].SGL[0].LKey, "the guest's key is translated to the provider's")
+	assert.Equal(t, key, sends[0].SGL[0].LKey, "the guest's key goes to the provider as it is")
 	assert.NotZero(t, sends[0].Flags&hostverbs.SendSignaled, "a kernel QP's last send is signaled to the provider: a local operation may follow")
-	h = wqe(hostverbs.WRLocalInv, 4, 0)
+	h := wqe(hostverbs.WRLocalInv, 4, 0)
 	h.Ex = key
 	q.postSend(h)
-	assert.True(t, m.dead, "invalidation deregisters")
+	st, _ = fv.frmrs(t)[0].Registration()
+	assert.Equal(t, hostverbs.MRFree, st, "LOCAL_INV reaches the provider")
 	head := q.sqConsumed()
 	fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
 	_, ok := cq.poll()
 	assert.False(t, ok, "neither the unsignaled send nor the unsignaled LOCAL_INV reports")
 	assert.Equal(t, head+2, q.sqConsumed(), "both released by the send's completion")
-	q.postSend(wqe(hostverbs.WRSend, 5, 0), abi.SGE{Addr: 0xffff000000001000, Length: 8, LKey: key})
+	s := g.dev.Stats()
+	assert.EqualValues(t, 1, s.FastRegs)
+	assert.EqualValues(t, 1, s.LocalInvs)
+
+	// Refused, each a WQE completed in error (the QP goes to ERR: reset it).
+	reset := func() {
+		q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
+		g.put32(q.sqState(), 0)
+		g.put32(q.rqState(), 0)
+		q.toRTS(5, gidB, 0)
+	}
+	for _, tc := range []struct {
+		name string
+		h    abi.SQWQEHdr
+		want hostverbs.WCStatus
+	}{
+		{"another MR's key index", regWQE(5, key+0x100, 12), hostverbs.WCLocQPOpErr},
+		{"page shift", regWQE(6, key, 16), hostverbs.WCLocQPOpErr},
+		{"LOCAL_INV of a plain MR's key", func() abi.SQWQEHdr {
+			h := wqe(hostverbs.WRLocalInv, 7, 0)
+			h.Ex = g.regMR(pd, 0x10000, 4096, 1).lkey
+			return h
+		}(), hostverbs.WCLocQPOpErr},
+	} {
+		q.postSend(tc.h)
+		assert.EqualValues(t, tc.want, cq.mustPoll().Status, tc.name)
+		reset()
+	}
+	q.postSend(regWQE(8, key, 12))
+	require.EqualValues(t, hostverbs.WCSuccess, cq.mustPoll().Status)
+	q.postSend(regWQE(9, key, 12))
+	assert.EqualValues(t, hostverbs.WCLocQPOpErr, cq.mustPoll().Status, "REG_MR of a valid MR (the provider refuses)")
+	reset()
+	// A QP of another PD may not register it.
+	q2 := g.createQP(qpSpec{pd: otherPD, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 2, recvSGE: 1})
+	q2.toRTS(6, gidB, 0)
+	q2.postSend(regWQE(10, key, 12))
 	assert.EqualValues(t, hostverbs.WCLocProtErr, cq.mustPoll().Status)
+	assert.EqualValues(t, 4, g.dev.Stats().FastRegRefused)
+	assert.EqualValues(t, 1, g.dev.Stats().LocalInvRefused)
 }
 
 func TestDMAMRRestrictions(t *testing.T) {

@@ -161,6 +161,18 @@ type Stats struct {
 	// transport state (a planned hand-over); RestoreLostObjects those the
 	// provider could not take back (handles kept, errors raised).
 	RestoredObjects, RestoreErroredQPs, RestoreContinuedQPs, RestoreLostObjects uint64
+	// FastRegs counts REG_MR work requests executed, FastRegRefused those
+	// refused (no such fast-reg MR, another PD, a bad page list or key,
+	// an MR still valid); LocalInvs and LocalInvRefused the same for
+	// LOCAL_INV; FRMRRefused the fast-reg MRs the guest asked for where
+	// the provider has no fast registration. Each refusal is logged
+	// (rate-limited) with its reason.
+	FastRegs, FastRegRefused, LocalInvs, LocalInvRefused, FRMRRefused uint64
+	// ErrorCQEs counts the CQEs written with an error status other than
+	// a flush, FlushCQEs those of work requests flushed because their QP
+	// is in ERR (whoever completed them: the provider or the device). Both
+	// are logged, rate-limited, with the QP and the work request.
+	ErrorCQEs, FlushCQEs uint64
 }
 
 type counters struct {
@@ -179,6 +191,10 @@ type counters struct {
 	journalRecords                 atomic.Uint64
 	restored, restoreErrored       atomic.Uint64
 	restoreContinued, restoreLost  atomic.Uint64
+	fastRegs, fastRegRefused       atomic.Uint64
+	localInvs, localInvRefused     atomic.Uint64
+	frmrRefused                    atomic.Uint64
+	errorCQEs, flushCQEs           atomic.Uint64
 }
 
 // Device is one PVRDMA function serving one VM.
@@ -333,6 +349,10 @@ func (d *Device) Stats() Stats {
 		JournalRecords: s.journalRecords.Load(), RestoredObjects: s.restored.Load(),
 		RestoreErroredQPs: s.restoreErrored.Load(), RestoreContinuedQPs: s.restoreContinued.Load(),
 		RestoreLostObjects: s.restoreLost.Load(),
+		FastRegs:           s.fastRegs.Load(), FastRegRefused: s.fastRegRefused.Load(),
+		LocalInvs: s.localInvs.Load(), LocalInvRefused: s.localInvRefused.Load(),
+		FRMRRefused: s.frmrRefused.Load(),
+		ErrorCQEs:   s.errorCQEs.Load(), FlushCQEs: s.flushCQEs.Load(),
 	}
 }
 

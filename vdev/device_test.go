@@ -47,7 +47,9 @@ func TestProbeAndCaps(t *testing.T) {
 	assert.EqualValues(t, 128, c.MaxSRQ)
 	assert.EqualValues(t, 16, c.GIDTblLen)
 	assert.EqualValues(t, abi.AtomicOpCompSwap|abi.AtomicOpFetchAdd, c.AtomicOps)
-	assert.Zero(t, c.BMMEFlags, "fast-reg MRs are not remotely usable: not advertised")
+	assert.EqualValues(t, abi.BMMEFlagLocalInv|abi.BMMEFlagRemoteInv|abi.BMMEFlagFastRegWR, c.BMMEFlags,
+		"the provider has fast registration: all three bits (the driver then sets MEM_MGT_EXTENSIONS)")
+	assert.EqualValues(t, 128, c.MaxFastRegPageListLen, "provider 256, the ABI's page list at most 128")
 	// The SRQ caps where the prototype slipped.
 	assert.EqualValues(t, 128, g.u32(g.dsr+248))
 	assert.EqualValues(t, 4096, g.u32(g.dsr+252))

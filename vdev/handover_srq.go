@@ -139,16 +139,13 @@ func (d *Device) encodeSRQRecvs(h uint32, s *srq, wrs []hostverbs.RecvWR) ([][]b
 }
 
 // guestLKey returns the key the guest uses for the provider lkey hv of an
-// MR of PD p: the same, but for a fast-reg MR (whose keys are the
-// device's).
+// MR of PD p: the same (a fast-reg MR's key is the provider's too).
 func (d *Device) guestLKey(p *pd, hv uint32) (uint32, bool) {
-	if m := d.keys[hv]; m != nil && m.pd == p && m.hvLKey == hv && !m.frmr {
+	if m := d.keys[hv]; m != nil && m.pd == p {
 		return hv, true
 	}
-	for _, m := range d.frmrs {
-		if m.pd == p && m.valid && m.hvLKey == hv {
-			return m.lkey, true
-		}
+	if m := d.frmrs[hv>>8]; m != nil && m.pd == p {
+		return hv, true
 	}
 	return 0, false
 }

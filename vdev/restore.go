@@ -527,15 +527,15 @@ func (rp *replayer) command(i int, p []byte) error {
 	return rp.failed(hdr.Cmd, req, h, fmt.Errorf("%s: %w", c.name, err))
 }
 
-// checkFRMRKey checks the key of a fast-reg MR, which the device chose:
-// bit 31 set, consumer byte 0, the same lkey and rkey, not in use.
+// checkFRMRKey checks the key of a fast-reg MR, which its provider chose:
+// the same lkey and rkey (the base key), whose index no MR holds.
 func (rp *replayer) checkFRMRKey(lkey, rkey uint32) error {
 	d := rp.d
-	if lkey&0x800000ff != 0x80000000 || rkey != lkey {
+	if rkey != lkey || lkey>>8 == 0 {
 		return fmt.Errorf("fast-reg MR keys %#x/%#x: %w", lkey, rkey, ErrJournal)
 	}
 	_, taken := d.keys[lkey]
-	_, takenFR := d.frmrs[lkey]
+	_, takenFR := d.frmrs[lkey>>8]
 	if taken || takenFR {
 		return fmt.Errorf("fast-reg MR key %#x in use: %w", lkey, ErrJournal)
 	}
