@@ -50,7 +50,7 @@ func TestSoftFastRegistration(t *testing.T) {
 		h := wqe(hostverbs.WRRegMR, wrid, hostverbs.SendSignaled)
 		abi.WRFastReg{IOVAStart: iova, PLPDirDMA: a.g.pdir(pages), PageShift: 12, PageListLen: 3, Length: length,
 			AccessFlags: uint32(hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite | hostverbs.AccessRemoteRead | hostverbs.AccessRemoteAtomic),
-			RKey: key}.Encode(h.WR[:])
+			RKey:        key}.Encode(h.WR[:])
 		a.qp.postSend(h)
 		e := waitCQE(t, a.scq)
 		require.EqualValues(t, hostverbs.WCSuccess, e.Status, "REG_MR")
