@@ -67,6 +67,7 @@ const (
 	recTransport     = 4
 	recHandoverAbort = 5
 	recSRQRecvs      = 6
+	recFastReg       = 7
 
 	recFlagSnapshot = 1
 )
@@ -465,6 +466,11 @@ func (d *Device) Checkpoint() []byte {
 		d.qps.each(func(_ uint32, q *qp) {
 			if q.transport != nil {
 				put(recTransport, q.transport)
+			}
+		})
+		d.mrs.each(func(_ uint32, m *mr) {
+			if m.saved != nil {
+				put(recFastReg, m.saved)
 			}
 		})
 	}

@@ -31,7 +31,8 @@ type mr struct {
 	access     hostverbs.Access
 	dma        bool
 	frmr       bool
-	maxPages   int // FRMR page list capacity
+	maxPages   int    // FRMR page list capacity
+	saved      []byte // FRMR: its fast-reg record while a hand-over is pending
 	bytes      uint64
 	cost       uint64 // bytes charged to the VM's budget
 	// lost: Restore could not rebuild it (its handle stays reserved).

@@ -57,6 +57,10 @@ type RestoreReport struct {
 	// that the journal ends with (SaveTransports) and that were posted
 	// again.
 	SRQRecvs int
+	// RestoredFastRegs is the number of fast registrations the journal
+	// ends with (SaveTransports) that the new provider took back: their
+	// keys work as before the hand-over.
+	RestoredFastRegs int
 	// Lost counts the objects Restore could not rebuild: the provider
 	// refused them (it cannot take given QPNs or keys, or lacks
 	// resources), their guest memory no longer holds what they need, or
@@ -142,6 +146,10 @@ func (rp *replayer) finish() {
 	rp.countObjects()
 	rp.settleCQs()
 	rp.settleSRQs()
+	// The fast registrations a hand-over kept, before any QP goes on
+	// (a peer's access may arrive at once) and before the SRQs' receives,
+	// which may name them.
+	rp.restoreFastRegs()
 	// The receives SRQs held in the old provider, before any QP goes on
 	// and before the SRQ rings' newer WQEs.
 	rp.repostSRQs()

@@ -131,6 +131,8 @@ func recPayloadLimit(typ uint8) uint32 {
 		return maxTransportPayload
 	case recSRQRecvs:
 		return maxSRQRecPayload
+	case recFastReg:
+		return maxFastRegPayload
 	}
 	return maxRecPayload
 }
@@ -162,11 +164,13 @@ func CheckJournal(journal []byte) (RestoreReport, error) {
 const (
 	featureTransport = "transport"
 	featureSRQ       = "srq"
+	featureFastReg   = "fastreg"
 )
 
 // JournalFeatures names what this daemon's Restore understands beyond the
-// journal's version: "transport" (RC transport records of a hand-over)
-// and "srq" (SRQ receive records of a hand-over). A daemon asks its
+// journal's version: "transport" (RC transport records of a hand-over),
+// "srq" (SRQ receive records of a hand-over) and "fastreg" (the fast
+// registrations a hand-over keeps). A daemon asks its
 // successor (check-state) and saves only what it understands
 // (SaveTransportsFor).
-func JournalFeatures() []string { return []string{featureTransport, featureSRQ} }
+func JournalFeatures() []string { return []string{featureTransport, featureSRQ, featureFastReg} }

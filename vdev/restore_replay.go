@@ -41,13 +41,17 @@ type replayer struct {
 	transport map[uint32][]byte
 	srqRecvs  map[uint32]*savedRecvs
 	srqKept   map[uint32]bool
-	extra     int // notes left out
+	// fastRegs holds, by MR handle, the registrations of the fast-reg
+	// records the journal ends with so far (finish registers them again).
+	fastRegs map[uint32]hostverbs.FastReg
+	extra    int // notes left out
 }
 
 // newReplayer prepares the replay of recs on d, reporting to rep.
 func newReplayer(d *Device, rep *RestoreReport, recs []jrec) *replayer {
 	return &replayer{d: d, rep: rep, cqEff: lastCQSizes(recs), broken: map[uint32]error{}, gidLost: map[uint32]string{},
-		transport: map[uint32][]byte{}, srqRecvs: map[uint32]*savedRecvs{}, srqKept: map[uint32]bool{}}
+		transport: map[uint32][]byte{}, srqRecvs: map[uint32]*savedRecvs{}, srqKept: map[uint32]bool{},
+		fastRegs: map[uint32]hostverbs.FastReg{}}
 }
 
 // lastCQSizes returns, by CREATE_CQ record index, the CQEs of the CQs
@@ -133,6 +137,8 @@ func (rp *replayer) apply(i int, r jrec) error {
 		return rp.transportRecord(r.payload)
 	case recSRQRecvs:
 		return rp.srqRecord(r.payload)
+	case recFastReg:
+		return rp.fastRegRecord(r.payload)
 	case recHandoverAbort:
 		if len(r.payload) != 0 {
 			return fmt.Errorf("hand-over abort record of %d bytes: %w", len(r.payload), ErrJournal)
