@@ -48,14 +48,8 @@ deb: $(NFPM)
 	mkdir -p $(DIST)
 	VERSION=$(DEB_VERSION) ARCH=$$($(GO) env GOARCH) $(NFPM) package --config packaging/nfpm.yaml --packager deb --target $(DIST)/
 
-# Built in a directory of its own beside the final one and moved into place, so that an
-# interrupted build leaves nothing behind that looks complete.
 $(VM_CACHE)/tools/nfpm-%/nfpm:
-	@echo "nfpm: building nfpm $* into $(@D)"
-	@tmp=$(@D).tmp.$$$$ && rm -rf $$tmp && mkdir -p $$tmp && start=$$(date +%s) && \
-	GOBIN=$$tmp $(GO) install github.com/goreleaser/nfpm/v2/cmd/nfpm@$* && \
-	mkdir -p $(@D) && mv $$tmp/nfpm $@ && rm -rf $$tmp && \
-	echo "nfpm: built in $$(( $$(date +%s) - start ))s: $@"
+	@./scripts/nfpm.sh $* $@
 
 nfpm: $(NFPM)
 
@@ -73,7 +67,8 @@ roots: deps
 
 # Everything the tests take from the cache, built side by side where missing (the image
 # and the roots mostly download and unpack, nfpm compiles); a warm cache costs a few
-# seconds. `make test` runs it first.
+# seconds. Each part is built under a lock and renamed into place when complete, so that
+# a test that needs a part before it is ready waits for it (or builds it itself).
 testbed: deps
 	@$(MAKE) --no-print-directory -j3 image roots nfpm
 
@@ -103,9 +98,14 @@ TESTLOG ?= test-logs
 HEARTBEAT ?= 30s
 TESTRUN_FLAGS ?=
 
-test: deps testbed
+# The test bed is built (`testbed`, a group of its own whose lines testrun prints as they
+# come) while the go commands compile and the unit tests run: a cold cache's downloads
+# overlap the compilation, and the VM tests wait on the parts' locks for what is not
+# ready yet.
+test: deps
 	@$(GO) build -o bin/testrun ./tests/cmd/testrun
 	@bin/testrun -logdir $(TESTLOG) -tests vm -heartbeat $(HEARTBEAT) $(TESTRUN_FLAGS) \
+		-run 'testbed=$(MAKE) --no-print-directory testbed' \
 		-run 'unit=$(GO) test -json -count=1 -timeout $(UNIT_TIMEOUT) $(UNIT_PKGS)' \
 		-run 'vm=$(GO) test -json -tags vm -count=1 -p $(VM_PARALLEL) -timeout $(VM_TIMEOUT) $(VM_ORDER)'
 

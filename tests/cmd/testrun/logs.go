@@ -9,8 +9,8 @@ import (
 )
 
 // logs are the files of one run under the log directory: testrun.log (the console),
-// one .log per package (its output as `go test -v` prints it), and per group the JSON
-// stream (.json) and standard error (.stderr).
+// one .log per package (its output as `go test -v` prints it), and per group its JSON
+// events (.json) and the other lines it printed, standard error's included (.out).
 type logs struct {
 	dir     string
 	console *os.File
@@ -23,7 +23,7 @@ func newLogs(dir string) (*logs, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("log directory: %w", err)
 	}
-	for _, pat := range []string{"*.log", "*.json", "*.stderr"} {
+	for _, pat := range []string{"*.log", "*.json", "*.out", "*.stderr"} {
 		old, _ := filepath.Glob(filepath.Join(dir, pat))
 		for _, f := range old {
 			if err := os.Remove(f); err != nil {

@@ -7,8 +7,10 @@
 // failed or any command exited non-zero.
 //
 // Each package's full output (what `go test -v` prints) goes to LOGDIR/<package>.log, each
-// command's JSON stream to LOGDIR/<group>.json and its standard error to
-// LOGDIR/<group>.stderr, and everything printed on the console to LOGDIR/testrun.log.
+// command's JSON events to LOGDIR/<group>.json and the other lines it printed (standard
+// error's included, shown on the console as they come) to LOGDIR/<group>.out, and
+// everything printed on the console to LOGDIR/testrun.log. A command that prints no JSON
+// (a build step run beside the tests) is shown line by line the same way.
 //
 //	testrun [-logdir DIR] [-tests GROUP,...] [-heartbeat 30s] [-v] \
 //		-run 'unit=go test -json ./a/ ./b/' -run 'vm=go test -json -tags vm -p 2 ./c/'

@@ -167,15 +167,17 @@ func (r *reporter) line(l line, now time.Time) {
 	case l.exit != nil:
 		r.exited(l.group, l.exit, now)
 	case l.stderr:
-		r.logs.write(l.group+".stderr", l.text+"\n")
+		r.logs.write(l.group+".out", l.text+"\n")
 		r.printf(now, l.group, "", "%s", l.text)
 	default:
-		r.logs.write(l.group+".json", l.text+"\n")
 		var ev event
 		if !strings.HasPrefix(l.text, "{") || json.Unmarshal([]byte(l.text), &ev) != nil {
-			r.printf(now, l.group, "", "%s", l.text) // not an event: show it as it is
+			// Not an event: show it as it is.
+			r.logs.write(l.group+".out", l.text+"\n")
+			r.printf(now, l.group, "", "%s", l.text)
 			return
 		}
+		r.logs.write(l.group+".json", l.text+"\n")
 		r.event(l.group, ev, now)
 	}
 }
@@ -402,10 +404,10 @@ func (r *reporter) exited(group string, e *exitInfo, now time.Time) {
 	}
 	switch {
 	case e.err != nil:
-		r.commandFailed(group, fmt.Sprintf("the go command: %v", e.err))
+		r.commandFailed(group, fmt.Sprintf("the command: %v", e.err))
 	case e.code != 0 && !failedTests:
-		r.commandFailed(group, fmt.Sprintf("the go command exited with status %d and no test failed (see its standard error above, also in %s)",
-			e.code, filepath.Join(r.opts.logDir, group+".stderr")))
+		r.commandFailed(group, fmt.Sprintf("the command exited with status %d and no test failed (see its output above, also in %s)",
+			e.code, filepath.Join(r.opts.logDir, group+".out")))
 	}
 }
 

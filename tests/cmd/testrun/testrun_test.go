@@ -134,10 +134,14 @@ func regexpAll(ls []string, re, with string) []string {
 // run, and the closing lines say so; so does a package that is not there, and a command
 // that does not start.
 func TestCommandFails(t *testing.T) {
-	out, ok, _ := fixture(t, options{}, "unit=go test -json -count=1 ./pass/", "other=false")
+	out, ok, logDir := fixture(t, options{}, "unit=go test -json -count=1 ./pass/", "other=sh say-and-fail.sh")
 	require.False(t, ok, out)
-	require.Regexp(t, `(?m)^FAIL other: the go command exited with status 1 and no test failed`, out)
+	require.Regexp(t, `(?m)^ +\d+:\d\d other +saying this$`, out, "a line that is not an event is shown as it comes")
+	require.Regexp(t, `(?m)^FAIL other: the command exited with status 1 and no test failed`, out)
 	require.Equal(t, "FAIL: 4 passed, 0 failed, 1 skipped", lastLines(out, 1)[0], "no test failed, the run did")
+	b, err := os.ReadFile(filepath.Join(logDir, "other.out"))
+	require.NoError(t, err)
+	require.Equal(t, "saying this\n", string(b))
 
 	out, ok, _ = fixture(t, options{}, "unit=go test -json -count=1 ./nosuchpackage/")
 	require.False(t, ok, out)
