@@ -132,3 +132,24 @@ func TestParseFailure(t *testing.T) {
 	assert.True(t, out.Failed)
 	assert.True(t, out.Packages[0].Failed)
 }
+
+// BenchmarkVMvsRxe prints its table while it runs, before go test's package header, and
+// the test bed's log follows the result line.
+func TestParseVMSection(t *testing.T) {
+	out := parseFile(t, "vm.txt")
+	require.False(t, out.Failed)
+	require.Len(t, out.Packages, 1)
+	p := out.Packages[0]
+	assert.Equal(t, modulePath+"/tests/e2e", p.Path)
+	assert.Equal(t, "102.8", metric(result(t, out, "BenchmarkVMvsRxe"), "x_ib_write_bw"))
+	assert.Equal(t, "679.5", metric(result(t, out, "BenchmarkGuestPerf"), "pingpong_us"))
+	assert.True(t, strings.HasPrefix(p.Printed[0], "workload (client side, TCG guests)"), p.Printed[0])
+	assert.Contains(t, p.Printed[1], "ib_write_bw 64 KiB")
+}
+
+func TestClipLongLines(t *testing.T) {
+	short := strings.Repeat("x", maxLine)
+	assert.Equal(t, short, clip(short))
+	long := strings.Repeat("é", maxLine+5)
+	assert.Equal(t, strings.Repeat("é", maxLine)+" … (5 more characters in the raw output)", clip(long))
+}

@@ -132,17 +132,29 @@ func renderPackage(b *strings.Builder, p *Package, rawPath string) {
 		b.WriteString("\n")
 	}
 	if len(p.Printed) > 0 {
-		lines := p.Printed
-		more := 0
-		if len(lines) > maxPrinted {
-			more = len(lines) - maxPrinted
-			lines = lines[:maxPrinted]
+		lines := make([]string, 0, min(len(p.Printed), maxPrinted))
+		for _, l := range p.Printed[:min(len(p.Printed), maxPrinted)] {
+			lines = append(lines, clip(l))
 		}
+		more := len(p.Printed) - len(lines)
 		fmt.Fprintf(b, "Printed by the benchmarks:\n\n```text\n%s\n```\n\n", fence(strings.Join(lines, "\n")))
 		if more > 0 {
 			fmt.Fprintf(b, "(%d more lines in the raw output, %s.)\n\n", more, rawPath)
 		}
 	}
+}
+
+// maxLine is the longest printed line the report shows whole (the test bed logs QEMU
+// command lines); the raw output has the rest.
+const maxLine = 240
+
+// clip shortens a long printed line, saying how much of it the raw output keeps.
+func clip(l string) string {
+	r := []rune(l)
+	if len(r) <= maxLine {
+		return l
+	}
+	return fmt.Sprintf("%s … (%d more characters in the raw output)", string(r[:maxLine]), len(r)-maxLine)
 }
 
 func iterations(rs []Result) []string {
