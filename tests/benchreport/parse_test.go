@@ -153,3 +153,21 @@ func TestClipLongLines(t *testing.T) {
 	long := strings.Repeat("é", maxLine+5)
 	assert.Equal(t, strings.Repeat("é", maxLine)+" … (5 more characters in the raw output)", clip(long))
 }
+
+// go test -v (the relay section) prints each benchmark's name alone before it runs, its
+// log untruncated, then the whole result line.
+func TestParseVerbose(t *testing.T) {
+	in := "goos: linux\ngoarch: amd64\npkg: " + modulePath + "/hostverbs/ibverbs\ncpu: AMD EPYC\n" +
+		"BenchmarkRelayVsPlainLibibverbs\n" +
+		"    rxe_vm_test.go:142: RATIO relay/plain (medians of 3): WRITE 64K throughput 0.80x (goal >= 0.9)\n" +
+		"BenchmarkRelayVsPlainLibibverbs-2   \t       1\t233768502323 ns/op\t         0.8000 x_write64k_throughput\n" +
+		"BenchmarkS\nBenchmarkS/n=1\n    x_test.go:13: sub 1\nBenchmarkS/n=1-2         \t       1\t    163927 ns/op\t         1.000 v\n" +
+		"PASS\nok  \t" + modulePath + "/hostverbs/ibverbs\t233.864s\n"
+	out, err := Parse(strings.NewReader(in))
+	require.NoError(t, err)
+	assert.Equal(t, "0.8000", metric(result(t, out, "BenchmarkRelayVsPlainLibibverbs"), "x_write64k_throughput"))
+	assert.Equal(t, "1.000", metric(result(t, out, "BenchmarkS/n=1"), "v"))
+	assert.Equal(t, []string{"BenchmarkRelayVsPlainLibibverbs",
+		"    rxe_vm_test.go:142: RATIO relay/plain (medians of 3): WRITE 64K throughput 0.80x (goal >= 0.9)",
+		"BenchmarkS", "BenchmarkS/n=1", "    x_test.go:13: sub 1"}, out.Packages[0].Printed)
+}
