@@ -22,8 +22,9 @@ import (
 
 // pkgScript runs inside the container once it has booted: install, check the service,
 // follow README's quick start (doctor, PVRDMA_OPTS, restart, status), register a VM,
-// remove. The /root/qs-*.sh scripts hold README's own commands (readmeQuickStart), and
-// /root/qs-opts its PVRDMA_OPTS line. Each step's output is bracketed so the test can pick
+// remove. The /root/qs-*.sh scripts hold README's own commands (readmeQuickStart),
+// /root/qs-opts its PVRDMA_OPTS line and /root/qs-fabric the link that line names, which
+// systemd-networkd makes at boot (fabricNetworkd). Each step's output is bracketed so the test can pick
 // it out.
 const pkgScript = `#!/bin/sh
 step() { echo "=== $1"; shift; "$@" 2>&1; echo "=== rc $?"; }
@@ -35,6 +36,7 @@ waitstatus() {
 	done
 	return 1
 }
+step fabric sh -c 'n=$(cat /root/qs-fabric); i=0; until [ -e /sys/class/net/$n ]; do i=$((i+1)); [ $i -lt 100 ] || exit 1; sleep 0.1; done; echo $n $(cat /sys/class/net/$n/flags)'
 step install sh /root/qs-install.sh
 step enabled systemctl is-enabled pvrdma-backend.service
 step wait waitstatus
@@ -87,7 +89,7 @@ WantedBy=multi-user.target
 // TestDebInstallsService builds the package with `make deb` and, in a clean bookworm root
 // booted under systemd, follows README's quick start with README's own commands: the
 // install command, `doctor`, the PVRDMA_OPTS line, the restart and `status` (the
-// container's network namespace has the fabric bridge or netdev the line names). It
+// container's systemd-networkd makes the fabric bridge or netdev the line names). It
 // checks what an operator sees: the service enabled and running, `status` answering with
 // the fabric and the VMs the line registers (their GID prefixes and locked-memory limit),
 // the socket directory and sockets with the documented owners and modes, and nothing
@@ -108,15 +110,16 @@ func TestDebInstallsService(t *testing.T) {
 		require.NoError(t, os.WriteFile(filepath.Join(root, "root/qs-"+name+".sh"), []byte(script), 0o755))
 	}
 	require.NoError(t, os.WriteFile(filepath.Join(root, "root/qs-opts"), []byte(qs.opts.text+"\n"), 0o644))
+	fabric := fabricNetworkd(t, root, opts)
+	require.NoError(t, os.WriteFile(filepath.Join(root, "root/qs-fabric"), []byte(fabric+"\n"), 0o644))
 	require.NoError(t, os.WriteFile(filepath.Join(root, "root/pkgtest.sh"), []byte(pkgScript), 0o755))
 	unit := filepath.Join(root, "etc/systemd/system/pkgtest.service")
 	require.NoError(t, os.WriteFile(unit, []byte(runner), 0o644))
 	require.NoError(t, os.Symlink("/etc/systemd/system/pkgtest.service",
 		filepath.Join(root, "etc/systemd/system/multi-user.target.wants/pkgtest.service")))
 
-	ns := fabricNetns(t, opts)
 	start := time.Now()
-	console := boot(t, root, ns, 3*time.Minute)
+	console := boot(t, root, 3*time.Minute)
 	raw, err := os.ReadFile(filepath.Join(root, "root/pkgtest.out"))
 	require.NoError(t, err, "the package test did not run; console:\n%s", tail(console, 4000))
 	t.Logf("container boot, install, checks and power-off in %v; script output:\n%s", time.Since(start).Round(100*time.Millisecond), raw)
@@ -129,6 +132,7 @@ func TestDebInstallsService(t *testing.T) {
 		require.Equal(t, "0", s.rc, "step %s failed:\n%s", name, s.out)
 		return strings.TrimSpace(s.out)
 	}
+	ok("fabric")
 	ok("install")
 	require.Equal(t, "enabled", ok("enabled"))
 	ok("wait")

@@ -3,10 +3,7 @@
 package packaging
 
 import (
-	"crypto/rand"
-	"encoding/hex"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -167,31 +164,32 @@ func (q quickStart) parseOpts(t *testing.T) optsConfig {
 	return c
 }
 
-// fabricNetns makes a network namespace of the test's own with what the PVRDMA_OPTS line
-// names (a bridge for --fabric-bridge, a dummy link for --fabric-netdev), both up, and
-// returns its path for the container; it is removed at cleanup.
-func fabricNetns(t *testing.T, c optsConfig) string {
+// fabricNetworkd has systemd-networkd in the root create, at boot, what the PVRDMA_OPTS
+// line names (a bridge for --fabric-bridge, a dummy link for --fabric-netdev) and bring it
+// up, as a host's network configuration would; it returns the link's name.
+func fabricNetworkd(t *testing.T, root string, c optsConfig) string {
 	t.Helper()
-	b := make([]byte, 4)
-	_, _ = rand.Read(b)
-	name := "pvrdma-pkg-" + hex.EncodeToString(b)
-	ip := func(args ...string) {
-		t.Helper()
-		out, err := exec.Command("ip", args...).CombinedOutput()
-		require.NoError(t, err, "ip %s: %s", strings.Join(args, " "), out)
+	name, kind := c.bridge, "bridge"
+	if name == "" {
+		name, kind = c.netdev, "dummy"
 	}
-	ip("netns", "add", name)
-	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", name).Run() })
-	ip("-n", name, "link", "set", "lo", "up")
-	if c.bridge != "" {
-		ip("-n", name, "link", "add", c.bridge, "type", "bridge")
-		ip("-n", name, "link", "set", c.bridge, "up")
+	require.NotEmpty(t, name, "README's PVRDMA_OPTS names no fabric")
+	files := map[string]string{
+		"etc/systemd/network/10-pvrdma-fabric.netdev":  "[NetDev]\nName=" + name + "\nKind=" + kind + "\n",
+		"etc/systemd/network/10-pvrdma-fabric.network": "[Match]\nName=" + name + "\n[Network]\nLinkLocalAddressing=no\nConfigureWithoutCarrier=yes\n",
 	}
-	if c.netdev != "" {
-		ip("-n", name, "link", "add", c.netdev, "type", "dummy")
-		ip("-n", name, "link", "set", c.netdev, "up")
+	for path, text := range files {
+		require.NoError(t, os.MkdirAll(filepath.Dir(filepath.Join(root, path)), 0o755))
+		require.NoError(t, os.WriteFile(filepath.Join(root, path), []byte(text), 0o644))
 	}
-	return "/run/netns/" + name
+	for link, unit := range map[string]string{
+		"etc/systemd/system/multi-user.target.wants/systemd-networkd.service": "/lib/systemd/system/systemd-networkd.service",
+		"etc/systemd/system/sockets.target.wants/systemd-networkd.socket":     "/lib/systemd/system/systemd-networkd.socket",
+	} {
+		require.NoError(t, os.MkdirAll(filepath.Dir(filepath.Join(root, link)), 0o755))
+		require.NoError(t, os.Symlink(unit, filepath.Join(root, link)))
+	}
+	return name
 }
 
 // TestReadmeQuickStart reads README's quick start as the package tests do, without a

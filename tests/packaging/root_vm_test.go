@@ -138,21 +138,16 @@ func ensureBase(base string, logf func(string, ...any)) error {
 	return nil
 }
 
-// boot runs the root under systemd-nspawn until it powers off, in the network
-// namespace netns (a path; "": a private network of its own); it returns the console
-// output.
-func boot(t *testing.T, root, netns string, timeout time.Duration) string {
+// boot runs the root under systemd-nspawn until it powers off, with a private
+// network; it returns the console output.
+func boot(t *testing.T, root string, timeout time.Duration) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	network := "--private-network"
-	if netns != "" {
-		network = "--network-namespace-path=" + netns
-	}
 	// CAP_IPC_LOCK is not in nspawn's default set, and a host has it: the
 	// unit grants it to the daemon (and nothing lifts RLIMIT_MEMLOCK).
 	cmd := exec.CommandContext(ctx, "systemd-nspawn", "--quiet", "-D", root, "--boot",
-		"--register=no", "--keep-unit", network, "--console=read-only", "--capability=CAP_IPC_LOCK")
+		"--register=no", "--keep-unit", "--private-network", "--console=read-only", "--capability=CAP_IPC_LOCK")
 	cmd.WaitDelay = 10 * time.Second
 	out, err := cmd.CombinedOutput()
 	if ctx.Err() != nil {
