@@ -171,3 +171,16 @@ func TestParseVerbose(t *testing.T) {
 		"    rxe_vm_test.go:142: RATIO relay/plain (medians of 3): WRITE 64K throughput 0.80x (goal >= 0.9)",
 		"BenchmarkS", "BenchmarkS/n=1", "    x_test.go:13: sub 1"}, out.Packages[0].Printed)
 }
+
+// The relay section's real -v output: the RATIO lines it logs after the guest's output
+// are kept.
+func TestParseRelayVerbose(t *testing.T) {
+	out := parseFile(t, "relay.txt")
+	require.False(t, out.Failed)
+	require.Len(t, out.Packages, 1)
+	assert.Equal(t, "0.8084", metric(result(t, out, "BenchmarkRelayVsPlainLibibverbs"), "x_write64k_throughput"))
+	printed := strings.Join(out.Packages[0].Printed, "\n")
+	assert.Equal(t, "BenchmarkRelayVsPlainLibibverbs", out.Packages[0].Printed[0])
+	assert.Contains(t, printed, "RATIO relay/plain (medians of 3)")
+	assert.Contains(t, printed, "RATIO relay default (event-driven: CQs armed)")
+}

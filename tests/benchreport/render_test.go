@@ -28,7 +28,7 @@ func testRun(section string) Run {
 // Every figure of the raw output is in the section as the benchmark printed it, beside
 // the run's provenance.
 func TestRenderSectionCarriesEveryFigure(t *testing.T) {
-	for _, name := range []string{"device", "wire", "scale", "incast", "hosts", "handover", "vm"} {
+	for _, name := range []string{"device", "wire", "scale", "incast", "hosts", "handover", "vm", "relay"} {
 		t.Run(name, func(t *testing.T) {
 			s, ok := sectionByName(name)
 			require.True(t, ok)
