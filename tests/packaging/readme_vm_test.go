@@ -211,3 +211,11 @@ func TestReadmeQuickStart(t *testing.T) {
 	}
 	t.Logf("quick start: %+v; fabric %+v", qs, c)
 }
+
+// TestReadmeRelayFiles reads the relay's drop-in and modules file from README as
+// TestPackagedRelay installs them, without a guest.
+func TestReadmeRelayFiles(t *testing.T) {
+	dropIn := readmeBlock(t, "pvrdma-backend.service.d/relay.conf")
+	require.Equal(t, "[Service]\nPrivateDevices=no\nDevicePolicy=closed\nDeviceAllow=char-infiniband_verbs rw\n", dropIn)
+	require.Equal(t, "ib_uverbs\nrdma_rxe\n", readmeBlock(t, "/etc/modules-load.d/pvrdma-relay.conf"))
+}
