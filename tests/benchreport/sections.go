@@ -29,8 +29,11 @@ var sections = []Section{
 			"a vfio-user REGION_WRITE round trip against a bare unix-socket ping-pong in the same run " +
 			"(`ratio`), POLL and RECV doorbells and a SEND doorbell to its CQE against a socket round trip " +
 			"(`x_socket_rtt`) and a memcpy (`x_memcpy`), the device model over the soft transport against " +
-			"calling the transport directly (`x_direct`), and the cost of the doorbell-to-CQE histograms " +
-			"(`BenchmarkDistributionsAB`: alternating bursts with and without them, `on/off` and `extra_ns/wqe`).",
+			"calling the transport directly (`x_direct`), the cost of the doorbell-to-CQE histograms " +
+			"(`BenchmarkDistributionsAB`: alternating bursts with and without them, `on/off` and `extra_ns/wqe`), " +
+			"and a kernel consumer's per-I/O fast registration (`BenchmarkFastRegInvalidate`: a 32-page REG_MR " +
+			"plus LOCAL_INV through the device against the provider alone, `x_provider`, and against " +
+			"CREATE_MR/DESTROY_MR commands, `x_cmd_reg`).",
 		Args:              []string{"-run", "^$", "-bench", ".", "-benchmem", "-benchtime", "2s", "./vfiouser", "./vdev"},
 		BenchtimeFlexible: true,
 	},
