@@ -33,9 +33,10 @@
 //   - MAINPID=: only the worker's own PID is accepted: a live upgrade
 //     execs the new binary in the worker's process, so the PID stays.
 //
-// Everything else is ignored. The notify socket is an abstract datagram
-// socket with a random name; like systemd's, anyone may send to it, and
-// the kernel's credentials decide whose messages count.
+// Everything else is ignored. The notify socket is a datagram socket in a
+// directory of the supervisor's own (mode 0700, under os.TempDir()), so
+// other users cannot reach it; and, as on systemd's, the kernel's
+// credentials decide whose messages count.
 //
 // The restart policy is the packaged unit's: Restart=on-failure (a worker
 // that exits 0, or dies of SIGHUP, SIGINT, SIGTERM or SIGPIPE, stopped

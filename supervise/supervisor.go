@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"runtime"
 	"strconv"
 	"syscall"
@@ -91,9 +92,11 @@ type supervisor struct {
 	log   *slog.Logger
 	store *Store
 	env   []string
-	// addr is the notify socket's abstract name, as NOTIFY_SOCKET says
-	// it; sock is the socket, wake a pipe signals and ctx write to.
+	// addr is the notify socket's address, as NOTIFY_SOCKET says it, in
+	// the directory dir; sock is the socket, wake a pipe signals and ctx
+	// write to.
 	addr  string
+	dir   string
 	sock  int
 	wake  [2]int
 	sigs  chan os.Signal // from signal.Notify
@@ -170,8 +173,12 @@ func newSupervisor(cfg Config) (*supervisor, error) {
 	return s, nil
 }
 
-// listen opens the notify socket: an abstract datagram socket with a
-// random name, taking the senders' credentials.
+// listen opens the notify socket, a datagram socket that takes its
+// senders' credentials, in a directory of its own (0700, under
+// os.TempDir()): no other user can send to it. Where that path is too
+// long for a socket address, it is an abstract socket with a random name,
+// which anyone in the network namespace may send to (the credentials
+// still decide, as on systemd's own notify socket).
 func (s *supervisor) listen() error {
 	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
 	if err != nil {
@@ -181,9 +188,17 @@ func (s *supervisor) listen() error {
 	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PASSCRED, 1); err != nil {
 		return fmt.Errorf("supervisor's notify socket: SO_PASSCRED: %w", err)
 	}
-	var nonce [8]byte
-	_, _ = rand.Read(nonce[:])
-	s.addr = "@pvrdma-supervisor/" + strconv.Itoa(os.Getpid()) + "/" + hex.EncodeToString(nonce[:])
+	dir, err := os.MkdirTemp("", "pvrdma-supervisor-")
+	if err != nil {
+		return fmt.Errorf("supervisor's notify socket: %w", err)
+	}
+	s.dir = dir
+	s.addr = filepath.Join(dir, "notify")
+	if len(s.addr) >= len(unix.RawSockaddrUnix{}.Path) {
+		var nonce [8]byte
+		_, _ = rand.Read(nonce[:])
+		s.addr = "@pvrdma-supervisor/" + strconv.Itoa(os.Getpid()) + "/" + hex.EncodeToString(nonce[:])
+	}
 	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: s.addr}); err != nil {
 		return fmt.Errorf("supervisor's notify socket %s: %w", s.addr, err)
 	}
@@ -655,6 +670,10 @@ func (s *supervisor) close() {
 		}
 	}
 	s.sock, s.wake = -1, [2]int{-1, -1}
+	if s.dir != "" {
+		_ = os.RemoveAll(s.dir)
+		s.dir = ""
+	}
 	s.limit.Flush()
 }
 

@@ -228,7 +228,10 @@ func TestRunRestartsWithDescriptors(t *testing.T) {
 	assert.Zero(t, r1.Restarts)
 	assert.Empty(t, r1.Names)
 	assert.True(t, r1.BarrierOK, "BARRIER=1 answered")
-	assert.True(t, strings.HasPrefix(r1.Notify, "@pvrdma-supervisor/"), r1.Notify)
+	assert.Equal(t, "notify", filepath.Base(r1.Notify))
+	fi, err := os.Stat(filepath.Dir(r1.Notify))
+	require.NoError(t, err)
+	assert.Equal(t, os.ModeDir|0o700, fi.Mode(), "only its user reaches the notify socket")
 	h.waitLog("the worker serves", 1)
 
 	// Another process's FDSTORE is refused (the test sends as itself).
@@ -262,6 +265,8 @@ func TestRunRestartsWithDescriptors(t *testing.T) {
 	h.cancel()
 	require.NoError(t, h.result())
 	assert.True(t, gone(last.PID), "the worker ended with the supervisor")
+	_, err = os.Stat(filepath.Dir(r1.Notify))
+	assert.ErrorIs(t, err, os.ErrNotExist, "the notify socket's directory is removed")
 	assert.Contains(t, h.log.String(), "worker stopped")
 }
 
