@@ -196,11 +196,16 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		maxLocked = sizeFlag(uint64(si.Totalram) * uint64(si.Unit) / 4 * 3)
 	}
+	// The binary by the path it was started from (after a package
+	// upgrade, the new one): a live upgrade's default, and what the
+	// supervisor starts.
 	exe := os.Args[0]
 	if p, err := exec.LookPath(exe); err == nil {
 		if abs, err := filepath.Abs(p); err == nil {
 			exe = abs
 		}
+	} else if p, err := os.Executable(); err == nil {
+		exe = p
 	}
 	// Started by the supervisor: takes the descriptors it hands back.
 	worker, supervised := supervise.Worker()
