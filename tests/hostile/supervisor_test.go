@@ -22,7 +22,8 @@ import (
 // request timed out, as QEMU's does after x-msg-timeout; the VMs' vfio-user
 // connections stay open (the supervisor held them), and on the same
 // connections, with the PD and MR registered before the first kill, new
-// CQs and RC QPs carry a data-checked stream.
+// CQs and RC QPs carry a data-checked stream. Between the first and the
+// second kill the daemon is upgraded live (the worker execs its binary).
 func TestSupervisorKill9KeepsVMs(t *testing.T) {
 	dir := serveProcess(t, []string{"sv0", "sv1"}, daemonOpts{args: []string{"--restart-delay", "10ms"}})
 	e := externalEnv(t, dir)
@@ -34,6 +35,19 @@ func TestSupervisorKill9KeepsVMs(t *testing.T) {
 		require.NoError(t, err)
 		require.NotNil(t, st.Supervisor, "serve runs under its supervisor")
 		worker := st.PID
+		if round == 2 {
+			// A live upgrade under the supervisor: the worker execs its
+			// binary in its process, the RC QPs keep their connection,
+			// and the store keeps one copy of each descriptor the new
+			// image stores again (the kill below needs them all).
+			h := upgradeDaemon(t, e.ctl, 1)
+			assert.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
+			st, err = e.ctl.Status(ctx)
+			require.NoError(t, err)
+			assert.Equal(t, worker, st.PID, "the upgrade kept the worker's process")
+			require.NotNil(t, st.Supervisor)
+			assert.Equal(t, 1, st.Supervisor.Restarts)
+		}
 
 		var stop atomic.Bool
 		var done atomic.Int64
