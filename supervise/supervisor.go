@@ -188,12 +188,12 @@ func (s *supervisor) listen() error {
 	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_PASSCRED, 1); err != nil {
 		return fmt.Errorf("supervisor's notify socket: SO_PASSCRED: %w", err)
 	}
-	dir, err := os.MkdirTemp("", "pvrdma-supervisor-")
+	dir, err := os.MkdirTemp("", notifyDirPrefix)
 	if err != nil {
 		return fmt.Errorf("supervisor's notify socket: %w", err)
 	}
 	s.dir = dir
-	s.addr = filepath.Join(dir, "notify")
+	s.addr = filepath.Join(dir, notifyFile)
 	if len(s.addr) >= len(unix.RawSockaddrUnix{}.Path) {
 		var nonce [8]byte
 		_, _ = rand.Read(nonce[:])

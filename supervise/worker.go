@@ -2,8 +2,10 @@ package supervise
 
 import (
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 )
 
 // Environment the supervisor gives its worker, besides NOTIFY_SOCKET,
@@ -62,4 +64,33 @@ func workerEnv(env []string) []string {
 		out = append(out, kv)
 	}
 	return out
+}
+
+// notifyDirPrefix begins the name of the directory a supervisor makes for
+// its notify socket (notifyFile in it).
+const (
+	notifyDirPrefix = "pvrdma-supervisor-"
+	notifyFile      = "notify"
+)
+
+// WorkerDone is what a worker does last: if its supervisor died before it
+// (its parent is no longer the supervisor: a kill -9 of the supervisor
+// sent it SIGTERM), it removes the supervisor's notify socket directory,
+// which nobody else would.
+func WorkerDone(info WorkerInfo) {
+	if info.SupervisorPID == 0 || os.Getppid() == info.SupervisorPID {
+		return
+	}
+	sock := os.Getenv("NOTIFY_SOCKET")
+	dir := filepath.Dir(sock)
+	if filepath.Base(sock) != notifyFile || !strings.HasPrefix(filepath.Base(dir), notifyDirPrefix) {
+		return
+	}
+	if fi, err := os.Lstat(dir); err != nil || !fi.IsDir() {
+		return
+	} else if st, ok := fi.Sys().(*syscall.Stat_t); !ok || int(st.Uid) != os.Getuid() {
+		return
+	}
+	_ = os.Remove(sock)
+	_ = os.Remove(dir)
 }

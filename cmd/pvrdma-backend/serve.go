@@ -296,6 +296,9 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if store != nil {
 		_, _ = daemon.SdNotify(false, daemon.SdNotifyStopping)
 	}
+	if supervised {
+		supervise.WorkerDone(worker)
+	}
 	return err
 }
 

@@ -234,3 +234,37 @@ func TestServeNoSupervisor(t *testing.T) {
 	require.NoError(t, s.cmd.Process.Signal(syscall.SIGTERM))
 	assert.Zero(t, s.exit())
 }
+
+// TestServeSupervisorKilled: a supervisor killed with SIGKILL takes its
+// worker with it (an orderly stop on its parent-death signal), and the
+// worker removes the notify socket's directory the supervisor left.
+func TestServeSupervisorKilled(t *testing.T) {
+	s := startServe(t, 0o700, "--vm", "v1")
+	st := s.status(0)
+	worker := st.PID
+	env, err := os.ReadFile("/proc/" + strconv.Itoa(worker) + "/environ")
+	require.NoError(t, err)
+	var notify string
+	for _, kv := range strings.Split(string(env), "\x00") {
+		if v, ok := strings.CutPrefix(kv, "NOTIFY_SOCKET="); ok {
+			notify = v
+		}
+	}
+	require.NotEmpty(t, notify)
+	require.FileExists(t, notify)
+
+	require.NoError(t, s.cmd.Process.Kill())
+	s.exit()
+	ended := func() bool { // gone, or a zombie nobody reaps here
+		b, err := os.ReadFile("/proc/" + strconv.Itoa(worker) + "/stat")
+		if err != nil {
+			return true
+		}
+		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+		return len(f) > 0 && f[0] == "Z"
+	}
+	require.Eventually(t, ended, time.Minute, 10*time.Millisecond, "the worker outlived its supervisor:\n%s", s.out.String())
+	assert.Contains(t, s.out.String(), `msg=stopped`, "it stopped in order")
+	_, err = os.Stat(filepath.Dir(notify))
+	assert.ErrorIs(t, err, os.ErrNotExist, "the notify socket's directory is removed")
+}
