@@ -95,7 +95,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	var daemonBudget sizeFlag
 	fs.Var(&daemonBudget, "daemon-memory-budget", "daemon memory all VMs' objects may cost together (default: a quarter of the host's memory)")
 	socketGroup := fs.String("socket-group", "", "group (name or number) owning the socket directory (0750) and the VM sockets (0660): the group QEMU runs in")
-	keepState := fs.Bool("keep-state", false, "with --no-supervisor: keep VMs' state in <socket-dir>/state for a live upgrade (pvrdma-backend upgrade); under systemd's file descriptor store or the supervisor it is kept anyway, and a crash costs no VM either")
+	keepState := fs.Bool("keep-state", false, "with --no-supervisor: keep VMs' state in <socket-dir>/state for a live upgrade (pvrdma-backend upgrade); under systemd's file descriptor store or the supervisor it is kept anyway, with the VMs' connections, and a crash costs them only the work in flight")
 	noSupervisor := fs.Bool("no-supervisor", false, "not run by systemd (no NOTIFY_SOCKET), serve in this process instead of under the supervisor that otherwise holds the VMs' descriptors and restarts the daemon's process if it dies: for running it under another supervisor (a crash then cuts every connected VM's device)")
 	restartDelay := fs.Duration("restart-delay", supervise.DefaultRestartDelay, "supervisor: wait this long after the daemon's process died before starting it again (QEMU waits 5 s for each reply)")
 	restartBurst := fs.Int("restart-burst", supervise.DefaultBurst, "supervisor: a daemon process started more than this many times within --restart-interval is not started again: the supervisor exits with an error and its VMs lose their devices")
