@@ -206,10 +206,16 @@ func (s *supervisor) listen() error {
 }
 
 func (s *supervisor) run(ctx context.Context) error {
-	stopWatch := make(chan struct{})
-	defer close(stopWatch)
+	stopWatch, watcherDone := make(chan struct{}), make(chan struct{})
+	defer func() {
+		// The watcher writes to the wake pipe: it ends before the pipe
+		// is closed.
+		close(stopWatch)
+		<-watcherDone
+	}()
 	// Signals and the end of ctx reach the loop through the wake pipe.
 	go func() {
+		defer close(watcherDone)
 		done := ctx.Done()
 		for {
 			select {
