@@ -232,16 +232,19 @@ func checkVMs(ctx context.Context, socketDir string) checkResult {
 		return ok(name, "the daemon serves %d VMs, none connected now", len(st.VMs))
 	}
 	restart := "a daemon restart, upgrade (systemctl reload) or crash keeps them (its state and their connections are kept)"
-	if !st.KeepsState {
+	switch {
+	case st.Supervisor != nil:
+		restart = fmt.Sprintf("a crash or live upgrade of the daemon keeps them (its supervisor, pid %d, holds their connections); stopping the supervisor ends them", st.Supervisor.PID)
+	case !st.KeepsState:
 		restart = "a daemon stop, restart or crash leaves every connected VM's device dead until its QEMU is restarted " +
-			"(run the daemon as the packaged service, or serve --keep-state for live upgrades)"
+			"(run the daemon as the packaged service, or serve without --no-supervisor)"
 	}
 	if len(exposed) > 0 {
 		return warn(name, "start the VMs with the arguments qemu-args or libvirt-xml print (--qmp-monitor; --qemu-uid or --qemu-cgroup unless libvirt places the QEMU in a machine cgroup)",
 			"%d VMs connected; exposed: %s; %s", len(connected), strings.Join(exposed, "; "), restart)
 	}
 	if !st.KeepsState {
-		return warn(name, "run the daemon as the packaged service (systemd keeps its VMs' connections), or serve --keep-state",
+		return warn(name, "run the daemon as the packaged service (systemd keeps its VMs' connections), or serve without --no-supervisor (its own supervisor keeps them)",
 			"%d VMs connected, each with a verified QMP monitor and an identity of its own (uid, cgroup or libvirt machine); %s", len(connected), restart)
 	}
 	return ok(name, "%d VMs connected, each with a verified QMP monitor and an identity of its own (uid, cgroup or libvirt machine); %s", len(connected), restart)
