@@ -256,7 +256,7 @@ var qemuVersionRE = regexp.MustCompile(`QEMU emulator version (\d+)\.(\d+)(?:\.(
 // and memfd memory backends.
 func checkQEMU(ctx context.Context, h hostEnv, path string) checkResult {
 	const name = "qemu"
-	const install = "install QEMU >= 10.1 with vfio-user (Debian: qemu-system-x86 from trixie or bookworm-backports' trixie-backports), or pass --qemu PATH"
+	const install = "install QEMU >= 10.1 with vfio-user-pci (Debian 13: qemu-system-x86 from trixie-backports; trixie's own 10.0 lacks it and Debian 12 cannot install it), or pass --qemu PATH"
 	if path == "" {
 		p, err := h.lookPath("qemu-system-x86_64")
 		if err != nil {
