@@ -447,8 +447,8 @@ func TestVethNetnsImpaired(t *testing.T) {
 	}
 }
 
-// checkWireHeaders asserts what rxe puts on the wire (VM-TESTBED.md, "rxe
-// on the wire"): DF, a non-zero IPv4 ID, the TOS of the traffic class
+// checkWireHeaders asserts what rxe puts on the wire (as captured from kernel
+// rxe in the test bed): DF, a non-zero IPv4 ID, the TOS of the traffic class
 // (with ECT(0): congestion control is on),
 // UDP checksum 0, a source port in the RoCE range, P_Key 0xFFFF, ICRC valid.
 func checkWireHeaders(t *testing.T, frame []byte, v6, udpWire bool) {
