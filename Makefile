@@ -101,9 +101,10 @@ TESTRUN_FLAGS ?=
 # The test bed is built (`testbed`, a group of its own whose lines testrun prints as they
 # come) while the go commands compile and the unit tests run: a cold cache's downloads
 # overlap the compilation, and the VM tests wait on the parts' locks for what is not
-# ready yet.
+# ready yet. The commands that build the image and the roots are compiled first, with
+# testrun, so that the downloads start at once rather than after the tests' compilation.
 test: deps
-	@$(GO) build -o bin/testrun ./tests/cmd/testrun
+	@$(GO) build -o bin/ ./tests/cmd/testrun ./tests/vm/cmd/vmimage ./tests/packaging/cmd/pkgroots
 	@bin/testrun -logdir $(TESTLOG) -tests vm -heartbeat $(HEARTBEAT) $(TESTRUN_FLAGS) \
 		-run 'testbed=$(MAKE) --no-print-directory testbed' \
 		-run 'unit=$(GO) test -json -count=1 -timeout $(UNIT_TIMEOUT) $(UNIT_PKGS)' \
