@@ -44,11 +44,12 @@ type pkg struct {
 
 // test is a test or subtest.
 type test struct {
-	name  string
-	start time.Time
-	done  bool
-	out   *lines // top-level tests only: their output and their subtests'
-	last  string // its last output line, for a skip's reason
+	name   string
+	start  time.Time // when it started, or continued after a pause
+	done   bool
+	paused bool   // a parallel test waiting for the serial ones (t.Parallel)
+	out    *lines // top-level tests only: their output and their subtests'
+	last   string // its last output line, for a skip's reason
 }
 
 // failure is what the summary prints about one failed test or package.
@@ -231,6 +232,11 @@ func (r *reporter) event(group string, ev event, now time.Time) {
 			}
 		}
 		p.tests[ev.Test] = t
+	case "pause", "cont":
+		if t := p.tests[ev.Test]; t != nil {
+			t.paused = ev.Action == "pause"
+			t.start = now
+		}
 	case "pass", "fail", "skip":
 		if ev.Test == "" {
 			r.packageDone(p, ev, now)
@@ -423,16 +429,27 @@ func (r *reporter) heartbeat(now time.Time) {
 			if p.group != g || p.done || !p.announced {
 				continue
 			}
-			if len(p.running) == 0 {
-				names = append(names, fmt.Sprintf("%s %s", p.short, short(now.Sub(p.start))))
-				continue
+			var running []*test
+			paused := 0
+			for _, t := range p.running {
+				if t.paused {
+					paused++
+				} else {
+					running = append(running, t)
+				}
 			}
-			for i, t := range p.running {
+			if len(running) == 0 {
+				names = append(names, fmt.Sprintf("%s %s", p.short, short(now.Sub(p.start))))
+			}
+			for i, t := range running {
 				if i == 3 {
-					names = append(names, fmt.Sprintf("%s +%d more", p.short, len(p.running)-i))
+					names = append(names, fmt.Sprintf("%s +%d more", p.short, len(running)-i))
 					break
 				}
 				names = append(names, fmt.Sprintf("%s %s %s", p.short, t.name, short(now.Sub(t.start))))
+			}
+			if paused > 0 {
+				names = append(names, fmt.Sprintf("%s %d paused (t.Parallel)", p.short, paused))
 			}
 		}
 		if len(names) > 0 {

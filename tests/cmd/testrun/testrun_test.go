@@ -187,6 +187,19 @@ func TestHeartbeat(t *testing.T) {
 	require.Empty(t, out.String())
 	r.heartbeat(t0.Add(103 * time.Second))
 	require.Contains(t, out.String(), "vm example.com/p TestSlow 1m02s")
+	out.Reset()
+
+	// A parallel test waiting for its turn is not running: it is counted apart, and
+	// its time starts when it goes on.
+	r.event("vm", event{Action: "run", Package: "example.com/p", Test: "TestPar"}, t0.Add(110*time.Second))
+	r.event("vm", event{Action: "pause", Package: "example.com/p", Test: "TestPar"}, t0.Add(110*time.Second))
+	r.heartbeat(t0.Add(150 * time.Second))
+	require.Contains(t, out.String(), "vm example.com/p TestSlow 1m49s, example.com/p 1 paused (t.Parallel)\n")
+	out.Reset()
+	r.event("vm", event{Action: "pass", Package: "example.com/p", Test: "TestSlow", Elapsed: 110}, t0.Add(151*time.Second))
+	r.event("vm", event{Action: "cont", Package: "example.com/p", Test: "TestPar"}, t0.Add(151*time.Second))
+	r.heartbeat(t0.Add(190 * time.Second))
+	require.Contains(t, out.String(), "vm example.com/p TestPar 39s\n")
 }
 
 // TestLinesExcerpt: the excerpt keeps the first and last lines, joins partial writes
