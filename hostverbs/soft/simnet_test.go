@@ -289,20 +289,3 @@ func (n *simNet) runUntil(t testing.TB, end time.Time, after func()) {
 		}
 	}
 }
-
-// waitCQ steps the simulation until c holds a completion and returns it;
-// it fails the test if nothing is left to happen first, or if limit of
-// virtual time passes.
-func (n *simNet) waitCQ(t testing.TB, c *chanCQ, limit time.Duration) hostverbs.WorkCompletion {
-	t.Helper()
-	end := n.clock.Now().Add(limit)
-	for len(c.ch) == 0 {
-		if !n.clock.Now().Before(end) {
-			t.Fatalf("no completion within %v of virtual time", limit)
-		}
-		if !n.step() {
-			t.Fatalf("no completion: nothing left to happen at %v of virtual time", n.clock.Now().Sub(simEpoch))
-		}
-	}
-	return <-c.ch
-}
