@@ -461,7 +461,7 @@ func runIncastSim(t testing.TB, cc CongestionConfig, d time.Duration) incastResu
 	}
 	feed()
 	n.runUntil(t, deadline, feed)
-	r := incastResult{seconds: d.Seconds(), goodput: goodput, drops: q.drops}
+	r := incastResult{seconds: d.Seconds(), goodput: goodput, drops: q.drops, marked: q.marked}
 	samples, all := slices.Clone(q.depths), slices.Clone(q.all)
 	slices.Sort(samples)
 	slices.Sort(all)
@@ -481,7 +481,6 @@ func runIncastSim(t testing.TB, cc CongestionConfig, d time.Duration) incastResu
 		r.cnpsSent += c["tx_cnp"]
 		r.cnpsUnsolicited += c["rx_cnp_unsolicited"]
 		r.cnpsCoalesced += c["rx_cnp_coalesced"]
-		r.marked += c["rx_ecn_ce_marked"]
 	}
 	return r
 }
