@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"slices"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -127,83 +126,132 @@ func (d *Daemon) StartUpgrade(binary string) error {
 	return nil
 }
 
-// upgrade runs a hand-over; it returns only if it failed.
+// upgrade hands the daemon over to binary: each stage below is a method
+// of upgrading, in the order they run. It returns only if the hand-over
+// did not happen; the daemon then serves on (abort undoes what the stages
+// did, and the VMs' guests carry on where they were held).
 func (d *Daemon) upgrade(binary string) error {
-	start := time.Now()
-	d.mu.Lock()
-	vms := make([]*vmSession, 0, len(d.vms))
-	for _, s := range d.vms {
-		vms = append(vms, s)
-	}
-	d.mu.Unlock()
-	sort.Slice(vms, func(i, j int) bool { return vms[i].name < vms[j].name })
-
-	// Ask the new binary first whether it can take the state (formats,
-	// versions, hand-over records): if not, nothing is held or changed.
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	features, err := d.successorFeatures(ctx, binary)
-	if err != nil {
+	u := &upgrading{d: d, binary: binary, begun: time.Now(), vms: d.sessions()}
+	if err := u.askSuccessor(ctx); err != nil { // nothing held yet
 		return err
 	}
-	// What else the successor takes (older binaries say nothing of it).
-	takesFabric := slices.Contains(features, FeatureFabricSockets)
-	release := func() {
-		for _, s := range vms {
-			s.srv.Release()
-		}
+	if err := u.hold(ctx); err != nil {
+		u.abort()
+		return err
 	}
-	for _, s := range vms {
+	u.drain()
+	u.saveTransports()
+	u.handFabric()
+	u.saveDevices()
+	if err := u.keepDescriptors(); err != nil {
+		u.abort()
+		return err
+	}
+	err := u.exec() // returns only if the exec failed
+	u.abort()
+	return err
+}
+
+// upgrading is one hand-over under way: what its stages found and did,
+// so that the next stage, or abort, can use it.
+type upgrading struct {
+	d      *Daemon
+	binary string
+	begun  time.Time
+	vms    []*vmSession // by name
+	// features are what the successor restores (askSuccessor).
+	features []string
+	// heldAt is when every VM was held.
+	heldAt time.Time
+	conns  []*vmConn // the held VMs' connected devices
+	saved  int       // RC QPs whose transport state is journaled
+	// The fabric's sockets (handFabric done: fabricReady), handed over
+	// (fabricPairs) or taken out of the store (fabricUnstored) for a
+	// successor that binds its own.
+	fabricReady    bool
+	fabricPairs    []string
+	fabricFDs      []int
+	fabricUnstored bool
+	countersSaved  bool
+	reloading      bool // systemd was told (RELOADING=1)
+	// pairs name the descriptors the successor takes (name=fd) and fds
+	// are those descriptors, kept open across the exec.
+	pairs []string
+	fds   []int
+}
+
+// askSuccessor asks the new binary (check-state) whether it can take the
+// daemon's state, and what it restores (successorFeatures): a binary that
+// cannot is refused before anything is held or changed.
+func (u *upgrading) askSuccessor(ctx context.Context) error {
+	f, err := u.d.successorFeatures(ctx, u.binary)
+	u.features = f
+	return err
+}
+
+// hold stops every VM's connection at a message boundary
+// (vfiouser.Server.Hold): QEMU's requests wait in the sockets, and no
+// guest starts new work.
+func (u *upgrading) hold(ctx context.Context) error {
+	for _, s := range u.vms {
 		if err := s.srv.Hold(ctx); err != nil {
-			release()
 			return fmt.Errorf("VM %s: %w", s.name, err)
 		}
 	}
-	held := time.Now()
-
-	// Drain: sends posted before the hold complete (peers acknowledge).
-	var conns []*vmConn
-	for _, s := range vms {
+	u.heldAt = time.Now()
+	for _, s := range u.vms {
 		s.mu.Lock()
 		if c := s.conn; c != nil {
-			conns = append(conns, c)
+			u.conns = append(u.conns, c)
 		}
 		s.mu.Unlock()
 	}
-	// Drain: with every guest held no send starts; those under way
-	// complete as their peers (alive, not frozen) acknowledge them. Only
-	// then is any QP's transport state saved: a saved QP freezes (drops
-	// what it receives until the next image restores it), so saving one
-	// while a peer still sends to it would keep that peer from draining.
+	return nil
+}
+
+// drain waits (at most drainWait) until the sends under way complete:
+// with every guest held no send starts, and those posted complete as
+// their peers (alive, not frozen) acknowledge them. Only then is any
+// QP's transport state saved: a saved QP freezes (drops what it receives
+// until the next image restores it), so saving one while a peer still
+// sends to it would keep that peer from draining. QPs still busy at the
+// deadline come back in the error state.
+func (u *upgrading) drain() {
 	deadline := time.Now().Add(drainWait)
 	for {
 		busy := 0
-		for _, c := range conns {
+		for _, c := range u.conns {
 			if !c.dev.SendsDrained() {
 				busy++
 			}
 		}
 		if busy == 0 {
-			break
+			return
 		}
 		if time.Now().After(deadline) {
-			d.log.Warn("hand-over: sends of some VMs did not drain; their busy RC QPs come back in the error state", "vms", busy)
-			break
+			u.d.log.Warn("hand-over: sends of some VMs did not drain; their busy RC QPs come back in the error state", "vms", busy)
+			return
 		}
 		time.Sleep(time.Millisecond)
 	}
-	// Save; a QP still busy (a remote peer sending to it) is tried again
-	// for a moment, then comes back in the error state.
-	saved := 0
+}
+
+// saveTransports journals each RC QP's transport state and the receives
+// each SRQ's provider holds (vdev SaveTransportsFor, limited to what the
+// successor restores). A QP still busy (a remote peer sending to it) is
+// tried again for a moment, then comes back in the error state.
+func (u *upgrading) saveTransports() {
 	retryUntil := time.Now().Add(200 * time.Millisecond)
-	pending := conns
+	pending := u.conns
 	for len(pending) > 0 {
 		var again []*vmConn
 		for _, c := range pending {
-			rep, err := c.dev.SaveTransportsFor(features)
-			saved += rep.Saved
+			rep, err := c.dev.SaveTransportsFor(u.features)
+			u.saved += rep.Saved
 			if err != nil {
-				d.log.Warn("hand-over: no transport state saved; the VM's RC QPs come back in the error state", "err", err)
+				u.d.log.Warn("hand-over: no transport state saved; the VM's RC QPs come back in the error state", "err", err)
 				continue
 			}
 			if len(rep.Failed) == 0 && len(rep.FailedSRQs) == 0 {
@@ -214,10 +262,10 @@ func (d *Daemon) upgrade(binary string) error {
 				continue
 			}
 			for h, ferr := range rep.FailedSRQs {
-				d.log.Warn("hand-over: the receives an SRQ's provider holds are lost", "srq_handle", h, "err", ferr)
+				u.d.log.Warn("hand-over: the receives an SRQ's provider holds are lost", "srq_handle", h, "err", ferr)
 			}
 			for h, ferr := range rep.Failed {
-				d.log.Warn("hand-over: an RC QP comes back in the error state", "qp_handle", h, "err", ferr)
+				u.d.log.Warn("hand-over: an RC QP comes back in the error state", "qp_handle", h, "err", ferr)
 			}
 		}
 		pending = again
@@ -225,60 +273,59 @@ func (d *Daemon) upgrade(binary string) error {
 			time.Sleep(time.Millisecond)
 		}
 	}
-	// The fabric's sockets: a successor that takes them gets what
-	// arrives from now on, queued in the kernel; for one that does not,
-	// they leave the store (its copy would keep port 4791 bound, or the
-	// bridge promiscuous with a packet socket queueing for nobody).
-	var fabricPairs []string
-	var fabricFDs []int
-	fabricUnstored := false
-	if socks := d.fabric.sockets(); len(socks) > 0 {
-		switch {
-		case takesFabric:
-			d.fabric.pauseReceive()
-			for name, fd := range socks {
-				fabricPairs = append(fabricPairs, fabricFDPrefix+name+"="+strconv.Itoa(fd))
-				fabricFDs = append(fabricFDs, fd)
-			}
-		case d.keep.store != nil:
-			for name := range socks {
-				_ = d.keep.store.Remove(fabricFDPrefix + name)
-			}
-			if err := d.keep.store.Barrier(time.Second); err != nil {
-				d.log.Warn("hand-over: the fd store may still hold the fabric's sockets", "err", err)
-			}
-			fabricUnstored = true
-		}
-	}
-	abort := func() {
-		d.fabric.resumeReceive()
-		if fabricUnstored {
-			d.keep.storeFabric(d.fabric.sockets())
-		}
-		for _, c := range conns {
-			c.dev.ResumeTransports()
-		}
-		release()
-	}
+}
 
-	// The PCI functions' state as of now (MSI-X pending bits change
-	// without a client write, so the kept copy may be older).
-	for _, c := range conns {
+// handFabric readies the fabric's sockets for the successor: one that
+// takes them (FeatureFabricSockets) gets what arrives from now on,
+// queued in the kernel; for one that does not, they leave the store (its
+// copy would keep port 4791 bound, or the bridge promiscuous with a
+// packet socket queueing for nobody).
+func (u *upgrading) handFabric() {
+	d := u.d
+	u.fabricReady = true
+	socks := d.fabric.sockets()
+	switch {
+	case len(socks) == 0:
+	case slices.Contains(u.features, FeatureFabricSockets):
+		d.fabric.pauseReceive()
+		for name, fd := range socks {
+			u.fabricPairs = append(u.fabricPairs, fabricFDPrefix+name+"="+strconv.Itoa(fd))
+			u.fabricFDs = append(u.fabricFDs, fd)
+		}
+	case d.keep.store != nil:
+		for name := range socks {
+			_ = d.keep.store.Remove(fabricFDPrefix + name)
+		}
+		if err := d.keep.store.Barrier(time.Second); err != nil {
+			d.log.Warn("hand-over: the fd store may still hold the fabric's sockets", "err", err)
+		}
+		u.fabricUnstored = true
+	}
+}
+
+// saveDevices records what the successor rebuilds beside the journals:
+// each PCI function's state as of now (MSI-X pending bits change without
+// a client write, so the kept copy may be older) and each VM's counters,
+// which carry over.
+func (u *upgrading) saveDevices() {
+	for _, c := range u.conns {
 		if c.keeper != nil {
 			c.keeper.savePCI(c.fn.SaveState())
 		}
 	}
-	// The VMs' counters carry over.
-	for _, s := range vms {
+	for _, s := range u.vms {
 		if st := s.status(); st.Connected {
-			s.d.keep.saveCounters(s.name, st.Counters)
+			u.d.keep.saveCounters(s.name, st.Counters)
 		}
 	}
+	u.countersSaved = true
+}
 
-	// The descriptors the new image takes.
-	var pairs []string
-	var fds []int
-	for _, s := range vms {
+// keepDescriptors lists the descriptors the successor takes (each VM's
+// connection, guest memory files and interrupt eventfds; the fabric's
+// sockets it takes) and keeps them open across the exec.
+func (u *upgrading) keepDescriptors() error {
+	for _, s := range u.vms {
 		s.mu.Lock()
 		c := s.conn
 		s.mu.Unlock()
@@ -286,46 +333,76 @@ func (d *Daemon) upgrade(binary string) error {
 			continue
 		}
 		for name, fd := range c.keeper.held() {
-			pairs = append(pairs, s.name+"."+name+"="+strconv.Itoa(fd))
-			fds = append(fds, fd)
+			u.pairs = append(u.pairs, s.name+"."+name+"="+strconv.Itoa(fd))
+			u.fds = append(u.fds, fd)
 		}
 	}
-	pairs = append(pairs, fabricPairs...)
-	fds = append(fds, fabricFDs...)
-	for _, fd := range fds {
+	u.pairs = append(u.pairs, u.fabricPairs...)
+	u.fds = append(u.fds, u.fabricFDs...)
+	for _, fd := range u.fds {
 		if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFD, 0); err != nil {
-			setCloexec(fds)
-			abort()
 			return fmt.Errorf("keep descriptor %d across exec: %w", fd, err)
 		}
 	}
+	return nil
+}
+
+// exec replaces the process's image with the successor's, which finds
+// the descriptors and the pause's start in its environment (the PID, and
+// with it systemd's view of the service, stays: a reload). It returns
+// only if the exec failed.
+func (u *upgrading) exec() error {
+	d := u.d
 	env := handoverEnv(os.Environ(), map[string]string{
-		EnvHandoverFDs:   strings.Join(pairs, ","),
-		EnvHandoverStart: strconv.FormatInt(held.UnixNano(), 10),
+		EnvHandoverFDs:   strings.Join(u.pairs, ","),
+		EnvHandoverStart: strconv.FormatInt(u.heldAt.UnixNano(), 10),
 		EnvHandoverExec:  "", // set just before the exec
 		EnvGeneration:    strconv.Itoa(d.ho.status.Generation + 1),
 	})
 	if d.keep.store != nil {
 		_, _ = daemon.SdNotify(false, daemon.SdNotifyReloading)
+		u.reloading = true
 	}
-	d.log.Info("handing over", "binary", binary, "vms", len(conns), "descriptors", len(fds), "rc_qps_saved", saved,
-		"fabric_sockets", len(fabricFDs), "hold_and_drain", time.Since(start).Round(time.Microsecond))
+	d.log.Info("handing over", "binary", u.binary, "vms", len(u.conns), "descriptors", len(u.fds), "rc_qps_saved", u.saved,
+		"fabric_sockets", len(u.fabricFDs), "hold_and_drain", time.Since(u.begun).Round(time.Microsecond))
 	for i, kv := range env {
 		if strings.HasPrefix(kv, EnvHandoverExec+"=") {
 			env[i] = EnvHandoverExec + "=" + strconv.FormatInt(time.Now().UnixNano(), 10)
 		}
 	}
-	err = syscall.Exec(binary, os.Args, env)
-	// Still here: the exec failed. Serve on.
-	for _, s := range vms {
-		s.d.keep.takeCounters(s.name)
+	err := syscall.Exec(u.binary, os.Args, env)
+	return fmt.Errorf("exec %s: %w", u.binary, err) // still here: the exec failed
+}
+
+// abort undoes what the stages did, so that the daemon serves on: the
+// counters saved for the successor are taken back, the descriptors close
+// at a later exec again, the fabric receives (and its sockets go back to
+// the store), the frozen QPs and SRQs resume (their peers resend what
+// they dropped), the VMs are released, and systemd hears that the daemon
+// is ready again.
+func (u *upgrading) abort() {
+	d := u.d
+	if u.countersSaved {
+		for _, s := range u.vms {
+			d.keep.takeCounters(s.name)
+		}
 	}
-	setCloexec(fds)
-	abort()
-	if d.keep.store != nil {
+	setCloexec(u.fds)
+	if u.fabricReady {
+		d.fabric.resumeReceive()
+	}
+	if u.fabricUnstored {
+		d.keep.storeFabric(d.fabric.sockets())
+	}
+	for _, c := range u.conns {
+		c.dev.ResumeTransports()
+	}
+	for _, s := range u.vms {
+		s.srv.Release() // a server not held is left as it is
+	}
+	if u.reloading {
 		_, _ = daemon.SdNotify(false, daemon.SdNotifyReady)
 	}
-	return fmt.Errorf("exec %s: %w", binary, err)
 }
 
 // FeatureFabricSockets: the binary takes over the fabric's sockets a

@@ -275,3 +275,47 @@ func TestUpgradeRefusedServesOn(t *testing.T) {
 	require.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
 	write(20)
 }
+
+// TestUpgradeExecFailsServesOn: a hand-over whose exec fails after the VMs
+// were held, drained and their RC QPs' transport state saved (here a
+// binary that passes check-state and then makes itself unexecutable)
+// undoes its stages: the daemon releases its VMs, the frozen QPs take
+// packets again, their RDMA carries on, and a real hand-over after it
+// keeps the QPs' connection.
+func TestUpgradeExecFailsServesOn(t *testing.T) {
+	dir := serveProcess(t, []string{"x0", "x1"}, daemonOpts{})
+	e := externalEnv(t, dir)
+	a, b := e.pairGIDs("x0", "x1", 1, 2, 12, 7)
+	write := func(n int) {
+		t.Helper()
+		var stop atomic.Bool
+		var done atomic.Int64
+		go func() {
+			for done.Load() < int64(n)*scaleMsg {
+				time.Sleep(time.Millisecond)
+			}
+			stop.Store(true)
+		}()
+		require.NoError(t, streamWrites(a, b, &stop, &done))
+	}
+	write(20)
+	vanishing := filepath.Join(t.TempDir(), "vanishing-daemon")
+	require.NoError(t, os.WriteFile(vanishing, []byte("#!/bin/sh\nchmod a-x \"$0\"\necho '"+backend.FeaturesLine()+"'\n"), 0o755))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ctl := backend.NewControlClient(filepath.Join(dir, "control.sock"))
+	require.NoError(t, ctl.Upgrade(ctx, vanishing))
+	var st backend.Status
+	require.Eventually(t, func() bool {
+		var err error
+		st, err = ctl.Status(ctx)
+		return err == nil && st.Handover != nil && st.Handover.Error != ""
+	}, 30*time.Second, 20*time.Millisecond)
+	require.Contains(t, st.Handover.Error, "exec "+vanishing)
+	require.Zero(t, st.Handover.Generation, "no hand-over happened")
+	write(20) // released, and the QPs frozen for the successor took packets again
+
+	h := upgradeDaemon(t, ctl, 1)
+	require.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
+	write(20)
+}
