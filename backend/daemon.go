@@ -85,6 +85,10 @@ type Config struct {
 	// Executable is the daemon's binary, which a live upgrade execs by
 	// default (its path: after a package upgrade it is the new binary).
 	Executable string
+	// Started is when the process's command began (before New), for the
+	// part of a hand-over's pause the new image's start takes before it
+	// (HandoverStatus.ExecMS); zero if not known.
+	Started time.Time
 	// OnReady, if set, is called once the daemon serves (VMs resumed,
 	// control socket listening).
 	OnReady func()
@@ -242,7 +246,7 @@ func (d *Daemon) restore() {
 		}
 	}
 	resumed := len(todos)
-	d.ho.fromEnv(resumed)
+	d.ho.fromEnv(resumed, d.cfg.Started)
 	var devices sync.WaitGroup // resumed devices rebuilt (their GIDs bound again)
 	for _, t := range todos {
 		devices.Add(1)

@@ -36,12 +36,18 @@ const (
 	// EnvHandoverFDs lists the descriptors it inherits: name=fd, comma
 	// separated (names as in the file descriptor store).
 	EnvHandoverFDs = "PVRDMA_HANDOVER_FDS"
-	// EnvHandoverStart is when the predecessor stopped taking messages
-	// (Unix nanoseconds), for the pause the new daemon reports.
+	// EnvHandoverStart is when the predecessor began to stop taking
+	// messages (Unix nanoseconds), for the pause the new daemon reports.
 	EnvHandoverStart = "PVRDMA_HANDOVER_START"
 	// EnvHandoverExec is when the predecessor exec'd this binary (Unix
 	// nanoseconds): with EnvHandoverStart it splits the pause.
 	EnvHandoverExec = "PVRDMA_HANDOVER_EXEC"
+	// EnvHandoverMarks splits the predecessor's part of the pause further:
+	// key=value pairs, comma separated, of Unix nanoseconds (held: every
+	// VM held; drained: their sends drained) and of the process's CPU
+	// time in nanoseconds (cpu_start at EnvHandoverStart, cpu_exec at
+	// EnvHandoverExec). Keys a binary does not know are ignored.
+	EnvHandoverMarks = "PVRDMA_HANDOVER_MARKS"
 	// EnvGeneration counts the hand-overs since the service started.
 	EnvGeneration = "PVRDMA_GENERATION"
 )
@@ -57,21 +63,35 @@ var ErrNoContinuity = errors.New("the daemon keeps no state for a successor: run
 type HandoverStatus struct {
 	Generation int    `json:"generation"`
 	Binary     string `json:"binary,omitempty"`
-	// PauseMS is from the predecessor holding its VMs to the last VM's
-	// device served again here.
+	// PauseMS is from the predecessor beginning to hold its VMs to the
+	// last VM's device served again here.
 	PauseMS float64 `json:"pause_ms,omitempty"`
 	// The pause's parts: the predecessor saving (hold to exec), this
 	// binary starting (exec to its daemon set up, fabric and VMs
 	// registered), and the VMs' devices rebuilt (to the last served).
-	SaveMS     float64 `json:"save_ms,omitempty"`
-	StartMS    float64 `json:"start_ms,omitempty"`
-	ResumeMS   float64 `json:"resume_ms,omitempty"`
-	VMs        int     `json:"vms,omitempty"`
-	Continued  int     `json:"qps_continued,omitempty"`
-	Errored    int     `json:"qps_errored,omitempty"`
-	Lost       int     `json:"objects_lost,omitempty"`
-	Error      string  `json:"error,omitempty"` // the last failed attempt, if it failed
-	FailedAtMS float64 `json:"-"`
+	SaveMS   float64 `json:"save_ms,omitempty"`
+	StartMS  float64 `json:"start_ms,omitempty"`
+	ResumeMS float64 `json:"resume_ms,omitempty"`
+	// Saving begins with holding every VM (HoldMS) and draining their
+	// sends (DrainMS); the rest journals transport state and saves PCI
+	// state and counters. Starting begins with the exec and the new
+	// image's runtime and package initialisation, up to its command
+	// running (ExecMS; Config.Started).
+	HoldMS  float64 `json:"hold_ms,omitempty"`
+	DrainMS float64 `json:"drain_ms,omitempty"`
+	ExecMS  float64 `json:"exec_ms,omitempty"`
+	// The CPU time the process spent in each part, all its threads
+	// together: a part CPU-bound on n cores takes up to n times its
+	// length.
+	SaveCPUMS   float64 `json:"save_cpu_ms,omitempty"`
+	StartCPUMS  float64 `json:"start_cpu_ms,omitempty"`
+	ResumeCPUMS float64 `json:"resume_cpu_ms,omitempty"`
+	VMs         int     `json:"vms,omitempty"`
+	Continued   int     `json:"qps_continued,omitempty"`
+	Errored     int     `json:"qps_errored,omitempty"`
+	Lost        int     `json:"objects_lost,omitempty"`
+	Error       string  `json:"error,omitempty"` // the last failed attempt, if it failed
+	FailedAtMS  float64 `json:"-"`
 }
 
 // handover is the daemon's hand-over bookkeeping.
@@ -83,7 +103,8 @@ type handover struct {
 	// is the predecessor's hold time (EnvHandoverStart).
 	resumePending int
 	start         time.Time
-	started       time.Time // when this image's daemon was set up
+	started       time.Time     // when this image's daemon was set up
+	startedCPU    time.Duration // the process's CPU time then
 }
 
 // StartUpgrade hands the daemon over to binary (the daemon's own path if
@@ -163,10 +184,12 @@ type upgrading struct {
 	vms    []*vmSession // by name
 	// features are what the successor restores (askSuccessor).
 	features []string
-	// heldAt is when every VM was held.
-	heldAt time.Time
-	conns  []*vmConn // the held VMs' connected devices
-	saved  int       // RC QPs whose transport state is journaled
+	// The pause's marks: holding began (holdAt, the process's CPU time
+	// then cpuAtHold), every VM held, their sends drained.
+	holdAt, heldAt, drainedAt time.Time
+	cpuAtHold                 time.Duration
+	conns                     []*vmConn // the held VMs' connected devices
+	saved                     int       // RC QPs whose transport state is journaled
 	// The fabric's sockets (handFabric done: fabricReady), handed over
 	// (fabricPairs) or taken out of the store (fabricUnstored) for a
 	// successor that binds its own.
@@ -195,6 +218,7 @@ func (u *upgrading) askSuccessor(ctx context.Context) error {
 // (vfiouser.Server.Hold): QEMU's requests wait in the sockets, and no
 // guest starts new work.
 func (u *upgrading) hold(ctx context.Context) error {
+	u.holdAt, u.cpuAtHold = time.Now(), processCPU()
 	for _, s := range u.vms {
 		if err := s.srv.Hold(ctx); err != nil {
 			return fmt.Errorf("VM %s: %w", s.name, err)
@@ -219,6 +243,7 @@ func (u *upgrading) hold(ctx context.Context) error {
 // sends to it would keep that peer from draining. QPs still busy at the
 // deadline come back in the error state.
 func (u *upgrading) drain() {
+	defer func() { u.drainedAt = time.Now() }()
 	deadline := time.Now().Add(drainWait)
 	for {
 		busy := 0
@@ -355,8 +380,9 @@ func (u *upgrading) exec() error {
 	d := u.d
 	env := handoverEnv(os.Environ(), map[string]string{
 		EnvHandoverFDs:   strings.Join(u.pairs, ","),
-		EnvHandoverStart: strconv.FormatInt(u.heldAt.UnixNano(), 10),
-		EnvHandoverExec:  "", // set just before the exec
+		EnvHandoverStart: strconv.FormatInt(u.holdAt.UnixNano(), 10),
+		EnvHandoverExec:  "", // these two set just before the exec
+		EnvHandoverMarks: "",
 		EnvGeneration:    strconv.Itoa(d.ho.status.Generation + 1),
 	})
 	if d.keep.store != nil {
@@ -365,9 +391,15 @@ func (u *upgrading) exec() error {
 	}
 	d.log.Info("handing over", "binary", u.binary, "vms", len(u.conns), "descriptors", len(u.fds), "rc_qps_saved", u.saved,
 		"fabric_sockets", len(u.fabricFDs), "hold_and_drain", time.Since(u.begun).Round(time.Microsecond))
+	now, cpu := time.Now(), processCPU()
+	marks := fmt.Sprintf("held=%d,drained=%d,cpu_start=%d,cpu_exec=%d", u.heldAt.UnixNano(), u.drainedAt.UnixNano(),
+		u.cpuAtHold.Nanoseconds(), cpu.Nanoseconds())
 	for i, kv := range env {
-		if strings.HasPrefix(kv, EnvHandoverExec+"=") {
-			env[i] = EnvHandoverExec + "=" + strconv.FormatInt(time.Now().UnixNano(), 10)
+		switch k, _, _ := strings.Cut(kv, "="); k {
+		case EnvHandoverExec:
+			env[i] = EnvHandoverExec + "=" + strconv.FormatInt(now.UnixNano(), 10)
+		case EnvHandoverMarks:
+			env[i] = EnvHandoverMarks + "=" + marks
 		}
 	}
 	err := syscall.Exec(u.binary, os.Args, env)
@@ -504,23 +536,70 @@ func HandoverFiles() map[string]*os.File {
 	return out
 }
 
-// handoverFromEnv sets up the bookkeeping of a daemon exec'd by its
-// predecessor.
-func (h *handover) fromEnv(vms int) {
+// fromEnv sets up the bookkeeping of a daemon exec'd by its predecessor
+// (to resume vms VMs; image is when its command began, zero if not
+// known).
+func (h *handover) fromEnv(vms int, image time.Time) {
 	gen, _ := strconv.Atoi(os.Getenv(EnvGeneration))
 	h.status.Generation = gen
 	if ns, err := strconv.ParseInt(os.Getenv(EnvHandoverStart), 10, 64); err == nil && ns > 0 {
 		h.start = time.Unix(0, ns)
-		h.started = time.Now()
+		h.started, h.startedCPU = time.Now(), processCPU()
 		h.resumePending = vms
 		h.status.VMs = vms
 		if ex, err := strconv.ParseInt(os.Getenv(EnvHandoverExec), 10, 64); err == nil && ex >= ns {
 			h.status.SaveMS = ms(time.Unix(0, ex).Sub(h.start))
 			h.status.StartMS = ms(h.started.Sub(time.Unix(0, ex)))
+			if image.UnixNano() >= ex {
+				h.status.ExecMS = ms(image.Sub(time.Unix(0, ex)))
+			}
+			h.markParts(ns, parseMarks(os.Getenv(EnvHandoverMarks)))
 		}
 	}
-	_ = os.Unsetenv(EnvHandoverStart)
-	_ = os.Unsetenv(EnvHandoverExec)
+	for _, k := range []string{EnvHandoverStart, EnvHandoverExec, EnvHandoverMarks} {
+		_ = os.Unsetenv(k)
+	}
+}
+
+// markParts fills in the parts of the predecessor's saving that its marks
+// (EnvHandoverMarks) give; start is EnvHandoverStart.
+func (h *handover) markParts(start int64, m map[string]int64) {
+	held, okHeld := m["held"]
+	if okHeld && held >= start {
+		h.status.HoldMS = ms(time.Duration(held - start))
+	}
+	if drained, ok := m["drained"]; ok && okHeld && drained >= held {
+		h.status.DrainMS = ms(time.Duration(drained - held))
+	}
+	c0, ok0 := m["cpu_start"]
+	c1, ok1 := m["cpu_exec"]
+	if ok0 && ok1 && c1 >= c0 && h.startedCPU.Nanoseconds() >= c1 {
+		h.status.SaveCPUMS = ms(time.Duration(c1 - c0))
+		h.status.StartCPUMS = ms(h.startedCPU - time.Duration(c1))
+	}
+}
+
+// parseMarks reads EnvHandoverMarks: key=integer pairs, comma separated;
+// malformed pairs are skipped.
+func parseMarks(v string) map[string]int64 {
+	out := map[string]int64{}
+	for _, p := range strings.Split(v, ",") {
+		k, n, ok := strings.Cut(p, "=")
+		if x, err := strconv.ParseInt(n, 10, 64); ok && err == nil && x >= 0 {
+			out[k] = x
+		}
+	}
+	return out
+}
+
+// processCPU is the CPU time the process has spent, all threads, user
+// and system (it carries over an exec).
+func processCPU() time.Duration {
+	var ru unix.Rusage
+	if unix.Getrusage(unix.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // ms is d in milliseconds, to the microsecond.
@@ -539,6 +618,9 @@ func (h *handover) resumed(continued, errored, lost int) {
 	if h.resumePending--; h.resumePending <= 0 {
 		h.status.PauseMS = ms(time.Since(h.start))
 		h.status.ResumeMS = ms(time.Since(h.started))
+		if h.startedCPU > 0 {
+			h.status.ResumeCPUMS = ms(processCPU() - h.startedCPU)
+		}
 		h.start = time.Time{}
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/coreos/go-systemd/v22/activation"
 	"github.com/coreos/go-systemd/v22/daemon"
@@ -58,6 +59,7 @@ func (l *idList) Set(v string) error {
 }
 
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	started := time.Now()
 	fs := newFlags("serve", "[flags]", stderr)
 	socketDir := fs.String("socket-dir", defaultSocketDir, "directory for the per-VM vfio-user sockets and control.sock")
 	netdev := fs.String("fabric-netdev", "", "IP mode: add bound guest GIDs as addresses on this netdev and use UDP 4791 through it")
@@ -236,6 +238,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		Inherited:  inherited,
 		KeepState:  *keepState,
 		Executable: exe,
+		Started:    started,
 		OnReady: func() {
 			if store != nil {
 				_, _ = daemon.SdNotify(false, daemon.SdNotifyReady)

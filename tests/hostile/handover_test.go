@@ -127,8 +127,9 @@ func upgradeDaemon(tb testing.TB, ctl *backend.ControlClient, gen int) backend.H
 // WRITEs (as BenchmarkScale) and a probe pair times single WRITEs while
 // the daemon hands itself over (pvrdma-backend upgrade, exec of its own
 // binary). It reports the daemon's pause (hold to the last device
-// rebuilt), the probe's longest doorbell-to-CQE time across the hand-over
-// against its median over the run (the reference, same run), and that every
+// rebuilt) and its parts with the CPU time each took (HandoverStatus),
+// the probe's longest doorbell-to-CQE time across the hand-over against
+// its median over the run (the reference, same run), and that every
 // stream carried on without an error completion.
 func BenchmarkHandover(b *testing.B) {
 	for _, n := range handoverVMs(b) {
@@ -140,10 +141,14 @@ func BenchmarkHandover(b *testing.B) {
 				b.ReportMetric(probeMax.Seconds()*1e3, "probe_max_ms")
 				b.ReportMetric(probeMed.Seconds()*1e3, "probe_p50_ms")
 				b.ReportMetric(float64(continued), "qps_continued")
+				b.ReportMetric(h.SaveMS, "save_ms")
+				b.ReportMetric(h.StartMS, "start_ms")
+				b.ReportMetric(h.ResumeMS, "resume_ms")
 				b.Logf("vms=%d: hand-over pause %.1f ms (daemon); probe WRITE longest %.1f ms across it, median %.3f ms (%.0fx); RC QPs kept %d",
 					n, pause, probeMax.Seconds()*1e3, probeMed.Seconds()*1e3, probeMax.Seconds()/probeMed.Seconds(), continued)
-				b.Logf("vms=%d: the pause's parts: saving %.1f ms, the new binary starting %.1f ms, devices rebuilt %.1f ms",
-					n, h.SaveMS, h.StartMS, h.ResumeMS)
+				b.Logf("vms=%d: the pause's parts: saving %.1f ms (holding %.1f, draining %.1f; CPU %.1f ms), "+
+					"the new binary starting %.1f ms (exec and runtime start %.1f; CPU %.1f ms), devices rebuilt %.1f ms (CPU %.1f ms)",
+					n, h.SaveMS, h.HoldMS, h.DrainMS, h.SaveCPUMS, h.StartMS, h.ExecMS, h.StartCPUMS, h.ResumeMS, h.ResumeCPUMS)
 			}
 		})
 	}
