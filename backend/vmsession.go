@@ -189,9 +189,15 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	var mac [6]byte
 	copy(mac[:], s.mac)
 	var events eventRelay
+	// The provider sizes its key table by its MR limit: the device's
+	// (it never registers more), not the provider's own maximum.
+	maxMR := s.d.cfg.Limits.MaxMR
+	if maxMR <= 0 {
+		maxMR = vdev.DefaultLimits().MaxMR
+	}
 	verbs, err := s.d.fabric.provider.Open(hostverbs.DeviceConfig{
 		Name: s.name, Memory: h.Memory, NodeGUID: NodeGUID(s.mac), MAC: mac, RoCEMode: s.mode,
-		Events: events.deliver, Logger: h.Logger,
+		Events: events.deliver, Logger: h.Logger, Limits: hostverbs.Limits{MaxMR: maxMR},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: open fabric device: %w", s.name, err)
