@@ -89,6 +89,10 @@ type Config struct {
 	// part of a hand-over's pause the new image's start takes before it
 	// (HandoverStatus.ExecMS); zero if not known.
 	Started time.Time
+	// OnResumed, if set, is called once the connections a previous
+	// process left are resumed: their devices rebuilt, or the wait for
+	// them (fabricResumeWait) over; at once if there were none.
+	OnResumed func()
 	// OnReady, if set, is called once the daemon serves (VMs resumed,
 	// control socket listening).
 	OnReady func()
@@ -264,6 +268,9 @@ func (d *Daemon) restore() {
 			d.log.Warn("the fabric receives again before every VM's device is rebuilt", "waited", fabricResumeWait)
 		}
 		d.fabric.resumeReceive()
+		if d.cfg.OnResumed != nil {
+			d.cfg.OnResumed()
+		}
 	}()
 	if am := d.fabric.addrs; am != nil {
 		go func() {

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"time"
@@ -233,12 +234,22 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			exe = abs
 		}
 	}
+	// Taking VMs over (after a crash, a restart or a live upgrade), the
+	// process rebuilds their devices: what it allocates then is what they
+	// hold, not garbage, so no collection runs until they are rebuilt
+	// (it would only lengthen their pause).
+	var onResumed func()
+	if len(inherited) > 0 {
+		gc := debug.SetGCPercent(-1)
+		onResumed = func() { debug.SetGCPercent(gc) }
+	}
 	d, err := backend.New(backend.Config{
 		FDStore:    store,
 		Inherited:  inherited,
 		KeepState:  *keepState,
 		Executable: exe,
 		Started:    started,
+		OnResumed:  onResumed,
 		OnReady: func() {
 			if store != nil {
 				_, _ = daemon.SdNotify(false, daemon.SdNotifyReady)
