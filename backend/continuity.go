@@ -1,6 +1,7 @@
 package backend
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -100,9 +101,14 @@ func (k *keeping) read(vm, name string) ([]byte, error) {
 }
 
 // saveVM records a registration, so that a restarted daemon registers the
-// VM again (its QEMU may be connected, or may connect later).
+// VM again (its QEMU may be connected, or may connect later). A record
+// that says it already (a restarted daemon registering its VMs again) is
+// left as it is.
 func (k *keeping) saveVM(req VMRequest) {
 	b, err := json.Marshal(req)
+	if old, rerr := k.read(req.Name, stateVM); err == nil && rerr == nil && bytes.Equal(old, b) {
+		return
+	}
 	if err == nil {
 		err = k.writeAtomic(req.Name, stateVM, b)
 	}
