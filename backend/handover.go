@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"slices"
@@ -15,6 +16,8 @@ import (
 
 	"github.com/coreos/go-systemd/v22/daemon"
 	"golang.org/x/sys/unix"
+
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
 // Live upgrade: the daemon hands its VMs to a new binary by exec'ing it
@@ -348,9 +351,15 @@ func (u *upgrading) saveDevices() {
 
 // keepDescriptors lists the descriptors the successor takes (each VM's
 // connection, guest memory files and interrupt eventfds; the fabric's
-// sockets it takes) and keeps them open across the exec.
+// sockets and the VMs' listening sockets if it takes them) and keeps them
+// open across the exec.
 func (u *upgrading) keepDescriptors() error {
+	listeners := slices.Contains(u.features, FeatureVMListeners)
 	for _, s := range u.vms {
+		if listeners {
+			pairs, fds := s.handoverListeners()
+			u.pairs, u.fds = append(u.pairs, pairs...), append(u.fds, fds...)
+		}
 		s.mu.Lock()
 		c := s.conn
 		s.mu.Unlock()
@@ -444,7 +453,7 @@ const FeatureFabricSockets = "fabric-sockets"
 // HandoverFeatures are what this binary takes from a predecessor beyond
 // the journal's features; `check-state` prints them on a line of its own
 // (featuresLine), which binaries without any do not print.
-func HandoverFeatures() []string { return []string{FeatureFabricSockets} }
+func HandoverFeatures() []string { return []string{FeatureFabricSockets, FeatureVMListeners} }
 
 // featuresLine starts check-state's line of hand-over features.
 const featuresLine = "handover features:"
@@ -630,4 +639,114 @@ func (h *handover) snapshot() HandoverStatus {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.status
+}
+
+// FeatureVMListeners: the binary takes over the VMs' listening sockets a
+// predecessor hands it (vmListenerPrefix, qmpListenerPrefix), instead of
+// binding them again: no socket file is created at a hand-over, and a
+// QEMU that connects meanwhile waits in the backlog instead of being
+// refused.
+const FeatureVMListeners = "vm-listeners"
+
+// A VM's listening sockets in a hand-over: "+listen.<vm>" (its vfio-user
+// socket) and "+qmp-listen.<vm>" (the socket its QMP monitors connect to).
+// No VM name starts with '+'.
+const (
+	vmListenerPrefix  = "+listen."
+	qmpListenerPrefix = "+qmp-listen."
+)
+
+// listen returns the VM's listening socket at path: the one a
+// predecessor handed over under prefix+<vm> if it is that socket, else a
+// new one. The session keeps it for the next hand-over.
+func (s *vmSession) listen(prefix, path string) (*net.UnixListener, error) {
+	ln := s.d.keep.takeListener(prefix+s.name, path)
+	if ln == nil {
+		var err error
+		if ln, err = vfiouser.Listen(path); err != nil {
+			return nil, err
+		}
+	}
+	s.listeners[prefix] = ln
+	return ln, nil
+}
+
+// takeListener removes the inherited descriptor name and returns it as a
+// listener if it is a listening unix stream socket bound to path; any
+// other descriptor is closed (the caller binds its own).
+func (k *keeping) takeListener(name, path string) *net.UnixListener {
+	k.mu.Lock()
+	f, ok := k.inherited[name]
+	delete(k.inherited, name)
+	k.mu.Unlock()
+	if !ok {
+		return nil
+	}
+	defer f.Close()
+	if err := checkListener(f, path); err != nil {
+		k.log.Warn("a handed-over listening socket is not the VM's: binding a new one", "name", name, "err", err)
+		return nil
+	}
+	l, err := net.FileListener(f)
+	if err != nil {
+		k.log.Warn("a handed-over listening socket does not serve: binding a new one", "name", name, "err", err)
+		return nil
+	}
+	ul, ok := l.(*net.UnixListener)
+	if !ok {
+		_ = l.Close()
+		return nil
+	}
+	return ul
+}
+
+// checkListener checks that f is a listening unix stream socket bound to
+// path.
+func checkListener(f *os.File, path string) error {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cerr error
+	err = rc.Control(func(fd uintptr) {
+		var typ, acc int
+		var sa unix.Sockaddr
+		if typ, cerr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_TYPE); cerr != nil {
+			return
+		}
+		if acc, cerr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_ACCEPTCONN); cerr != nil {
+			return
+		}
+		if sa, cerr = unix.Getsockname(int(fd)); cerr != nil {
+			return
+		}
+		ua, ok := sa.(*unix.SockaddrUnix)
+		switch {
+		case typ != unix.SOCK_STREAM || acc != 1:
+			cerr = errors.New("not a listening stream socket")
+		case !ok || ua.Name != path:
+			cerr = fmt.Errorf("bound to %v, not %s", sa, path)
+		}
+	})
+	if err != nil {
+		return err
+	}
+	return cerr
+}
+
+// handoverListeners names the VM's listening sockets for a successor
+// (name=fd, fd) and keeps nothing else about them: the descriptors stay
+// the listeners' own.
+func (s *vmSession) handoverListeners() (pairs []string, fds []int) {
+	for prefix, ln := range s.listeners {
+		rc, err := ln.SyscallConn()
+		if err != nil {
+			continue
+		}
+		_ = rc.Control(func(fd uintptr) {
+			pairs = append(pairs, prefix+s.name+"="+strconv.Itoa(int(fd)))
+			fds = append(fds, int(fd))
+		})
+	}
+	return pairs, fds
 }

@@ -45,6 +45,10 @@ type vmSession struct {
 	// identity is what the VM's sockets require of a peer (admit).
 	identity vmIdentity
 
+	// listeners are the VM's listening sockets (vfio-user, QMP), which a
+	// hand-over passes to the successor by name (handoverListeners).
+	listeners map[string]*net.UnixListener
+
 	// The daemon's QMP monitors of the VM's QEMU (vmmonitor.go).
 	qmpSocket           string
 	qmpLn               net.Listener
@@ -114,7 +118,8 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode h
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: %w", name, err)
 	}
-	ln, err := vfiouser.Listen(s.socket)
+	s.listeners = map[string]*net.UnixListener{}
+	ln, err := s.listen(vmListenerPrefix, s.socket)
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: %w", name, err)
 	}

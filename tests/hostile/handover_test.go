@@ -3,6 +3,7 @@ package hostile
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 )
@@ -323,4 +325,47 @@ func TestUpgradeExecFailsServesOn(t *testing.T) {
 	h := upgradeDaemon(t, ctl, 1)
 	require.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
 	write(20)
+}
+
+// TestUpgradeKeepsListeners: a hand-over passes each VM's listening
+// sockets (vfio-user and QMP) to the new image, which serves on them
+// without binding new ones (the socket files are the same inodes, so a
+// QEMU connecting meanwhile would wait in the backlog, not be refused), and
+// a QEMU that connects after it is served.
+func TestUpgradeKeepsListeners(t *testing.T) {
+	dir := serveProcess(t, []string{"k0", "k1"}, daemonOpts{})
+	e := externalEnv(t, dir)
+	// A socket file bound again may get the inode number of the one
+	// removed; its birth time is new.
+	born := func(path string) unix.StatxTimestamp {
+		t.Helper()
+		var st unix.Statx_t
+		require.NoError(t, unix.Statx(unix.AT_FDCWD, path, 0, unix.STATX_BTIME|unix.STATX_INO, &st), path)
+		if st.Mask&unix.STATX_BTIME == 0 {
+			t.Skipf("the file system of %s keeps no birth times", path)
+		}
+		return st.Btime
+	}
+	sockets := []string{filepath.Join(dir, "k0.sock"), filepath.Join(dir, "k1.sock"), filepath.Join(dir, "k1.qmp")}
+	before := map[string]unix.StatxTimestamp{}
+	for _, p := range sockets {
+		before[p] = born(p)
+	}
+	upgradeDaemon(t, e.ctl, 1)
+	for _, p := range sockets {
+		require.Equal(t, before[p], born(p), "%s was bound again", p)
+	}
+	c, err := net.Dial("unix", filepath.Join(dir, "k1.qmp"))
+	require.NoError(t, err, "the QMP socket listens")
+	_ = c.Close()
+	a, b := e.pairGIDs("k0", "k1", 1, 2, 12, 7)
+	var stop atomic.Bool
+	var done atomic.Int64
+	go func() {
+		for done.Load() < 20*scaleMsg {
+			time.Sleep(time.Millisecond)
+		}
+		stop.Store(true)
+	}()
+	require.NoError(t, streamWrites(a, b, &stop, &done), "VMs connected after the hand-over")
 }
