@@ -65,6 +65,7 @@ type keeping struct {
 
 	mu        sync.Mutex
 	inherited map[string]*os.File // handed back by the service manager, not yet taken
+	handed    map[string]handedVM // a predecessor's hand-over state (handoverstate.go)
 }
 
 func newKeeping(dir string, store *FDStore, state bool, inherited map[string]*os.File, log *slog.Logger) (*keeping, error) {
@@ -249,6 +250,9 @@ type connKeeper struct {
 
 	mu  sync.Mutex
 	fds map[string]int // the connection's own descriptors, by name (a hand-over passes them)
+	// session is the session as last written (a resumed connection's as
+	// read): the same session is not written again.
+	session []byte
 }
 
 func (c *connKeeper) Keep(name string, fd int) error {
@@ -292,10 +296,17 @@ func (c *connKeeper) Saved(s *vfiouser.Session) {
 		return
 	}
 	b, err := json.Marshal(s)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err == nil && bytes.Equal(b, c.session) {
+		return
+	}
 	if err == nil {
 		err = c.k.writeAtomic(c.vm, stateSession, b)
 	}
-	if err != nil && !c.warned.Swap(true) {
+	if err == nil {
+		c.session = b
+	} else if !c.warned.Swap(true) {
 		c.k.log.Warn("cannot save the VM's vfio-user session: a restart will cut its connection", "vm", c.vm, "err", err)
 	}
 }
@@ -312,11 +323,12 @@ func (c *connKeeper) savePCI(b []byte) {
 
 // resumable is what a restarted daemon found of a VM's connection.
 type resumable struct {
-	conn    *net.UnixConn
-	session vfiouser.Session
-	files   map[string]int
-	pci     []byte
-	journal []byte
+	conn       *net.UnixConn
+	session    vfiouser.Session
+	sessionRaw []byte // as read
+	files      map[string]int
+	pci        []byte
+	journal    []byte
 	// rebuilt is called once the device is rebuilt (or cannot be).
 	rebuilt func()
 }
@@ -349,7 +361,10 @@ func (k *keeping) loadResumable(vm string) (*resumable, error) {
 		closeAll()
 		return nil, fmt.Errorf("session: %w", err)
 	}
-	if r.pci, err = k.read(vm, statePCI); err != nil && !errors.Is(err, os.ErrNotExist) {
+	r.sessionRaw = b
+	if h, ok := k.handedVM(vm); ok && len(h.PCI) > 0 {
+		r.pci = h.PCI
+	} else if r.pci, err = k.read(vm, statePCI); err != nil && !errors.Is(err, os.ErrNotExist) {
 		closeAll()
 		return nil, fmt.Errorf("PCI state: %w", err)
 	}
@@ -562,8 +577,12 @@ func (k *keeping) saveCounters(vm string, c map[string]uint64) {
 	}
 }
 
-// takeCounters reads and removes the counters a predecessor left.
+// takeCounters reads and removes the counters a predecessor left (in its
+// hand-over state, or in the VM's file).
 func (k *keeping) takeCounters(vm string) map[string]uint64 {
+	if h, ok := k.handedVM(vm); ok {
+		return h.Counters
+	}
 	path := filepath.Join(k.vmDir(vm), stateCounters)
 	b, err := os.ReadFile(path)
 	_ = os.Remove(path)

@@ -194,6 +194,7 @@ func New(cfg Config) (*Daemon, error) {
 	d.metrics = newMetricsRegistry(d)
 	d.adoptAddrs()
 	d.adoptReservations()
+	keep.takeHandoverState()
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
 			d.close()
@@ -268,6 +269,7 @@ func (d *Daemon) restore() {
 			d.log.Warn("the fabric receives again before every VM's device is rebuilt", "waited", fabricResumeWait)
 		}
 		d.fabric.resumeReceive()
+		d.persistHanded()
 		if d.cfg.OnResumed != nil {
 			d.cfg.OnResumed()
 		}

@@ -157,7 +157,7 @@ func (d *Daemon) StartUpgrade(binary string) error {
 func (d *Daemon) upgrade(binary string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	u := &upgrading{d: d, binary: binary, begun: time.Now(), vms: d.sessions()}
+	u := &upgrading{d: d, binary: binary, begun: time.Now(), vms: d.sessions(), stateFD: -1}
 	if err := u.askSuccessor(ctx); err != nil { // nothing held yet
 		return err
 	}
@@ -201,6 +201,7 @@ type upgrading struct {
 	fabricFDs      []int
 	fabricUnstored bool
 	countersSaved  bool
+	stateFD        int  // the hand-over state's memfd, -1 if none
 	reloading      bool // systemd was told (RELOADING=1)
 	// pairs name the descriptors the successor takes (name=fd) and fds
 	// are those descriptors, kept open across the exec.
@@ -334,8 +335,32 @@ func (u *upgrading) handFabric() {
 // saveDevices records what the successor rebuilds beside the journals:
 // each PCI function's state as of now (MSI-X pending bits change without
 // a client write, so the kept copy may be older) and each VM's counters,
-// which carry over.
+// which carry over; in one memfd for a successor that takes it
+// (FeatureHandoverState), else in the VMs' state files.
 func (u *upgrading) saveDevices() {
+	if slices.Contains(u.features, FeatureHandoverState) {
+		st := handoverState{VMs: map[string]handedVM{}}
+		for _, s := range u.vms {
+			s.mu.Lock()
+			c := s.conn
+			s.mu.Unlock()
+			if c == nil || c.keeper == nil {
+				continue
+			}
+			h := handedVM{PCI: c.fn.SaveState()}
+			if vs := s.status(); vs.Connected {
+				h.Counters = vs.Counters
+			}
+			st.VMs[s.name] = h
+		}
+		fd, err := writeHandoverState(st)
+		if err == nil {
+			u.stateFD = fd
+			u.pairs, u.fds = append(u.pairs, handoverStateFD+"="+strconv.Itoa(fd)), append(u.fds, fd)
+			return
+		}
+		u.d.log.Warn("hand-over: the PCI states and counters go to the VMs' files", "err", err)
+	}
 	for _, c := range u.conns {
 		if c.keeper != nil {
 			c.keeper.savePCI(c.fn.SaveState())
@@ -429,6 +454,9 @@ func (u *upgrading) abort() {
 		}
 	}
 	setCloexec(u.fds)
+	if u.stateFD >= 0 {
+		_ = unix.Close(u.stateFD)
+	}
 	if u.fabricReady {
 		d.fabric.resumeReceive()
 	}
@@ -453,7 +481,9 @@ const FeatureFabricSockets = "fabric-sockets"
 // HandoverFeatures are what this binary takes from a predecessor beyond
 // the journal's features; `check-state` prints them on a line of its own
 // (featuresLine), which binaries without any do not print.
-func HandoverFeatures() []string { return []string{FeatureFabricSockets, FeatureVMListeners} }
+func HandoverFeatures() []string {
+	return []string{FeatureFabricSockets, FeatureVMListeners, FeatureHandoverState}
+}
 
 // featuresLine starts check-state's line of hand-over features.
 const featuresLine = "handover features:"

@@ -189,6 +189,9 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		machine: s.peerMachine(h)}
 	if s.d.keep.active() {
 		c.keeper = &connKeeper{k: s.d.keep, vm: s.name}
+		if pending != nil {
+			c.keeper.session = pending.sessionRaw
+		}
 		h.Keeper = c.keeper
 	}
 	var mac [6]byte

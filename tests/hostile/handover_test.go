@@ -278,8 +278,11 @@ func TestUpgradeRefusedServesOn(t *testing.T) {
 	require.Zero(t, st.Handover.Generation, "no hand-over happened")
 	write(20) // the VMs were never held
 
+	doorbells := e.counter("r0", "doorbells")
+	require.NotZero(t, doorbells)
 	h := upgradeDaemon(t, ctl, 1)
 	require.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
+	require.GreaterOrEqual(t, e.counter("r0", "doorbells"), doorbells, "the counters carried over")
 	write(20)
 }
 
@@ -322,7 +325,9 @@ func TestUpgradeExecFailsServesOn(t *testing.T) {
 	require.Zero(t, st.Handover.Generation, "no hand-over happened")
 	write(20) // released, and the QPs frozen for the successor took packets again
 
+	doorbells := e.counter("x0", "doorbells")
 	h := upgradeDaemon(t, ctl, 1)
+	require.GreaterOrEqual(t, e.counter("x0", "doorbells"), doorbells, "the counters carried over")
 	require.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
 	write(20)
 }
