@@ -329,6 +329,8 @@ type resumable struct {
 	files      map[string]int
 	pci        []byte
 	journal    []byte
+	// counters are the VM's counters as the previous process left them.
+	counters map[string]uint64
 	// rebuilt is called once the device is rebuilt (or cannot be).
 	rebuilt func()
 }
@@ -372,6 +374,7 @@ func (k *keeping) loadResumable(vm string) (*resumable, error) {
 		closeAll()
 		return nil, fmt.Errorf("device journal: %w", err)
 	}
+	r.counters = k.takeCounters(vm)
 	nc, err := net.FileConn(cf)
 	_ = cf.Close()
 	delete(fds, vfiouser.ConnName)

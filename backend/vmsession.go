@@ -228,12 +228,16 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		}
 	}
 	if pending != nil {
+		// The hand-over's pause ends for this VM once its device serves
+		// (newDevice returns), or cannot.
+		var continued, errored, lost int
+		defer func() { s.d.ho.resumed(continued, errored, lost) }()
 		c.replaying.Store(true)
 		dev, err = s.restoreDevice(vcfg, pending.journal)
 		c.replaying.Store(false)
 		if err == nil {
 			st := dev.Stats()
-			s.d.ho.resumed(int(st.RestoreContinuedQPs), int(st.RestoreErroredQPs), int(st.RestoreLostObjects))
+			continued, errored, lost = int(st.RestoreContinuedQPs), int(st.RestoreErroredQPs), int(st.RestoreLostObjects)
 		}
 		pending.rebuilt()
 	} else {
@@ -267,7 +271,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		return nil, fmt.Errorf("VM %s: %w", s.name, err)
 	}
 	if pending != nil {
-		c.base = s.d.keep.takeCounters(s.name)
+		c.base = pending.counters
 	}
 	if pending != nil && len(pending.pci) > 0 {
 		if err := fn.RestoreState(pending.pci); err != nil {
