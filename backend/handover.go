@@ -219,14 +219,22 @@ func (u *upgrading) askSuccessor(ctx context.Context) error {
 }
 
 // hold stops every VM's connection at a message boundary
-// (vfiouser.Server.Hold): QEMU's requests wait in the sockets, and no
-// guest starts new work.
+// (vfiouser.Server.Hold), all VMs at once: QEMU's requests wait in the
+// sockets, and no guest starts new work.
 func (u *upgrading) hold(ctx context.Context) error {
 	u.holdAt, u.cpuAtHold = time.Now(), processCPU()
-	for _, s := range u.vms {
-		if err := s.srv.Hold(ctx); err != nil {
-			return fmt.Errorf("VM %s: %w", s.name, err)
-		}
+	errs := make([]error, len(u.vms))
+	var wg sync.WaitGroup
+	for i, s := range u.vms {
+		wg.Go(func() {
+			if err := s.srv.Hold(ctx); err != nil {
+				errs[i] = fmt.Errorf("VM %s: %w", s.name, err)
+			}
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return err
 	}
 	u.heldAt = time.Now()
 	for _, s := range u.vms {
