@@ -252,6 +252,11 @@ func (d *Daemon) restore() {
 	}
 	resumed := len(todos)
 	d.ho.fromEnv(resumed, d.cfg.Started)
+	servers := make([]*vfiouser.Server, 0, len(todos))
+	for _, t := range todos {
+		servers = append(servers, t.s.srv)
+	}
+	d.ho.holdResumes(servers)
 	var devices sync.WaitGroup // resumed devices rebuilt (their GIDs bound again)
 	for _, t := range todos {
 		devices.Add(1)

@@ -108,6 +108,47 @@ type handover struct {
 	start         time.Time
 	started       time.Time     // when this image's daemon was set up
 	startedCPU    time.Duration // the process's CPU time then
+	// gated are the servers of the VMs being resumed, held until every
+	// one's device serves (holdResumes).
+	gated []*vfiouser.Server
+}
+
+// resumeGateWait bounds how long the VMs resumed after a hand-over wait
+// for the slowest one's device before they serve.
+const resumeGateWait = 2 * time.Second
+
+// holdResumes holds the servers of the VMs a hand-over's new image
+// resumes until the last one's device serves (resumed), at most
+// resumeGateWait: the devices are rebuilt with the process's CPUs to
+// themselves, not beside the traffic of the VMs rebuilt first, so that the
+// last one, whose wait is the pause, is not held up by the others.
+func (h *handover) holdResumes(servers []*vfiouser.Server) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.start.IsZero() || h.resumePending <= 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	for _, s := range servers {
+		_ = s.Hold(ctx) // nothing to wait for but a QEMU connecting just now
+	}
+	h.gated = servers
+	time.AfterFunc(resumeGateWait, h.releaseResumes)
+}
+
+// releaseResumes lets the resumed VMs' connections take messages.
+func (h *handover) releaseResumes() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.releaseLocked()
+}
+
+func (h *handover) releaseLocked() {
+	for _, s := range h.gated {
+		s.Release()
+	}
+	h.gated = nil
 }
 
 // StartUpgrade hands the daemon over to binary (the daemon's own path if
@@ -663,6 +704,7 @@ func (h *handover) resumed(continued, errored, lost int) {
 	h.status.Errored += errored
 	h.status.Lost += lost
 	if h.resumePending--; h.resumePending <= 0 {
+		h.releaseLocked()
 		h.status.PauseMS = ms(time.Since(h.start))
 		h.status.ResumeMS = ms(time.Since(h.started))
 		if h.startedCPU > 0 {
