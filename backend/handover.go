@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -318,38 +319,42 @@ func (u *upgrading) drain() {
 
 // saveTransports journals each RC QP's transport state and the receives
 // each SRQ's provider holds (vdev SaveTransportsFor, limited to what the
-// successor restores). A QP still busy (a remote peer sending to it) is
-// tried again for a moment, then comes back in the error state.
+// successor restores), every VM's device on a goroutine of its own.
 func (u *upgrading) saveTransports() {
 	retryUntil := time.Now().Add(200 * time.Millisecond)
-	pending := u.conns
-	for len(pending) > 0 {
-		var again []*vmConn
-		for _, c := range pending {
-			rep, err := c.dev.SaveTransportsFor(u.features)
-			u.saved += rep.Saved
-			if err != nil {
-				u.d.log.Warn("hand-over: no transport state saved; the VM's RC QPs come back in the error state", "err", err)
-				continue
-			}
-			if len(rep.Failed) == 0 && len(rep.FailedSRQs) == 0 {
-				continue
-			}
-			if time.Now().Before(retryUntil) {
-				again = append(again, c)
-				continue
-			}
-			for h, ferr := range rep.FailedSRQs {
-				u.d.log.Warn("hand-over: the receives an SRQ's provider holds are lost", "srq_handle", h, "err", ferr)
-			}
-			for h, ferr := range rep.Failed {
-				u.d.log.Warn("hand-over: an RC QP comes back in the error state", "qp_handle", h, "err", ferr)
-			}
-		}
-		pending = again
-		if len(pending) > 0 {
+	var saved atomic.Int64
+	var wg sync.WaitGroup
+	for _, c := range u.conns {
+		wg.Go(func() { saved.Add(int64(u.saveTransportsOf(c, retryUntil))) })
+	}
+	wg.Wait()
+	u.saved = int(saved.Load())
+}
+
+// saveTransportsOf saves one VM's transport states and SRQ receives and
+// returns how many RC QPs it saved. A QP still busy (a remote peer
+// sending to it) is tried again until retryUntil, then comes back in the
+// error state.
+func (u *upgrading) saveTransportsOf(c *vmConn, retryUntil time.Time) int {
+	for {
+		rep, err := c.dev.SaveTransportsFor(u.features)
+		switch {
+		case err != nil:
+			u.d.log.Warn("hand-over: no transport state saved; the VM's RC QPs come back in the error state", "err", err)
+			return rep.Saved
+		case len(rep.Failed) == 0 && len(rep.FailedSRQs) == 0:
+			return rep.Saved
+		case time.Now().Before(retryUntil):
 			time.Sleep(time.Millisecond)
+			continue
 		}
+		for h, ferr := range rep.FailedSRQs {
+			u.d.log.Warn("hand-over: the receives an SRQ's provider holds are lost", "srq_handle", h, "err", ferr)
+		}
+		for h, ferr := range rep.Failed {
+			u.d.log.Warn("hand-over: an RC QP comes back in the error state", "qp_handle", h, "err", ferr)
+		}
+		return rep.Saved
 	}
 }
 
@@ -387,22 +392,9 @@ func (u *upgrading) handFabric() {
 // which carry over; in one memfd for a successor that takes it
 // (FeatureHandoverState), else in the VMs' state files.
 func (u *upgrading) saveDevices() {
+	devs := u.deviceStates()
 	if slices.Contains(u.features, FeatureHandoverState) {
-		st := handoverState{VMs: map[string]handedVM{}}
-		for _, s := range u.vms {
-			s.mu.Lock()
-			c := s.conn
-			s.mu.Unlock()
-			if c == nil || c.keeper == nil {
-				continue
-			}
-			h := handedVM{PCI: c.fn.SaveState()}
-			if vs := s.status(); vs.Connected {
-				h.Counters = vs.Counters
-			}
-			st.VMs[s.name] = h
-		}
-		fd, err := writeHandoverState(st)
+		fd, err := writeHandoverState(handoverState{VMs: devs})
 		if err == nil {
 			u.stateFD = fd
 			u.pairs, u.fds = append(u.pairs, handoverStateFD+"="+strconv.Itoa(fd)), append(u.fds, fd)
@@ -410,17 +402,54 @@ func (u *upgrading) saveDevices() {
 		}
 		u.d.log.Warn("hand-over: the PCI states and counters go to the VMs' files", "err", err)
 	}
-	for _, c := range u.conns {
-		if c.keeper != nil {
-			c.keeper.savePCI(c.fn.SaveState())
-		}
-	}
+	var wg sync.WaitGroup
 	for _, s := range u.vms {
-		if st := s.status(); st.Connected {
-			u.d.keep.saveCounters(s.name, st.Counters)
+		h, ok := devs[s.name]
+		if !ok {
+			continue
+		}
+		wg.Go(func() {
+			s.mu.Lock()
+			c := s.conn
+			s.mu.Unlock()
+			c.keeper.savePCI(h.PCI)
+			if h.Counters != nil {
+				u.d.keep.saveCounters(s.name, h.Counters)
+			}
+		})
+	}
+	wg.Wait()
+	u.countersSaved = true
+}
+
+// deviceStates returns the PCI state and counters of every held VM whose
+// connection is kept, each VM's taken on a goroutine of its own.
+func (u *upgrading) deviceStates() map[string]handedVM {
+	states := make([]*handedVM, len(u.vms))
+	var wg sync.WaitGroup
+	for i, s := range u.vms {
+		wg.Go(func() {
+			s.mu.Lock()
+			c := s.conn
+			s.mu.Unlock()
+			if c == nil || c.keeper == nil {
+				return
+			}
+			h := handedVM{PCI: c.fn.SaveState()}
+			if vs := s.status(); vs.Connected {
+				h.Counters = vs.Counters
+			}
+			states[i] = &h
+		})
+	}
+	wg.Wait()
+	out := make(map[string]handedVM, len(u.vms))
+	for i, h := range states {
+		if h != nil {
+			out[u.vms[i].name] = *h
 		}
 	}
-	u.countersSaved = true
+	return out
 }
 
 // keepDescriptors lists the descriptors the successor takes (each VM's

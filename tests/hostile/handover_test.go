@@ -389,3 +389,60 @@ func TestUpgradeKeepsListeners(t *testing.T) {
 	}()
 	require.NoError(t, streamWrites(a, b, &stop, &done), "VMs connected after the hand-over")
 }
+
+// TestUpgradeToOlderSuccessor: a successor that lists none of the newer
+// hand-over features (here the daemon's own binary behind a script that
+// strips vm-listeners and handover-state from check-state's answer) gets
+// what an older binary takes: the PCI states and counters in the VMs'
+// files, no listening sockets. Its RC QPs keep their connection and the
+// counters carry over; the next hand-over, to a successor taking
+// everything, works as well.
+func TestUpgradeToOlderSuccessor(t *testing.T) {
+	bin := daemonBinary(t)
+	dir := serveProcess(t, []string{"o0", "o1"}, daemonOpts{bin: bin})
+	e := externalEnv(t, dir)
+	a, b := e.pairGIDs("o0", "o1", 1, 2, 12, 7)
+	write := func(n int) {
+		t.Helper()
+		var stop atomic.Bool
+		var done atomic.Int64
+		go func() {
+			for done.Load() < int64(n)*scaleMsg {
+				time.Sleep(time.Millisecond)
+			}
+			stop.Store(true)
+		}()
+		require.NoError(t, streamWrites(a, b, &stop, &done))
+	}
+	write(20)
+	older := filepath.Join(t.TempDir(), "older-daemon")
+	script := "#!/bin/sh\nif [ \"$1\" = check-state ]; then\n" +
+		"\t" + bin + " \"$@\" | sed -e 's/ " + backend.FeatureVMListeners + "//' -e 's/ " + backend.FeatureHandoverState + "//'\n" +
+		"\texit 0\nfi\nexec " + bin + " \"$@\"\n"
+	require.NoError(t, os.WriteFile(older, []byte(script), 0o755))
+	out, err := exec.Command(older, "check-state", "--state-dir", filepath.Join(dir, "state")).Output()
+	require.NoError(t, err)
+	require.NotContains(t, string(out), backend.FeatureHandoverState)
+	require.Contains(t, string(out), backend.FeatureFabricSockets)
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ctl := backend.NewControlClient(filepath.Join(dir, "control.sock"))
+	doorbells := daemonCounter(t, ctl, "o0", "doorbells")
+	require.NoError(t, ctl.Upgrade(ctx, older))
+	var h *backend.HandoverStatus
+	for h == nil || h.Generation < 1 || h.PauseMS == 0 {
+		time.Sleep(20 * time.Millisecond)
+		if st, err := ctl.Status(ctx); err == nil {
+			h = st.Handover
+		}
+		require.NoError(t, ctx.Err(), "the new daemon did not serve: last hand-over status %+v", h)
+	}
+	require.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
+	require.GreaterOrEqual(t, daemonCounter(t, ctl, "o0", "doorbells"), doorbells, "the counters carried over")
+	write(20)
+
+	h2 := upgradeDaemon(t, ctl, 2)
+	require.Equal(t, 2, h2.Continued)
+	write(20)
+}
