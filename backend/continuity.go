@@ -66,6 +66,7 @@ type keeping struct {
 	mu        sync.Mutex
 	inherited map[string]*os.File // handed back by the service manager, not yet taken
 	handed    map[string]handedVM // a predecessor's hand-over state (handoverstate.go)
+	recorded  map[string][]byte   // the registrations savedVMs read, by VM
 }
 
 func newKeeping(dir string, store *FDStore, state bool, inherited map[string]*os.File, log *slog.Logger) (*keeping, error) {
@@ -107,7 +108,14 @@ func (k *keeping) read(vm, name string) ([]byte, error) {
 // left as it is.
 func (k *keeping) saveVM(req VMRequest) {
 	b, err := json.Marshal(req)
-	if old, rerr := k.read(req.Name, stateVM); err == nil && rerr == nil && bytes.Equal(old, b) {
+	k.mu.Lock()
+	old, known := k.recorded[req.Name]
+	delete(k.recorded, req.Name)
+	k.mu.Unlock()
+	if !known {
+		old, _ = k.read(req.Name, stateVM)
+	}
+	if err == nil && bytes.Equal(old, b) {
 		return
 	}
 	if err == nil {
@@ -151,6 +159,12 @@ func (k *keeping) savedVMs() ([]VMRequest, error) {
 			continue
 		}
 		reqs = append(reqs, req)
+		k.mu.Lock()
+		if k.recorded == nil {
+			k.recorded = map[string][]byte{}
+		}
+		k.recorded[req.Name] = b
+		k.mu.Unlock()
 	}
 	sort.Slice(reqs, func(i, j int) bool { return reqs[i].Name < reqs[j].Name })
 	return reqs, nil
@@ -335,15 +349,9 @@ type resumable struct {
 	rebuilt func()
 }
 
-// loadResumable gathers a VM's kept connection: its descriptors (taken
-// from the inherited set) and its state files. It returns nil, nil when
-// there is nothing to resume.
-func (k *keeping) loadResumable(vm string) (*resumable, error) {
-	fds := k.takeInherited(vm)
-	if len(fds) == 0 {
-		k.forgetConn(vm)
-		return nil, nil
-	}
+// loadResumable gathers a VM's kept connection: its descriptors fds (taken
+// from the inherited set, at least one) and its state files.
+func (k *keeping) loadResumable(vm string, fds map[string]*os.File) (*resumable, error) {
 	closeAll := func() {
 		for _, f := range fds {
 			_ = f.Close()

@@ -195,20 +195,21 @@ func New(cfg Config) (*Daemon, error) {
 	d.adoptAddrs()
 	d.adoptReservations()
 	keep.takeHandoverState()
+	saved, savedErr := keep.savedVMs() // before AddVM: it need not write what is recorded
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
 			d.close()
 			return nil, err
 		}
 	}
-	d.restore()
+	d.restore(saved, savedErr)
 	return d, nil
 }
 
 // restore registers the VMs a previous process had (their kept
-// registrations) and resumes the connections it left in the store.
-func (d *Daemon) restore() {
-	reqs, err := d.keep.savedVMs()
+// registrations reqs, or err reading them) and resumes the connections
+// it left in the store.
+func (d *Daemon) restore(reqs []VMRequest, err error) {
 	if err != nil {
 		d.log.Warn("cannot read the kept state: VMs registered before are not registered again", "dir", d.keep.dir, "err", err)
 	}
@@ -226,28 +227,29 @@ func (d *Daemon) restore() {
 		}
 		registered++
 	}
+	d.keep.mu.Lock()
+	d.keep.recorded = nil // later registrations check the files
+	d.keep.mu.Unlock()
 	d.mu.Lock()
 	sessions := make([]*vmSession, 0, len(d.vms))
 	for _, s := range d.vms {
 		sessions = append(sessions, s)
 	}
 	d.mu.Unlock()
-	// Gather first, then start: the hand-over bookkeeping must know how
-	// many VMs resume before the first of them is rebuilt.
+	// The VMs whose connections were kept, counted before any is
+	// resumed: the hand-over bookkeeping must know how many resume before
+	// the first of them is rebuilt. Each then reads its state and is
+	// rebuilt on a goroutine of its own.
 	type todo struct {
-		s *vmSession
-		r *resumable
+		s   *vmSession
+		fds map[string]*os.File
 	}
 	var todos []todo
 	for _, s := range sessions {
-		r, err := d.keep.loadResumable(s.name)
-		if err != nil {
-			d.log.Error("cannot resume the VM's connection: its QEMU sees it close", "vm", s.name, "err", err)
-			s.forgetStored(nil)
-			continue
-		}
-		if r != nil {
-			todos = append(todos, todo{s, r})
+		if fds := d.keep.takeInherited(s.name); len(fds) > 0 {
+			todos = append(todos, todo{s, fds})
+		} else {
+			d.keep.forgetConn(s.name)
 		}
 	}
 	resumed := len(todos)
@@ -260,7 +262,17 @@ func (d *Daemon) restore() {
 	var devices sync.WaitGroup // resumed devices rebuilt (their GIDs bound again)
 	for _, t := range todos {
 		devices.Add(1)
-		t.s.resume(t.r, devices.Done)
+		go func() {
+			r, err := d.keep.loadResumable(t.s.name, t.fds)
+			if err != nil {
+				d.log.Error("cannot resume the VM's connection: its QEMU sees it close", "vm", t.s.name, "err", err)
+				t.s.forgetStored(nil)
+				d.ho.resumed(0, 0, 0)
+				devices.Done()
+				return
+			}
+			t.s.resume(r, devices.Done)
+		}()
 	}
 	// A fabric that took its sockets over receives again once the QPs
 	// their queued packets are for are back (bounded: a VM whose device
