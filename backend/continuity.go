@@ -267,6 +267,10 @@ type connKeeper struct {
 	// session is the session as last written (a resumed connection's as
 	// read): the same session is not written again.
 	session []byte
+	// stored names the descriptors a resumed connection was handed from
+	// the store (or by a predecessor, which stored them): their files are
+	// in the store already, so keeping them again sends nothing.
+	stored map[string]bool
 }
 
 func (c *connKeeper) Keep(name string, fd int) error {
@@ -275,8 +279,10 @@ func (c *connKeeper) Keep(name string, fd int) error {
 		c.fds = map[string]int{}
 	}
 	c.fds[name] = fd
+	stored := c.stored[name]
+	delete(c.stored, name)
 	c.mu.Unlock()
-	if c.leaving.Load() || c.k.store == nil {
+	if c.leaving.Load() || c.k.store == nil || stored {
 		return nil
 	}
 	return c.k.store.Store(c.vm+"."+name, fd)
@@ -345,6 +351,8 @@ type resumable struct {
 	journal    []byte
 	// counters are the VM's counters as the previous process left them.
 	counters map[string]uint64
+	// stored names the descriptors taken (connKeeper.stored).
+	stored map[string]bool
 	// rebuilt is called once the device is rebuilt (or cannot be).
 	rebuilt func()
 }
@@ -397,6 +405,10 @@ func (k *keeping) loadResumable(vm string, fds map[string]*os.File) (*resumable,
 		return nil, fmt.Errorf("connection is a %T, not a unix socket", nc)
 	}
 	r.conn = uc
+	r.stored = map[string]bool{vfiouser.ConnName: true}
+	for name := range fds {
+		r.stored[name] = true
+	}
 	r.files = map[string]int{}
 	for name, f := range fds {
 		fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)

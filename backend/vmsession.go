@@ -190,7 +190,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 	if s.d.keep.active() {
 		c.keeper = &connKeeper{k: s.d.keep, vm: s.name}
 		if pending != nil {
-			c.keeper.session = pending.sessionRaw
+			c.keeper.session, c.keeper.stored = pending.sessionRaw, pending.stored
 		}
 		h.Keeper = c.keeper
 	}
