@@ -10,8 +10,10 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/debug"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/coreos/go-systemd/v22/activation"
 	"github.com/coreos/go-systemd/v22/daemon"
@@ -59,6 +61,7 @@ func (l *idList) Set(v string) error {
 }
 
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	started := time.Now()
 	fs := newFlags("serve", "[flags]", stderr)
 	socketDir := fs.String("socket-dir", defaultSocketDir, "directory for the per-VM vfio-user sockets and control.sock")
 	netdev := fs.String("fabric-netdev", "", "IP mode: add bound guest GIDs as addresses on this netdev and use UDP 4791 through it")
@@ -263,12 +266,23 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if supervised && store != nil {
 		sup = &backend.SupervisorStatus{PID: worker.SupervisorPID, Restarts: worker.Restarts, LastExit: worker.LastExit}
 	}
+	// Taking VMs over (after a crash, a restart or a live upgrade), the
+	// process rebuilds their devices: what it allocates then is what they
+	// hold, not garbage, so no collection runs until they are rebuilt
+	// (it would only lengthen their pause).
+	var onResumed func()
+	if len(inherited) > 0 {
+		gc := debug.SetGCPercent(-1)
+		onResumed = func() { debug.SetGCPercent(gc) }
+	}
 	d, err := backend.New(backend.Config{
 		FDStore:    store,
 		Supervisor: sup,
 		Inherited:  inherited,
 		KeepState:  *keepState,
 		Executable: exe,
+		Started:    started,
+		OnResumed:  onResumed,
 		OnReady: func() {
 			if store != nil {
 				_, _ = daemon.SdNotify(false, daemon.SdNotifyReady)

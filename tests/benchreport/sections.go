@@ -95,8 +95,9 @@ var sections = []Section{
 		Name: "handover", Title: "The pause of a live upgrade", Target: "make bench-handover",
 		About: "Fake-driver VMs streaming RDMA WRITEs through a `serve --keep-state` daemon that is handed over " +
 			"to a new process (`pvrdma-backend upgrade`): the guest-visible pause as the daemon reports it and " +
-			"its parts (saving, the new binary starting, devices rebuilt), a probe WRITE's longest time across " +
-			"it against its median in the same run, and the RC QPs that kept their connections. " +
+			"its parts (saving, of it holding and draining; the new binary starting, of it the exec and runtime " +
+			"start; devices rebuilt), each with the CPU time the daemon spent in it, a probe WRITE's longest " +
+			"time across it against its median in the same run, and the RC QPs that kept their connections. " +
 			"`PVRDMA_HANDOVER_N=8` runs one count.",
 		Args: []string{"-run", "^$", "-bench", "Handover", "-benchtime", "1x", "-timeout", "10m", "./tests/hostile"},
 	},
