@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/proc"
 )
 
 // envAsMain makes the test binary the program: run with it set, it runs
@@ -76,8 +77,9 @@ func startServe(t *testing.T, dirMode os.FileMode, args ...string) *served {
 	s.cmd.Stdout, s.cmd.Stderr = s.out, s.out
 	// A test that dies takes the supervisor with it (and it its worker).
 	s.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	require.NoError(t, s.cmd.Start())
-	go func() { _ = s.cmd.Wait(); close(s.done) }()
+	done, err := proc.Start(s.cmd)
+	require.NoError(t, err)
+	go func() { <-done; close(s.done) }()
 	t.Cleanup(func() {
 		_ = s.cmd.Process.Signal(syscall.SIGTERM)
 		select {

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/proc"
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
 )
 
@@ -165,9 +166,8 @@ func daemonProcess(b testing.TB, bin string, names ...string) string {
 	cmd := exec.Command(bin, args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
-	require.NoError(b, cmd.Start())
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(done) }()
+	done, err := proc.Start(cmd)
+	require.NoError(b, err)
 	b.Cleanup(func() {
 		_ = cmd.Process.Signal(os.Interrupt)
 		select {

@@ -21,6 +21,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/proc"
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
 )
 
@@ -95,9 +96,8 @@ func TestSupervisedCrashKeepsVMs(t *testing.T) {
 	serve.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	log := &syncBuf{}
 	serve.Stdout, serve.Stderr = log, log
-	require.NoError(t, serve.Start())
-	exited := make(chan struct{})
-	go func() { _ = serve.Wait(); close(exited) }()
+	exited, err := proc.Start(serve)
+	require.NoError(t, err)
 	t.Cleanup(func() {
 		_ = serve.Process.Signal(syscall.SIGTERM)
 		select {

@@ -20,6 +20,7 @@ import (
 	"github.com/vishvananda/netns"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/proc"
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
 )
 
@@ -130,9 +131,8 @@ func daemonProcessIn(t *testing.T, nw *vm.Network, bin, netdev string, names ...
 	cmd := exec.Command("nsenter", args...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	cmd.Stdout, cmd.Stderr = testWriter{t}, testWriter{t}
-	require.NoError(t, cmd.Start())
-	done := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(done) }()
+	done, err := proc.Start(cmd)
+	require.NoError(t, err)
 	t.Cleanup(func() {
 		_ = cmd.Process.Signal(os.Interrupt)
 		select {

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/proc"
 )
 
 // daemonBinary builds the daemon into a temporary directory of tb.
@@ -86,11 +87,10 @@ func serveProcess(tb testing.TB, vms []string, o daemonOpts) string {
 		tb.Cleanup(func() { f.Close() })
 		cmd.Stdout, cmd.Stderr = f, f
 	}
-	require.NoError(tb, cmd.Start())
+	done, err := proc.Start(cmd)
+	require.NoError(tb, err)
 	tb.Cleanup(func() {
 		_ = cmd.Process.Signal(os.Interrupt)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
 		select {
 		case <-done:
 		case <-time.After(20 * time.Second):
