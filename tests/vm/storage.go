@@ -6,6 +6,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Storage scenarios: a target guest and an initiator guest (both with LayerStorage) run
@@ -35,6 +36,10 @@ type StorageRun struct {
 	// Opts are more options of the initiator's connection: the nvme connect string's
 	// (e.g. "reconnect_delay=2"), the NFS mount's, SRP add_target's.
 	Opts string
+	// Bench makes the initiator measure the device instead of checking data
+	// (guest/storage.sh's pvt_bench: sequential write and read of the run's MiB, then
+	// 4 KiB random reads and writes for Secs seconds each); ParseStorageBench reads it.
+	Bench bool
 }
 
 func (r StorageRun) section() string {
@@ -74,6 +79,9 @@ func StorageScenario(target bool, ibdev, self, peer string, mib int, runs ...Sto
 		call := fmt.Sprintf("pvt_storage_target %s %s %s %s %d %d", r.Kind, ibdev, self, peer, mib, r.Secs)
 		if !target {
 			call = fmt.Sprintf("pvt_storage_host %s %s %s %s %d %d '%s'", r.Kind, ibdev, self, peer, mib, r.Secs, r.Opts)
+			if r.Bench {
+				call = "PVT_STORAGE_WORK=pvt_bench " + call
+			}
 		}
 		fmt.Fprintf(&b, "echo '=== %s'\nif %s; then echo rc=0; else echo rc=$?; fi\n", r.section(), call)
 	}
@@ -163,4 +171,78 @@ func (r StorageResult) Err() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// WaitStorageIO waits, at most timeout, until the initiator v's run section has started
+// its I/O ("pvt-io start"): something done to the daemon now happens during I/O. It
+// fails at once if the run ended before.
+func WaitStorageIO(timeout time.Duration, v *VM, section string) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		out := v.Output()
+		if i := strings.LastIndex(out, "=== "+section+"\n"); i >= 0 {
+			sec := out[i:]
+			if strings.Contains(sec, "\npvt-io start\n") {
+				return nil
+			}
+			if storageRCRE.MatchString(sec) {
+				return fmt.Errorf("vm %s: run %s ended before its I/O:\n%s", v.Name(), section, sec)
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("vm %s: run %s started no I/O within %v", v.Name(), section, timeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// StorageBench is what one Bench run measured on the initiator.
+type StorageBench struct {
+	// SeqWriteMBps and SeqReadMBps are the sequential throughputs in MB/s (10^6).
+	SeqWriteMBps, SeqReadMBps float64
+	// RandReadIOPS and RandWriteIOPS are 4 KiB random requests per second at queue
+	// depth 1.
+	RandReadIOPS, RandWriteIOPS float64
+	// RandReadUs and RandWriteUs are their average latencies in microseconds.
+	RandReadUs, RandWriteUs float64
+}
+
+var (
+	benchDDRE     = regexp.MustCompile(`(?m)^bench (seq_write|seq_read): (\d+) bytes .* copied, ([0-9.]+) seconds`)
+	benchIOPingRE = regexp.MustCompile(`(?m)^bench (rand_read|rand_write): (\d+) (\d+) ([0-9.]+) ([0-9.]+) ([0-9.]+) ([0-9.]+)`)
+)
+
+// ParseStorageBench reads a Bench run's figures from its initiator's section output.
+func ParseStorageBench(out string) (StorageBench, error) {
+	var b StorageBench
+	dd := benchDDRE.FindAllStringSubmatch(out, -1)
+	io := benchIOPingRE.FindAllStringSubmatch(out, -1)
+	if len(dd) != 2 || len(io) != 2 {
+		return b, fmt.Errorf("storage bench: %w", ErrNoResult)
+	}
+	for _, m := range dd {
+		bytes, err1 := strconv.ParseFloat(m[2], 64)
+		secs, err2 := strconv.ParseFloat(m[3], 64)
+		if err := errors.Join(err1, err2); err != nil || secs <= 0 {
+			return b, fmt.Errorf("storage bench %s: %q", m[1], m[0])
+		}
+		if m[1] == "seq_write" {
+			b.SeqWriteMBps = bytes / secs / 1e6
+		} else {
+			b.SeqReadMBps = bytes / secs / 1e6
+		}
+	}
+	for _, m := range io {
+		iops, err1 := strconv.ParseFloat(m[4], 64)
+		avg, err2 := strconv.ParseFloat(m[7], 64)
+		if err := errors.Join(err1, err2); err != nil {
+			return b, fmt.Errorf("storage bench %s: %q", m[1], m[0])
+		}
+		if m[1] == "rand_read" {
+			b.RandReadIOPS, b.RandReadUs = iops, avg/1e3
+		} else {
+			b.RandWriteIOPS, b.RandWriteUs = iops, avg/1e3
+		}
+	}
+	return b, nil
 }

@@ -114,10 +114,13 @@ pvt_nfsd_rdma() {
 	echo "pvt: nfsd listens on: $(tr '\n' ' ' </proc/fs/nfsd/portlist)" >&2
 }
 
-# pvt_nfsd_stop: stop nfsd and mountd.
+# pvt_nfsd_stop DIR: stop nfsd and mountd and undo pvt_nfsd_rdma DIR.
 pvt_nfsd_stop() {
-	rpc.nfsd 0 2>/dev/null
-	killall rpc.mountd 2>/dev/null
+	rpc.nfsd 0
+	exportfs -ua
+	killall rpc.mountd
+	umount /proc/fs/nfsd
+	umount "$1"
 	true
 }
 
@@ -156,6 +159,20 @@ pvt_srpt_target() {
 	ln -s "$_t/lun/lun_0" "$_t/acls/$2/lun_0/lun_0" || return 1
 	echo 1 >"$_t/enable" || return 1
 	cat /sys/module/ib_srpt/parameters/srpt_service_guid
+}
+
+# pvt_srpt_remove: undo pvt_srpt_target.
+pvt_srpt_remove() {
+	_c=/sys/kernel/config/target
+	for _t in "$_c"/srpt/*/*/enable; do
+		[ -e "$_t" ] || continue
+		_t=${_t%/enable}
+		echo 0 >"$_t/enable"
+		rm -f "$_t"/acls/*/lun_0/lun_0 "$_t/lun/lun_0/srp0"
+		rmdir "$_t"/acls/*/lun_0 "$_t"/acls/* "$_t/lun/lun_0" "$_t" "${_t%/*}"
+	done
+	rmdir "$_c/core/iblock_0/srp0" "$_c/core/iblock_0"
+	true
 }
 
 # pvt_srp_login IBDEV SELF TARGET GUID [PORT] [OPTS]: log in over rdma_cm from SELF to
@@ -234,7 +251,8 @@ pvt_storage_target() {
 	pvt_recv 7001 300 "$_k-done" || _rc=1
 	case $_k in
 	nvme) pvt_nvmet_remove pvt-nvme ;;
-	nfs) pvt_nfsd_stop ;;
+	nfs) pvt_nfsd_stop /export ;;
+	srp) pvt_srpt_remove ;;
 	esac
 	echo "--- dmesg"
 	dmesg -c
@@ -244,7 +262,8 @@ pvt_storage_target() {
 # pvt_storage_host KIND IBDEV SELF PEER MIB [SECS] [OPTS]: connect to PEER's KIND target,
 # write MIB MiB of random data with O_DIRECT and read it back, pass after pass for SECS
 # seconds (at least once); OPTS are more options for the connection (nvme: the connect
-# string's, nfs: mount's, srp: add_target's).
+# string's, nfs: mount's, srp: add_target's). With PVT_STORAGE_WORK=pvt_bench it
+# measures instead (pvt_bench).
 pvt_storage_host() {
 	_k=$1 _dev=$2 _self=$3 _peer=$4 _mib=$5 _secs=${6:-0} _opts=$7
 	_rc=0
@@ -263,7 +282,7 @@ pvt_storage_host() {
 	fi
 	[ $_rc = 0 ] && echo "pvt: $_k device $_path"
 	if [ $_rc = 0 ]; then
-		pvt_io "$_path" "$_mib" "$_secs" || _rc=1
+		${PVT_STORAGE_WORK:-pvt_io} "$_path" "$_mib" "$_secs" || _rc=1
 	fi
 	if [ $_rc = 0 ]; then
 		pvt_send "$_peer" 7001 120 "$_k-written ok" || _rc=1
@@ -281,17 +300,17 @@ pvt_storage_host() {
 	return $_rc
 }
 
-# pvt_io PATH MIB SECS: write MIB MiB of random data to PATH with O_DIRECT and read it
-# back with O_DIRECT, comparing, pass after pass until SECS seconds have passed (at least
-# once). Prints "pvt-io start" before the first write, sha_written, passes and sha_read.
+# pvt_io PATH MIB SECS: write MIB MiB of fresh random data to PATH with O_DIRECT and read
+# it back with O_DIRECT, comparing, pass after pass (new data each pass) until SECS
+# seconds have passed (at least once). Prints "pvt-io start" before the first write,
+# each pass's times, passes, and sha_written and sha_read of the last pass.
 pvt_io() {
-	[ -e /tmp/pvt-data ] || dd if=/dev/urandom of=/tmp/pvt-data bs=1M count="$2" 2>/dev/null || return 1
-	_want=$(sha256sum /tmp/pvt-data | cut -d' ' -f1)
-	echo "sha_written=$_want"
 	_end=$(($(cut -d. -f1 /proc/uptime) + $3))
 	_n=0
 	echo "pvt-io start"
 	while :; do
+		dd if=/dev/urandom of=/tmp/pvt-data bs=1M count="$2" 2>/dev/null || return 1
+		_want=$(sha256sum /tmp/pvt-data | cut -d' ' -f1)
 		_t0=$(cut -d' ' -f1 /proc/uptime)
 		timeout 600 dd if=/tmp/pvt-data of="$1" bs=1M oflag=direct conv=fsync 2>/tmp/pvt-dd.err ||
 			{ echo "pvt: write pass $((_n + 1)) failed: $(cat /tmp/pvt-dd.err)"; return 1; }
@@ -299,10 +318,34 @@ pvt_io() {
 		_got=$(timeout 600 dd if="$1" bs=1M count="$2" iflag=direct 2>/tmp/pvt-dd.err | sha256sum | cut -d' ' -f1)
 		_t2=$(cut -d' ' -f1 /proc/uptime)
 		_n=$((_n + 1))
-		echo "pass $_n: write $(echo "$_t0 $_t1" | awk '{printf "%.2f", $2 - $1}') s, read $(echo "$_t1 $_t2" | awk '{printf "%.2f", $2 - $1}') s"
-		[ "$_got" = "$_want" ] || { echo "pvt: pass $_n read back $_got, wrote $_want: $(cat /tmp/pvt-dd.err)"; echo "sha_read=$_got"; return 1; }
+		echo "pass $_n: write $(echo "$_t0 $_t1" | awk '{printf "%.2f", $2 - $1}') s, read and sha256 $(echo "$_t1 $_t2" | awk '{printf "%.2f", $2 - $1}') s"
+		if [ "$_got" != "$_want" ]; then
+			echo "pvt: pass $_n read back $_got, wrote $_want: $(cat /tmp/pvt-dd.err)"
+			echo "sha_written=$_want"
+			echo "sha_read=$_got"
+			return 1
+		fi
 		[ "$(cut -d. -f1 /proc/uptime)" -lt "$_end" ] || break
 	done
+	rm -f /tmp/pvt-data
 	echo "passes=$_n"
+	echo "sha_written=$_want"
 	echo "sha_read=$_got"
+}
+
+# pvt_bench PATH MIB SECS: measure PATH (a block device of at least MIB MiB; its data is
+# overwritten): sequential write and read of MIB MiB in 1 MiB requests with O_DIRECT
+# (dd's own line: bytes, seconds), then 4 KiB random reads and writes at queue depth 1
+# with O_DIRECT for SECS seconds each over the first MIB MiB (ioping's raw statistics:
+# count, ns, iops, bytes/s, min, avg, max, mdev ns, ...). Each result is a line
+# "bench NAME: ...".
+pvt_bench() {
+	_r=$(dd if=/dev/zero of="$1" bs=1M count="$2" oflag=direct conv=fsync 2>&1 | grep copied) || return 1
+	echo "bench seq_write: $_r"
+	_r=$(dd if="$1" of=/dev/null bs=1M count="$2" iflag=direct 2>&1 | grep copied) || return 1
+	echo "bench seq_read: $_r"
+	_r=$(ioping -B -D -i 0 -w "$3" -s 4k -S "$2"m "$1") || return 1
+	echo "bench rand_read: $_r"
+	_r=$(ioping -B -D -WWW -i 0 -w "$3" -s 4k -S "$2"m "$1") || return 1
+	echo "bench rand_write: $_r"
 }
