@@ -90,11 +90,11 @@ func storageKinds() []string {
 	return kinds
 }
 
-func short(sha string) string {
-	if len(sha) > 12 {
-		return sha[:12]
+func short(sum string) string {
+	if len(sum) > 12 {
+		return sum[:12]
 	}
-	return sha
+	return sum
 }
 
 // TestStorageConsumers: the kernel's RDMA storage consumers between two stock guests,

@@ -93,8 +93,8 @@ func StorageScenario(target bool, ibdev, self, peer string, mib int, runs ...Sto
 type StorageResult struct {
 	// TargetRC and HostRC are the two sides' exit statuses (-1: none printed).
 	TargetRC, HostRC int
-	// Written, Read and Target are the SHA-256 of the initiator's data, of what it
-	// read back after its last pass, and of what the target holds.
+	// Written, Read and Target are the digests (MD5) of the initiator's data, of what
+	// it read back after its last pass, and of what the target holds.
 	Written, Read, Target string
 	// Passes is how many write and read-back passes the initiator made.
 	Passes int
@@ -106,7 +106,7 @@ type StorageResult struct {
 
 var (
 	storageRCRE     = regexp.MustCompile(`(?m)^rc=(\d+)$`)
-	storageValueRE  = regexp.MustCompile(`(?m)^(sha_written|sha_read|sha_target|passes)=(\S*)$`)
+	storageValueRE  = regexp.MustCompile(`(?m)^(sum_written|sum_read|sum_target|passes)=(\S*)$`)
 	errStorageNoRun = errors.New("no such run in the output")
 )
 
@@ -137,11 +137,11 @@ func ParseStorage(targetOut, hostOut, section string) (StorageResult, error) {
 	r.TargetRC, r.HostRC = rc(tl), rc(hl)
 	for _, m := range storageValueRE.FindAllStringSubmatch(tb+"\n"+hb, -1) {
 		switch m[1] {
-		case "sha_written":
+		case "sum_written":
 			r.Written = m[2]
-		case "sha_read":
+		case "sum_read":
 			r.Read = m[2]
-		case "sha_target":
+		case "sum_target":
 			r.Target = m[2]
 		case "passes":
 			r.Passes, _ = strconv.Atoi(m[2])
@@ -160,7 +160,7 @@ func (r StorageResult) Err() error {
 	if r.HostRC != 0 {
 		errs = append(errs, fmt.Errorf("initiator exited %d", r.HostRC))
 	}
-	if len(r.Written) != 64 {
+	if len(r.Written) != 32 {
 		errs = append(errs, errors.New("the initiator wrote no data"))
 	} else {
 		if r.Read != r.Written {
