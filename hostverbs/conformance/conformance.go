@@ -28,24 +28,44 @@ type Env struct {
 	Timeout time.Duration
 }
 
+// cases are the suite's cases in the order they run.
+var cases = []struct {
+	name string
+	run  func(*testing.T, Env)
+}{
+	{"DeviceAndPort", testDeviceAndPort},
+	{"SendRecvSizes", testSendRecvSizes},
+	{"WriteReadImm", testWriteReadImm},
+	{"Atomics", testAtomics},
+	{"UD", testUD},
+	{"RemoteAccessError", testRemoteAccessError},
+	{"LocalLengthError", testLocalLengthError},
+	{"RNRRetryExceeded", testRNR},
+	{"FlushOnError", testFlush},
+	{"Limits", testLimits},
+	{"SRQ", testSRQ},
+	{"SRQLimitEvent", testSRQLimit},
+	{"FastRegistration", testFastReg},
+}
+
+// Names lists the suite's cases (a test that runs the suite elsewhere,
+// in a guest for instance, checks that each of them passed).
+func Names() []string {
+	names := make([]string, len(cases))
+	for i, c := range cases {
+		names[i] = c.name
+	}
+	return names
+}
+
 // Run runs the suite.
 func Run(t *testing.T, env Env) {
 	if env.Timeout == 0 {
 		env.Timeout = 10 * time.Second
 	}
-	t.Run("DeviceAndPort", func(t *testing.T) { testDeviceAndPort(t, env) })
-	t.Run("SendRecvSizes", func(t *testing.T) { testSendRecvSizes(t, env) })
-	t.Run("WriteReadImm", func(t *testing.T) { testWriteReadImm(t, env) })
-	t.Run("Atomics", func(t *testing.T) { testAtomics(t, env) })
-	t.Run("UD", func(t *testing.T) { testUD(t, env) })
-	t.Run("RemoteAccessError", func(t *testing.T) { testRemoteAccessError(t, env) })
-	t.Run("LocalLengthError", func(t *testing.T) { testLocalLengthError(t, env) })
-	t.Run("RNRRetryExceeded", func(t *testing.T) { testRNR(t, env) })
-	t.Run("FlushOnError", func(t *testing.T) { testFlush(t, env) })
-	t.Run("Limits", func(t *testing.T) { testLimits(t, env) })
-	t.Run("SRQ", func(t *testing.T) { testSRQ(t, env) })
-	t.Run("SRQLimitEvent", func(t *testing.T) { testSRQLimit(t, env) })
-	t.Run("FastRegistration", func(t *testing.T) { testFastReg(t, env) })
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) { c.run(t, env) })
+	}
 }
 
 // chanCQ collects completions (the handler must not block: deep channel).
