@@ -27,8 +27,9 @@ var recoveryRE = regexp.MustCompile(`(?i)reconnect|recover|reset|error|fail|abor
 // SIGKILL. systemd restarts it and it resumes both devices; their RC QPs come back in
 // ERR, as after an HCA's link failure, and each consumer must recover by itself (a
 // reconnect: nvme-rdma's error recovery, xprtrdma's, SRP's transport layer): every run
-// completes with the data checked on both sides. The test logs what each guest's kernel
-// said.
+// completes with the data checked on both sides, and each must have reconnected
+// (nvme-rdma's and ib_srp's kernel messages, the NFS transport's connect count). The
+// test logs what each guest's kernel said.
 func TestStorageSurvivesCrash(t *testing.T) {
 	img, err := vm.EnsureImage(context.Background(), t.Logf)
 	require.NoError(t, err)
@@ -92,6 +93,17 @@ func TestStorageSurvivesCrash(t *testing.T) {
 			t.Logf("%s through kill -9: %d passes; initiator's kernel:\n%s\ntarget's kernel:\n%s",
 				r.Kind, sr.Passes, grepLines(sr.HostDmesg, recoveryRE), grepLines(sr.TargetDmesg, recoveryRE))
 			assert.NoError(t, sr.Err(), "target:\n%s\ninitiator:\n%s", sr.TargetLog, sr.HostLog)
+			// The daemon's restart left the QPs in ERR: each consumer must have
+			// reconnected, not merely carried on.
+			switch r.Kind {
+			case vm.StorageNVMe:
+				assert.Contains(t, sr.HostDmesg, "Successfully reconnected", "nvme-rdma reconnected")
+			case vm.StorageSRP:
+				assert.Contains(t, sr.HostDmesg, "reconnect succeeded", "ib_srp reconnected")
+			case vm.StorageNFS:
+				t.Logf("nfs: the RDMA transport connected %d times", sr.NFSConnects)
+				assert.Greater(t, sr.NFSConnects, 1, "xprtrdma reconnected")
+			}
 		})
 	}
 }

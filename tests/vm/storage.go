@@ -98,6 +98,10 @@ type StorageResult struct {
 	Written, Read, Target string
 	// Passes is how many write and read-back passes the initiator made.
 	Passes int
+	// NFSConnects is how many times the NFS client's RDMA transport connected (its
+	// connect_count in /proc/self/mountstats, printed before the unmount; more than 1 is
+	// a reconnect), 0 when not printed.
+	NFSConnects int
 	// TargetLog and HostLog are the sections' output; TargetDmesg and HostDmesg the
 	// kernel log of the run on each side.
 	TargetLog, HostLog     string
@@ -108,6 +112,9 @@ var (
 	storageRCRE     = regexp.MustCompile(`(?m)^rc=(\d+)$`)
 	storageValueRE  = regexp.MustCompile(`(?m)^(sum_written|sum_read|sum_target|passes)=(\S*)$`)
 	errStorageNoRun = errors.New("no such run in the output")
+	// The NFS client's RDMA transport counters: the local port, bind_count, then
+	// connect_count.
+	storageXprtRE = regexp.MustCompile(`(?m)^pvt: xprt:\s+rdma \d+ \d+ (\d+)`)
 )
 
 // ParseStorage reads the run whose section is section from the target's and the
@@ -145,6 +152,11 @@ func ParseStorage(targetOut, hostOut, section string) (StorageResult, error) {
 			r.Target = m[2]
 		case "passes":
 			r.Passes, _ = strconv.Atoi(m[2])
+		}
+	}
+	for _, m := range storageXprtRE.FindAllStringSubmatch(hb, -1) {
+		if n, err := strconv.Atoi(m[1]); err == nil && n > r.NFSConnects {
+			r.NFSConnects = n
 		}
 	}
 	return r, nil

@@ -70,6 +70,13 @@ func TestParseStorage(t *testing.T) {
 	require.Contains(t, r.HostDmesg, `nvme nvme0: new ctrl: NQN "pvt-nvme"`)
 	require.Contains(t, r.TargetDmesg, "nvmet: adding nsid 1 to subsystem pvt-nvme")
 	require.NotContains(t, r.HostDmesg, "sum_written")
+	require.Zero(t, r.NFSConnects, "only the NFS run prints its transport's counters")
+	r, err = ParseStorage(target, host, StorageNFS)
+	require.NoError(t, err)
+	require.Equal(t, 1, r.NFSConnects)
+	r, err = ParseStorage(target, strings.Replace(host, "xprt:\trdma 0 0 1 ", "xprt:\trdma 0 0 3 ", 1), StorageNFS)
+	require.NoError(t, err)
+	require.Equal(t, 3, r.NFSConnects, "a reconnect")
 
 	_, err = ParseStorage(target, host, "iser")
 	require.True(t, errors.Is(err, errStorageNoRun))
