@@ -342,17 +342,29 @@ pvt_io() {
 
 # pvt_bench PATH MIB SECS: measure PATH (a block device of at least MIB MiB; its data is
 # overwritten): sequential write and read of MIB MiB in 1 MiB requests with O_DIRECT
-# (dd's own line: bytes, seconds), then 4 KiB random reads and writes at queue depth 1
+# (dd, timed: bytes, seconds), then 4 KiB random reads and writes at queue depth 1
 # with O_DIRECT for SECS seconds each over the first MIB MiB (ioping's raw statistics:
 # count, ns, iops, bytes/s, min, avg, max, mdev ns, ...). Each result is a line
 # "bench NAME: ...".
 pvt_bench() {
-	_r=$(dd if=/dev/zero of="$1" bs=1M count="$2" oflag=direct conv=fsync 2>&1 | grep copied) || return 1
-	echo "bench seq_write: $_r"
-	_r=$(dd if="$1" of=/dev/null bs=1M count="$2" iflag=direct 2>&1 | grep copied) || return 1
-	echo "bench seq_read: $_r"
-	_r=$(ioping -B -D -i 0 -w "$3" -s 4k -S "$2"m "$1") || return 1
+	pvt_bench_dd seq_write "$2" if=/dev/zero of="$1" bs=1M count="$2" oflag=direct conv=fsync || return 1
+	pvt_bench_dd seq_read "$2" if="$1" of=/dev/null bs=1M count="$2" iflag=direct || return 1
+	_r=$(ioping -B -D -i 0 -w "$3" -s 4k -S "$2"m "$1" 2>/tmp/pvt-bench.err) ||
+		{ echo "pvt: bench rand_read failed: $_r $(cat /tmp/pvt-bench.err)"; return 1; }
 	echo "bench rand_read: $_r"
-	_r=$(ioping -B -D -WWW -i 0 -w "$3" -s 4k -S "$2"m "$1") || return 1
+	_r=$(ioping -B -D -WWW -i 0 -w "$3" -s 4k -S "$2"m "$1" 2>/tmp/pvt-bench.err) ||
+		{ echo "pvt: bench rand_write failed: $_r $(cat /tmp/pvt-bench.err)"; return 1; }
 	echo "bench rand_write: $_r"
+}
+
+# pvt_bench_dd NAME MIB DD-ARGS...: run dd (copying MIB MiB) and print "bench NAME:
+# BYTES bytes (MIB MiB) copied, SECS seconds", timed with /proc/uptime (busybox's dd
+# prints no time).
+pvt_bench_dd() {
+	_name=$1 _mib=$2
+	shift 2
+	_t0=$(cut -d' ' -f1 /proc/uptime)
+	_r=$(dd "$@" 2>&1) || { echo "pvt: bench $_name failed: $_r"; return 1; }
+	_t1=$(cut -d' ' -f1 /proc/uptime)
+	echo "bench $_name: $((_mib * 1048576)) bytes ($_mib MiB) copied, $(echo "$_t0 $_t1" | awk '{printf "%.2f", $2 - $1}') seconds"
 }
