@@ -71,6 +71,16 @@ var sections = []Section{
 		Args: []string{"-tags", "vm", "-run", "^$", "-bench", "VMvsRxe|GuestPerf", "-benchtime", "1x", "-timeout", "30m", "./tests/e2e"},
 	},
 	{
+		Name: "storage", Title: "NVMe over Fabrics in stock guests: our device against rxe", Target: "make bench-vm",
+		About: "The kernel's NVMe-oF host and target (nvme-rdma, nvmet-rdma on a RAM disk) between two stock " +
+			"guests (TCG), through one daemon against the same guests running the kernel's rxe, in the same " +
+			"run (`BenchmarkStorageVsRxe`): sequential write and read of 64 MiB in 1 MiB `O_DIRECT` requests " +
+			"(`dd`), and 4 KiB random reads and writes at queue depth 1 for 10 s each (`ioping`); the table it " +
+			"prints has both sides, the ratios and the average latencies. Every figure is dominated by TCG: " +
+			"compare the ratios, not the absolute values.",
+		Args: []string{"-tags", "vm", "-run", "^$", "-bench", "StorageVsRxe", "-benchtime", "1x", "-timeout", "30m", "./tests/e2e"},
+	},
+	{
 		Name: "relay", Title: "The ibverbs relay against a plain libibverbs program", Target: "make bench-vm",
 		About: "In one TCG guest with kernel rxe, the relay (`--transport ibverbs`) against a plain C libibverbs " +
 			"program on the same rxe device: 64 KiB WRITE throughput and 8-byte SEND post-to-completion, in the " +

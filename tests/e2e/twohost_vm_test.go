@@ -187,23 +187,19 @@ func upgradeDuring(t *testing.T, vms []*vm.VM, mark string, all []*backend.Contr
 	require.Equal(t, uint64(2), st.Counters["wire_rx_sockets_inherited"], "daemon %s: the fabric's sockets were handed over", who)
 }
 
-// TestTwoHosts: two VMs on two backends in two network namespaces (two
-// hosts) reach each other over the kernel UDP 4791 path: each daemon adds
-// its VM's GIDs to its fabric netdev (netlink). Each daemon is a process of
-// its own, and both are upgraded live while the guests' RC traffic runs
-// (daemon A during the ping-pong, B and then A again during ib_write_bw):
-// the connections carry on and every step passes.
-func TestTwoHosts(t *testing.T) {
-	img := image(t)
-	ctx := context.Background()
-	bin := filepath.Join(t.TempDir(), "pvrdma-backend")
+// twoHosts builds the daemon binary and makes two hosts (network namespaces, each with
+// a bridge for its VMs) joined by one L2 for the guests' NICs and a routed fabric
+// (fabA/fabB) for 10.77.0.0/24, as TestTwoHosts runs them.
+func twoHosts(t *testing.T) (bin string, nwA, nwB *vm.Network) {
+	t.Helper()
+	bin = filepath.Join(t.TempDir(), "pvrdma-backend")
 	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
 	build.Dir = repoDir(t)
 	out, err := build.CombinedOutput()
 	require.NoError(t, err, "go build: %s", out)
-	nwA, err := vm.NewNetwork(t, vm.NetworkConfig{})
+	nwA, err = vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
-	nwB, err := vm.NewNetwork(t, vm.NetworkConfig{})
+	nwB, err = vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	linkNetworks(t, nwA, nwB, "vmnetA", "vmnetB")
 	fabricLink(t, nwA, nwB, "10.77.0.0/24")
@@ -214,6 +210,19 @@ func TestTwoHosts(t *testing.T) {
 			return os.WriteFile("/proc/sys/net/ipv4/conf/all/arp_ignore", []byte("1"), 0o644)
 		}))
 	}
+	return bin, nwA, nwB
+}
+
+// TestTwoHosts: two VMs on two backends in two network namespaces (two
+// hosts) reach each other over the kernel UDP 4791 path: each daemon adds
+// its VM's GIDs to its fabric netdev (netlink). Each daemon is a process of
+// its own, and both are upgraded live while the guests' RC traffic runs
+// (daemon A during the ping-pong, B and then A again during ib_write_bw):
+// the connections carry on and every step passes.
+func TestTwoHosts(t *testing.T) {
+	img := image(t)
+	ctx := context.Background()
+	bin, nwA, nwB := twoHosts(t)
 	dirA := daemonProcessIn(t, nwA, bin, "fabA", "ha1")
 	dirB := daemonProcessIn(t, nwB, bin, "fabB", "hb1")
 	ctlA := backend.NewControlClient(filepath.Join(dirA, "control.sock"))

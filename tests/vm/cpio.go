@@ -7,7 +7,7 @@ import (
 	"io"
 	"os"
 	"path"
-	"sort"
+	"slices"
 	"strings"
 )
 
@@ -223,11 +223,11 @@ func readCPIO(b []byte) ([]cpioEntry, error) {
 func align4(n int) int { return (n + 3) &^ 3 }
 
 // sortedKeys returns the keys of m in order (for reproducible archives).
-func sortedKeys[V any](m map[string]V) []string {
-	keys := make([]string, 0, len(m))
+func sortedKeys[K ~string, V any](m map[K]V) []K {
+	keys := make([]K, 0, len(m))
 	for k := range m {
 		keys = append(keys, k)
 	}
-	sort.Strings(keys)
+	slices.Sort(keys)
 	return keys
 }

@@ -37,6 +37,8 @@ type Image struct {
 	Modules []string `json:"modules"`
 	// Packages are the exact guest userspace packages.
 	Packages []Package `json:"packages"`
+	// Layers are the optional archives a guest may add to the base (Config.Layers).
+	Layers map[Layer]*LayerImage `json:"layers"`
 	// Recipe is the image recipe version.
 	Recipe string `json:"recipe"`
 }
@@ -172,7 +174,14 @@ func loadImage(cacheDir string) (*Image, error) {
 		return nil, errors.New("image recipe changed")
 	}
 	q := img.qemu()
-	for _, p := range []string{img.Kernel, img.Initramfs, q.Binary, q.Loader} {
+	need := []string{img.Kernel, img.Initramfs, q.Binary, q.Loader}
+	for name := range layers {
+		if img.Layers[name] == nil {
+			return nil, fmt.Errorf("image has no layer %s", name)
+		}
+		need = append(need, img.Layers[name].Archive)
+	}
+	for _, p := range need {
 		if _, err := os.Stat(p); err != nil {
 			return nil, fmt.Errorf("image incomplete: %w", err)
 		}
@@ -181,7 +190,11 @@ func loadImage(cacheDir string) (*Image, error) {
 }
 
 func fullRecipe() string {
-	return strings.Join([]string{imageRecipe, qemuRecipe, kernelRecipe, initramfsRecipe}, "+")
+	parts := []string{imageRecipe, qemuRecipe, kernelRecipe, initramfsRecipe, layerRecipe}
+	for _, name := range sortedKeys(layers) {
+		parts = append(parts, layers[name].recipe)
+	}
+	return strings.Join(parts, "+")
 }
 
 // build resolves exact package versions (from cached indices, fetching them first if
@@ -227,7 +240,7 @@ func (o ImageOptions) build(ctx context.Context) (*Image, error) {
 	if err != nil {
 		return nil, err
 	}
-	kcomp := newComponent(o.CacheDir, "kernel", kernelRecipe+" "+strings.Join(guestModules, ","), pkgStrings(kc.Packages))
+	kcomp := newComponent(o.CacheDir, "kernel", kernelRecipe+" "+layerKernelRecipe(), pkgStrings(kc.Packages))
 	if !kcomp.exists() {
 		t := time.Now()
 		if err := kcomp.build(func(tmp string) error { return buildKernel(ctx, bookworm, kc, tmp, o.Logf) }); err != nil {
@@ -249,11 +262,37 @@ func (o ImageOptions) build(ctx context.Context) (*Image, error) {
 	if !ic.exists() {
 		t := time.Now()
 		if err := ic.build(func(tmp string) error {
-			return buildInitramfs(ctx, bookworm, upkgs, kcomp.dir, kc.ABI, tmp, o.Logf)
+			return buildInitramfs(ctx, bookworm, upkgs, kcomp.dir, kc.ABI, kman.Modules, tmp, o.Logf)
 		}); err != nil {
 			return nil, err
 		}
 		o.Logf("initramfs component %s built in %v (%d MiB)", ic.key, time.Since(t).Round(time.Millisecond), dirSize(ic.dir)>>20)
+	}
+	var iman initramfsManifest
+	if err := readJSON(filepath.Join(ic.dir, "manifest.json"), &iman); err != nil {
+		return nil, err
+	}
+
+	// Layers.
+	built := map[Layer]*LayerImage{}
+	for _, name := range sortedKeys(layers) {
+		spec := layers[name]
+		lpkgs, err := bookworm.resolve(ctx, spec.packages)
+		if err != nil {
+			return nil, fmt.Errorf("layer %s: %w", name, err)
+		}
+		lc := newComponent(o.CacheDir, "layer-"+string(name), layerRecipe+" "+spec.recipe,
+			append(pkgStrings(lpkgs), "kernel="+kcomp.key, "initramfs="+ic.key))
+		if !lc.exists() {
+			t := time.Now()
+			if err := lc.build(func(tmp string) error {
+				return buildLayer(ctx, bookworm, spec, lpkgs, kman.Layers[name], kcomp.dir, kc.ABI, iman, tmp)
+			}); err != nil {
+				return nil, err
+			}
+			o.Logf("layer %s component %s built in %v (%d MiB)", name, lc.key, time.Since(t).Round(time.Millisecond), dirSize(lc.dir)>>20)
+		}
+		built[name] = &LayerImage{Archive: filepath.Join(lc.dir, "layer.cpio"), Modules: kman.Layers[name], Packages: lpkgs}
 	}
 
 	img := &Image{
@@ -266,6 +305,7 @@ func (o ImageOptions) build(ctx context.Context) (*Image, error) {
 		Initramfs:     filepath.Join(ic.dir, "base.cpio"),
 		Modules:       kman.Modules,
 		Packages:      upkgs,
+		Layers:        built,
 		Recipe:        fullRecipe(),
 	}
 	b, err := json.MarshalIndent(img, "", "  ")

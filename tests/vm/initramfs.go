@@ -18,7 +18,7 @@ import (
 
 // initramfsRecipe names how the base initramfs is assembled; bump it when the selection
 // or layout below changes.
-const initramfsRecipe = "initramfs-v4"
+const initramfsRecipe = "initramfs-v5"
 
 // guestPackages are the bookworm packages the guest userspace comes from; apt resolves
 // their closure, and only the files selected below (plus their shared-library closure)
@@ -85,9 +85,10 @@ type initramfsManifest struct {
 }
 
 // buildInitramfs writes dir/base.cpio: busybox, rdma-core, perftest, iproute2, pciutils
-// with their library closure, and the kernel's guest modules. /init and the scenario come
-// later, per boot, in a second archive.
-func buildInitramfs(ctx context.Context, apt *aptRoot, pkgs []Package, kernelDir, abi, dir string, logf func(string, ...any)) error {
+// with their library closure, and the kernel's guest modules (mods; the layers' modules
+// stay in their own archives, though modules.dep names them). /init and the scenario
+// come later, per boot, in a second archive.
+func buildInitramfs(ctx context.Context, apt *aptRoot, pkgs []Package, kernelDir, abi string, mods []string, dir string, logf func(string, ...any)) error {
 	debs, err := apt.fetch(ctx, pkgs)
 	if err != nil {
 		return err
@@ -240,9 +241,13 @@ func buildInitramfs(ctx context.Context, apt *aptRoot, pkgs []Package, kernelDir
 		return err
 	}
 	// Kernel modules with modules.dep.
+	base := map[string]bool{}
+	for _, m := range mods {
+		base[m] = true
+	}
 	modRoot := filepath.Join(kernelDir, "modules")
 	err = filepath.WalkDir(filepath.Join(modRoot, "lib", "modules", abi), func(p string, d fs.DirEntry, err error) error {
-		if err != nil || d.IsDir() {
+		if err != nil || d.IsDir() || strings.HasSuffix(p, ".ko") && !base[modName(p)] {
 			return err
 		}
 		rel, _ := filepath.Rel(modRoot, p)

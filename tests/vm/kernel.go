@@ -21,9 +21,11 @@ import (
 )
 
 // kernelRecipe names what the kernel component holds; bump it when the build changes.
-const kernelRecipe = "kernel-v3"
+const kernelRecipe = "kernel-v4"
 
-// guestModules are the modules shipped in the initramfs (with their dependencies).
+// guestModules are the modules shipped in the base initramfs (with their dependencies).
+// A layer's modules (layerSpec.modules) are in the kernel component too, but go into the
+// layer's archive.
 var guestModules = []string{
 	"vmxnet3",
 	"ib_core", "ib_uverbs", "ib_umad", "vmw_pvrdma",
@@ -38,7 +40,9 @@ var guestModules = []string{
 // moduleSubtreeRE selects the parts of the module tree that can hold guestModules and
 // their dependencies (extracting all of it costs ~10 s); installModules fails loudly if a
 // dependency lies outside.
-var moduleSubtreeRE = regexp.MustCompile(`^lib/modules/[^/]+/(modules\.[a-z.]+|kernel/(drivers/infiniband|drivers/virtio|drivers/net/vmxnet3|net|lib|crypto|fs/configfs|fs/9p|fs/netfs|fs/fscache)/.*|kernel/drivers/net/[^/]+\.ko)$`)
+var moduleSubtreeRE = regexp.MustCompile(`^lib/modules/[^/]+/(modules\.[a-z.]+|kernel/(drivers/infiniband|drivers/virtio|drivers/net/vmxnet3|net|lib|crypto|block|fs/configfs|fs/9p|fs/netfs|fs/fscache|` +
+	// The storage layer: NVMe host and target, brd, SCSI and the SCSI target, NFS.
+	`drivers/nvme|drivers/block|drivers/scsi|drivers/target|fs/nfs|fs/nfsd|fs/nfs_common|fs/lockd)/.*|kernel/drivers/net/[^/]+\.ko)$`)
 
 // pvrdmaSrcDir is the driver's directory inside Debian's linux-source tarball.
 const pvrdmaSrcDir = "drivers/infiniband/hw/vmw_pvrdma"
@@ -128,7 +132,11 @@ func contains(list []string, s string) bool {
 // kernelManifest describes a built kernel component.
 type kernelManifest struct {
 	kernelChoice
-	Modules []string `json:"modules"` // module names in the tree, with dependencies
+	// Modules are the base initramfs's modules: guestModules with their dependencies.
+	Modules []string `json:"modules"`
+	// Layers are the modules each layer adds (its modules and their dependencies, less
+	// Modules).
+	Layers map[Layer][]string `json:"layers"`
 }
 
 // buildKernel fills dir with vmlinux, config, modules/lib/modules/<abi>/ (the guest
@@ -167,15 +175,23 @@ func buildKernel(ctx context.Context, apt *aptRoot, kc kernelChoice, dir string,
 	}
 
 	// 3. The module subset and modules.dep.
-	mods, err := installModules(ctx, kc.ABI, filepath.Join(img, "lib", "modules", kc.ABI), ko, filepath.Join(dir, "modules"))
+	sets := map[Layer][]string{"": guestModules}
+	for name, l := range layers {
+		sets[name] = l.modules
+	}
+	mods, err := installModules(ctx, kc.ABI, filepath.Join(img, "lib", "modules", kc.ABI), ko, filepath.Join(dir, "modules"), sets)
 	if err != nil {
 		return err
 	}
-	man, err := json.MarshalIndent(kernelManifest{kernelChoice: kc, Modules: mods}, "", "  ")
+	man := kernelManifest{kernelChoice: kc, Modules: mods[""], Layers: map[Layer][]string{}}
+	for name := range layers {
+		man.Layers[name] = mods[name]
+	}
+	b, err := json.MarshalIndent(man, "", "  ")
 	if err != nil {
 		return err
 	}
-	return os.WriteFile(filepath.Join(dir, "manifest.json"), man, 0o644)
+	return os.WriteFile(filepath.Join(dir, "manifest.json"), b, 0o644)
 }
 
 // extractVmlinux decompresses the xz payload of a bzImage into an ELF vmlinux (booting
@@ -367,10 +383,12 @@ func modName(s string) string {
 	return strings.ReplaceAll(strings.TrimSuffix(filepath.Base(s), ".ko"), "-", "_")
 }
 
-// installModules copies guestModules and their dependencies (from each module's .modinfo
-// "depends=") from the unpacked tree into out/lib/modules/<abi>/, adds vmw_pvrdma.ko as
-// updates/vmw_pvrdma.ko and runs depmod -b on the result. It returns the module names.
-func installModules(ctx context.Context, abi, tree, pvrdmaKo, out string) ([]string, error) {
+// installModules copies the modules of every set (the base's, "", and each layer's) and
+// their dependencies (from each module's .modinfo "depends=") from the unpacked tree into
+// out/lib/modules/<abi>/, adds vmw_pvrdma.ko as updates/vmw_pvrdma.ko and runs depmod -b
+// on the result. It returns each set's module names: the base's with their dependencies,
+// a layer's without those the base already has.
+func installModules(ctx context.Context, abi, tree, pvrdmaKo, out string, sets map[Layer][]string) (map[Layer][]string, error) {
 	order, err := os.ReadFile(filepath.Join(tree, "modules.order"))
 	if err != nil {
 		return nil, err
@@ -386,28 +404,50 @@ func installModules(ctx context.Context, abi, tree, pvrdmaKo, out string) ([]str
 		}
 		return filepath.Join(tree, paths[name])
 	}
-	need := map[string]bool{}
-	queue := append([]string(nil), guestModules...)
-	for len(queue) > 0 {
-		m := queue[0]
-		queue = queue[1:]
-		if need[m] {
-			continue
+	closure := func(roots []string) (map[string]bool, error) {
+		need := map[string]bool{}
+		queue := append([]string(nil), roots...)
+		for len(queue) > 0 {
+			m := queue[0]
+			queue = queue[1:]
+			if need[m] {
+				continue
+			}
+			if _, ok := paths[m]; !ok {
+				return nil, fmt.Errorf("module %s is not in the kernel package (built in?)", m)
+			}
+			need[m] = true
+			deps, err := modDepends(host(m))
+			if err != nil {
+				return nil, fmt.Errorf("module %s: %w", m, err)
+			}
+			queue = append(queue, deps...)
 		}
-		if _, ok := paths[m]; !ok {
-			return nil, fmt.Errorf("module %s is not in the kernel package (built in?)", m)
-		}
-		need[m] = true
-		deps, err := modDepends(host(m))
+		return need, nil
+	}
+	base, err := closure(sets[""])
+	if err != nil {
+		return nil, err
+	}
+	all := map[string]bool{}
+	res := map[Layer][]string{}
+	for set, roots := range sets {
+		need, err := closure(roots)
 		if err != nil {
-			return nil, fmt.Errorf("module %s: %w", m, err)
+			return nil, fmt.Errorf("modules of %q: %w", set, err)
 		}
-		queue = append(queue, deps...)
+		names := []string{}
+		for m := range need {
+			all[m] = true
+			if set == "" || !base[m] {
+				names = append(names, m)
+			}
+		}
+		sort.Strings(names)
+		res[set] = names
 	}
 	dst := filepath.Join(out, "lib", "modules", abi)
-	var names []string
-	for m := range need {
-		names = append(names, m)
+	for m := range all {
 		target := filepath.Join(dst, paths[m])
 		if err := os.MkdirAll(filepath.Dir(target), 0o755); err != nil {
 			return nil, err
@@ -420,7 +460,6 @@ func installModules(ctx context.Context, abi, tree, pvrdmaKo, out string) ([]str
 			return nil, err
 		}
 	}
-	sort.Strings(names)
 	for _, f := range []string{"modules.order", "modules.builtin", "modules.builtin.modinfo"} {
 		if data, err := os.ReadFile(filepath.Join(tree, f)); err == nil {
 			if err := os.WriteFile(filepath.Join(dst, f), data, 0o644); err != nil {
@@ -442,7 +481,7 @@ func installModules(ctx context.Context, abi, tree, pvrdmaKo, out string) ([]str
 	if b, err := exec.CommandContext(ctx, depmod, "-b", out, abi).CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("depmod: %w: %s", err, b)
 	}
-	return names, nil
+	return res, nil
 }
 
 // modDepends reads "depends=" from a module's .modinfo section.

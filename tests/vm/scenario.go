@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 )
 
@@ -17,6 +18,9 @@ var initScript []byte
 
 //go:embed guest/lib.sh
 var libScript []byte
+
+//go:embed guest/storage.sh
+var storageScript []byte
 
 //go:embed guest/root-run.sh
 var rootRunScript []byte
@@ -27,6 +31,7 @@ var rootRunUnit []byte
 // Guest paths of the per-boot archive.
 const (
 	guestLib       = "usr/lib/pvt/lib.sh"
+	guestStorage   = "usr/lib/pvt/storage.sh"   // with LayerStorage
 	guestOverrides = "usr/lib/pvt/overrides.sh" // in the base image
 	guestScenario  = "pvt/scenario"
 	guestConfig    = "etc/pvt/config"
@@ -80,9 +85,14 @@ func writeOverlay(w io.Writer, cfg *Config, nonce string) error {
 		tag, lib = rootTag, rootLib
 	}
 	cw.file(guestConfig, 0o600, guestConfigFile(nonce, cfg.Name, preloadModules(cfg), cfg.modules(), cfg.NICs, tag))
-	script := "set -e\n. " + lib + "\n" + cfg.Scenario + "\n"
+	libs := ". " + lib + "\n"
+	if slices.Contains(cfg.Layers, LayerStorage) {
+		cw.file(guestStorage, 0o644, storageScript)
+		libs += ". /" + guestStorage + "\n"
+	}
+	script := "set -e\n" + libs + cfg.Scenario + "\n"
 	if cfg.NoErrExit {
-		script = ". " + lib + "\n" + cfg.Scenario + "\n"
+		script = libs + cfg.Scenario + "\n"
 	}
 	cw.file(guestScenario, 0o755, []byte(script))
 	if cfg.Root != "" {
@@ -144,12 +154,27 @@ func (cfg *Config) validate(img *Image) error {
 	if cfg.MemMiB != 0 && (cfg.MemMiB < 128 || cfg.MemMiB > 16384) {
 		return fmt.Errorf("vm %s: MemMiB %d out of range 128..16384", cfg.Name, cfg.MemMiB)
 	}
+	for _, l := range cfg.Layers {
+		if _, ok := layers[l]; !ok {
+			return fmt.Errorf("vm %s: no layer %q", cfg.Name, l)
+		}
+		if img != nil && img.Layers[l] == nil {
+			return fmt.Errorf("vm %s: the image has no layer %q (rebuild it: make image)", cfg.Name, l)
+		}
+	}
+	if len(cfg.Layers) > 0 && cfg.Root != "" {
+		return fmt.Errorf("vm %s: Layers are initramfs archives, not for a guest with its own Root", cfg.Name)
+	}
+	var have []string
+	if img != nil {
+		have = img.layerModules(cfg.Layers)
+	}
 	for _, m := range cfg.modules() {
 		if !moduleNameRE.MatchString(m) {
 			return fmt.Errorf("vm %s: bad module name %q", cfg.Name, m)
 		}
-		if img != nil && !contains(img.Modules, strings.ReplaceAll(m, "-", "_")) {
-			return fmt.Errorf("vm %s: module %s is not in the guest image (have %v)", cfg.Name, m, img.Modules)
+		if img != nil && !contains(have, strings.ReplaceAll(m, "-", "_")) {
+			return fmt.Errorf("vm %s: module %s is not in the guest image or its layers %v (have %v)", cfg.Name, m, cfg.Layers, have)
 		}
 	}
 	seen := map[string]bool{}

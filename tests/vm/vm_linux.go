@@ -73,8 +73,13 @@ type Config struct {
 	// NoErrExit runs the scenario without `set -e`.
 	NoErrExit bool
 	// Modules are loaded (modprobe, in order) after the NIC drivers and before the
-	// scenario; nil means DefaultModules(), an empty non-nil slice none.
+	// scenario; nil means DefaultModules(), an empty non-nil slice none. They must be in
+	// the base image or in one of Layers.
 	Modules []string
+	// Layers are optional parts of the image the guest loads after the base initramfs
+	// (LayerStorage: the kernel's storage consumers and their tools). A layer's helpers
+	// are sourced before the scenario with guest/lib.sh. Not with Root.
+	Layers []Layer
 	// Files are extra guest files (absolute guest path -> content, mode 0755).
 	Files map[string][]byte
 	// HostFiles are extra guest files copied from the host (guest path -> host path,
@@ -442,10 +447,26 @@ func (v *VM) writeInitrd(img *Image, dst string) error {
 	if _, err := io.Copy(out, base); err != nil { // copy_file_range where possible
 		return err
 	}
+	for _, name := range v.cfg.Layers {
+		if err := appendFile(out, img.Layers[name].Archive); err != nil {
+			return fmt.Errorf("layer %s: %w", name, err)
+		}
+	}
 	if err := writeOverlay(out, &v.cfg, v.nonce); err != nil {
 		return err
 	}
 	return out.Close()
+}
+
+// appendFile copies the host file src to the end of out.
+func appendFile(out *os.File, src string) error {
+	f, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	_, err = io.Copy(out, f)
+	return err
 }
 
 // copyLines copies QEMU's stdout (the guest console) or stderr into the console buffer

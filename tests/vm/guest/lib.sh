@@ -58,3 +58,34 @@ pvt_gid_index() {
 	echo "pvt: no RoCE v2 GID for $2 on $1" >&2
 	return 1
 }
+
+# pvt_send HOST PORT SECS MSG: deliver the line MSG to HOST's pvt_recv on PORT, retrying
+# until it listens, for at most SECS seconds.
+pvt_send() {
+	_h=$1 _p=$2 _s=$3
+	shift 3
+	_end=$(($(cut -d. -f1 /proc/uptime) + _s))
+	while ! echo "$*" | nc -w 2 "$_h" "$_p" 2>/dev/null; do
+		[ "$(cut -d. -f1 /proc/uptime)" -lt "$_end" ] || { echo "pvt: no pvt_recv on $_h:$_p for '$*' within ${_s}s" >&2; return 1; }
+		sleep 0.3
+	done
+}
+
+# pvt_recv PORT SECS TAG: wait at most SECS seconds for a line "TAG [REST]" sent by a
+# peer's pvt_send to PORT, and print REST. Lines with another tag (a peer's stale
+# message) are dropped.
+pvt_recv() {
+	_p=$1 _end=$(($(cut -d. -f1 /proc/uptime) + $2)) _tag=$3
+	while :; do
+		_left=$((_end - $(cut -d. -f1 /proc/uptime)))
+		[ $_left -gt 0 ] || { echo "pvt: no '$_tag' on port $_p within $2s" >&2; return 1; }
+		_m=$(timeout $_left nc -l -p "$_p" </dev/null 2>/dev/null) || true
+		case "$_m" in
+		"$_tag") return 0 ;;
+		"$_tag "*)
+			echo "${_m#"$_tag" }"
+			return 0
+			;;
+		esac
+	done
+}
