@@ -12,7 +12,7 @@ GO ?= go
 UNIT_TIMEOUT ?= 20m
 VM_TIMEOUT ?= 40m
 
-.PHONY: all build bin deps image test unit vmtest demo bench bench-vm bench-scale bench-handover bench-hosts soak check clean-cache deb
+.PHONY: all build bin deps image test unit vmtest demo bench bench-vm bench-scale bench-handover bench-hosts bench-report bench-guard soak check clean-cache deb
 
 all: build
 
@@ -114,6 +114,22 @@ soak:
 bench-vm: image
 	$(GO) test -tags vm -run '^$$' -bench VMvsRxe -benchtime 1x -timeout 30m ./tests/e2e
 	$(GO) test -tags vm -run '^$$' -bench RelayVsPlain -benchtime 1x -timeout 30m ./hostverbs/ibverbs
+
+# The benchmark report, docs/BENCHMARKS.md: runs the benchmarks above section by section
+# (tests/benchreport/sections.go: device, wire, incast, vm, relay, scale, handover, hosts),
+# each with its date, commit, machine, load average and exact command, and writes the
+# figures as the benchmarks printed them. BENCH_SECTIONS=wire,scale regenerates only those
+# sections (the others stay as they are). Run it on a machine nothing else is using.
+BENCH_SECTIONS ?= all
+# Is the working tree slower than the last release (the newest tag v*)? Alternated pairs
+# of the guests' and the soft transport's benchmarks, a table, exit 1 on a regression
+# (docs/DEVELOPING.md). GUARD_PAIRS pairs per benchmark; needs a quiet machine.
+GUARD_PAIRS ?= 5
+bench-guard: image
+	./scripts/bench-guard -n $(GUARD_PAIRS)
+
+bench-report: deps
+	$(GO) run ./tests/benchreport -sections '$(BENCH_SECTIONS)' -report docs/BENCHMARKS.md -raw out/bench
 
 check:
 	@out=$$(gofmt -l .); if [ -n "$$out" ]; then echo "gofmt -l:"; echo "$$out"; exit 1; fi

@@ -85,6 +85,11 @@ type Config struct {
 	// Executable is the daemon's binary, which a live upgrade execs by
 	// default (its path: after a package upgrade it is the new binary).
 	Executable string
+	// Supervisor, if set, says FDStore is the daemon's own supervisor's
+	// (package supervise), not a service manager's: it exits with the
+	// daemon, so an orderly stop ends the VMs' connections (as without a
+	// store) instead of leaving them to it.
+	Supervisor *SupervisorStatus
 	// OnReady, if set, is called once the daemon serves (VMs resumed,
 	// control socket listening).
 	OnReady func()
@@ -329,7 +334,7 @@ func (d *Daemon) close() {
 			exposed = append(exposed, s.name)
 		}
 	}
-	if d.keep.store != nil {
+	if d.keep.store != nil && d.cfg.Supervisor == nil {
 		// The service manager holds every connection: leave them to it,
 		// with their state, for the next daemon.
 		for _, s := range vms {
@@ -511,6 +516,10 @@ func (d *Daemon) Status() Status {
 		st.VMs = append(st.VMs, s.status())
 	}
 	st.KeepsState, st.PID = d.keep.active(), os.Getpid()
+	if sv := d.cfg.Supervisor; sv != nil {
+		c := *sv
+		st.Supervisor = &c
+	}
 	if h := d.ho.snapshot(); h.Generation > 0 || h.Error != "" {
 		st.Handover = &h
 	}

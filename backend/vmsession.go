@@ -535,7 +535,10 @@ func (s *vmSession) status() VMStatus {
 		"cq_notifications": ds.CQNotifications, "notify_dropped": ds.NotifyDropped,
 		"async_events": ds.AsyncEvents, "async_dropped": ds.AsyncDropped,
 		"gid_refusals": ds.GIDRefusals,
-		"interrupts":   ds.Interrupts, "masked_interrupts": ds.MaskedInterrupts, "bad_bar_accesses": ds.BadBARAccesses,
+		"fast_regs":    ds.FastRegs, "fast_reg_refused": ds.FastRegRefused,
+		"local_invs": ds.LocalInvs, "local_inv_refused": ds.LocalInvRefused, "frmr_refused": ds.FRMRRefused,
+		"error_cqes": ds.ErrorCQEs, "flush_cqes": ds.FlushCQEs,
+		"interrupts": ds.Interrupts, "masked_interrupts": ds.MaskedInterrupts, "bad_bar_accesses": ds.BadBARAccesses,
 	}
 	// The provider's own statistics for this VM (the soft transport's
 	// packets, drops by reason, CNPs), prefixed so that they cannot be

@@ -13,6 +13,7 @@
 package hostverbs
 
 import (
+	"fmt"
 	"log/slog"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
@@ -117,6 +118,78 @@ type MR interface {
 	RKey() uint32
 	// Dereg deregisters the MR; it fails with ErrBusy while in use.
 	Dereg() error
+}
+
+// FastRegPD is implemented by the PDs of a provider with fast registration
+// (DeviceAttr.DeviceCapFlags has DeviceCapMemMgtExtensions): kernel
+// consumers' fast-registration work requests (IB_WR_REG_MR, LOCAL_INV,
+// SEND_WITH_INV) act on MRs the provider owns, so that the keys the guest
+// gives its peers resolve where they arrive, in the provider's responder.
+type FastRegPD interface {
+	// AllocFastRegMR creates a fast-registration MR in the free state: a
+	// key with no pages, which FastRegMR.Register gives pages, access and
+	// a consumer byte. Its LKey is the base key (the index bits the MR
+	// keeps for its life; the low byte is the consumer's).
+	AllocFastRegMR(attr FastRegAttr) (FastRegMR, error)
+}
+
+// FastRegAttr describes a fast-registration MR.
+type FastRegAttr struct {
+	// MaxPages is the page list capacity (ib_alloc_mr's max_num_sg).
+	MaxPages int
+	// Key, when not zero, is the key the MR must have (a restarted
+	// daemon rebuilding a guest's MRs); as MRAttr.LKey.
+	Key uint32
+}
+
+// MRState is a fast-registration MR's state (IBA 10.6.1: an allocated
+// L_Key is free until a fast registration makes it valid; an
+// invalidation, local or remote, makes it free again).
+type MRState uint8
+
+// Fast-registration MR states.
+const (
+	MRFree  MRState = 1
+	MRValid MRState = 2
+)
+
+func (s MRState) String() string {
+	switch s {
+	case MRFree:
+		return "free"
+	case MRValid:
+		return "valid"
+	}
+	return fmt.Sprintf("MRState(%d)", uint8(s))
+}
+
+// FastReg is one fast registration (the REG_MR work request): the pages
+// mapped from Pages.IOVA, the access rights and the key, whose index bits
+// must be the MR's and whose low byte is the consumer's choice
+// (ib_update_fast_reg_key).
+type FastReg struct {
+	Pages  guestmem.PageList
+	Access Access
+	Key    uint32
+}
+
+// FastRegMR is a fast-registration MR. Its LKey and RKey are the current
+// key (RKey zero while the registration grants no remote access).
+type FastRegMR interface {
+	MR
+	// Register executes a REG_MR: the MR must be free, r.Key must keep
+	// the MR's index bits, r.Pages must fit MaxPages. On success the MR is
+	// valid under r.Key until invalidated. Errors wrap ErrInvalid (a key,
+	// access or page list the MR cannot take) or ErrBusy (the MR is valid:
+	// it must be invalidated first).
+	Register(r FastReg) error
+	// Invalidate executes a LOCAL_INV with key: it must be the MR's
+	// current key; the MR becomes free (invalidating a free MR with its
+	// key succeeds, as it does on rxe). Errors wrap ErrInvalid.
+	Invalidate(key uint32) error
+	// Registration returns the MR's state and, when valid, its
+	// registration (what a hand-over saves).
+	Registration() (MRState, FastReg)
 }
 
 // CompletionHandler receives completions for a CQ. Complete is called once
@@ -253,6 +326,15 @@ const (
 	AtomicNone AtomicCap = 0
 	AtomicHCA  AtomicCap = 1
 	AtomicGlob AtomicCap = 2
+)
+
+// DeviceCapFlags bits (ib_device_cap_flags) a provider may set in
+// DeviceAttr.DeviceCapFlags.
+const (
+	// DeviceCapMemMgtExtensions: fast registration, local and remote
+	// invalidation (the PDs implement FastRegPD; MaxFastRegPageListLen
+	// is the largest page list).
+	DeviceCapMemMgtExtensions uint64 = 1 << 21
 )
 
 // DeviceAttr are a device's capabilities (ib_device_attr).

@@ -7,6 +7,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // The reference for doorbell costs is what every doorbell costs anyway:
@@ -47,7 +48,7 @@ func socketRTT(b *testing.B) float64 {
 // memcpyNS measures copying the bytes a doorbell moves (one WQE with one
 // SGE and one CQE) between two buffers: the floor of any device model.
 func memcpyNS() float64 {
-	src, dst := make([]byte, SQWQEHdrSize+SGESize+CQESize), make([]byte, SQWQEHdrSize+SGESize+CQESize)
+	src, dst := make([]byte, abi.SQWQEHdrSize+abi.SGESize+abi.CQESize), make([]byte, abi.SQWQEHdrSize+abi.SGESize+abi.CQESize)
 	const n = 2000000
 	start := nanotime()
 	for i := 0; i < n; i++ {
@@ -63,12 +64,12 @@ func memcpyNS() float64 {
 func BenchmarkPollDoorbell(b *testing.B) {
 	u := newUserRC(b)
 	var v [4]byte
-	putLE32(v[:], UARCQPoll|u.scq.handle)
-	off := uint64(1)*UARPageSize + UARCQOffset
+	putLE32(v[:], abi.UARCQPoll|u.scq.handle)
+	off := uint64(1)*abi.UARPageSize + abi.UARCQOffset
 	b.ReportAllocs()
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
-		if err := u.g.dev.WriteBAR(UARBAR, off, v[:]); err != nil {
+		if err := u.g.dev.WriteBAR(abi.UARBAR, off, v[:]); err != nil {
 			b.Fatal(err)
 		}
 	}
@@ -140,7 +141,7 @@ func BenchmarkDistributionsAB(b *testing.B) {
 type sendLoop struct {
 	tb               testing.TB
 	u                *userRC
-	w                [SQWQEHdrSize + SGESize]byte
+	w                [abi.SQWQEHdrSize + abi.SGESize]byte
 	db               [4]byte
 	dbOff            uint64
 	sqState, cqState uint64
@@ -156,9 +157,9 @@ func newSendLoop(tb testing.TB, metrics bool) *sendLoop {
 	h := wqe(hostverbs.WRSend, 0, hostverbs.SendSignaled)
 	h.NumSGE = 1
 	h.Encode(l.w[:])
-	u.sge(0, 4096).Encode(l.w[SQWQEHdrSize:])
-	putLE32(l.db[:], UARQPSend|u.qp.handle)
-	l.dbOff = uint64(u.qp.uar)*UARPageSize + UARQPOffset
+	u.sge(0, 4096).Encode(l.w[abi.SQWQEHdrSize:])
+	putLE32(l.db[:], abi.UARQPSend|u.qp.handle)
+	l.dbOff = uint64(u.qp.uar)*abi.UARPageSize + abi.UARQPOffset
 	l.sqState, l.cqState = u.qp.sqState(), u.scq.pages[0]+8
 	return l
 }
@@ -170,7 +171,7 @@ func (l *sendLoop) run(n int) {
 		tail := g.u32(l.sqState)
 		copy(g.raw[q.sqWQE(tail):], l.w[:])
 		g.put32(l.sqState, drvInc(tail, q.sendWR))
-		if err := g.dev.WriteBAR(UARBAR, l.dbOff, l.db[:]); err != nil {
+		if err := g.dev.WriteBAR(abi.UARBAR, l.dbOff, l.db[:]); err != nil {
 			l.tb.Fatal(err)
 		}
 		head := g.u32(l.cqState + 4)
@@ -190,12 +191,12 @@ func BenchmarkRecvDoorbell(b *testing.B) {
 	u.fv.autoComplete = true
 	g, q, cq := u.g, u.qp, u.rcq
 	cqState := cq.pages[0] + 8
-	var w [RQWQEHdrSize + SGESize]byte
-	RQWQEHdr{WRID: 1, NumSGE: 1}.Encode(w[:])
-	u.sge(0, 4096).Encode(w[RQWQEHdrSize:])
+	var w [abi.RQWQEHdrSize + abi.SGESize]byte
+	abi.RQWQEHdr{WRID: 1, NumSGE: 1}.Encode(w[:])
+	u.sge(0, 4096).Encode(w[abi.RQWQEHdrSize:])
 	var db [4]byte
-	putLE32(db[:], UARQPRecv|q.handle)
-	dbOff := uint64(q.uar)*UARPageSize + UARQPOffset
+	putLE32(db[:], abi.UARQPRecv|q.handle)
+	dbOff := uint64(q.uar)*abi.UARPageSize + abi.UARQPOffset
 	rqState := q.rqState()
 	b.ReportAllocs()
 	b.ResetTimer()
@@ -203,7 +204,7 @@ func BenchmarkRecvDoorbell(b *testing.B) {
 		tail := g.u32(rqState)
 		copy(g.raw[q.rqWQE(tail):], w[:])
 		g.put32(rqState, drvInc(tail, q.recvWR))
-		if err := g.dev.WriteBAR(UARBAR, dbOff, db[:]); err != nil {
+		if err := g.dev.WriteBAR(abi.UARBAR, dbOff, db[:]); err != nil {
 			b.Fatal(err)
 		}
 		head := g.u32(cqState + 4)

@@ -5,6 +5,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // ABI bounds on what the device may report.
@@ -26,7 +27,7 @@ const (
 // of the provider's attributes, the per-VM limits and the ABI's bounds.
 // Queue depths and SGE counts are rounded down to powers of two because
 // the driver rounds requests up before checking them against the caps.
-func computeCaps(a hostverbs.DeviceAttr, l Limits, mac [6]byte) Caps {
+func computeCaps(a hostverbs.DeviceAttr, l Limits, mac [6]byte) abi.Caps {
 	pos := func(v int) uint32 {
 		if v < 0 {
 			return 0
@@ -46,22 +47,22 @@ func computeCaps(a hostverbs.DeviceAttr, l Limits, mac [6]byte) Caps {
 		}
 		return 1 << (31 - bits.LeadingZeros32(v))
 	}
-	c := Caps{
+	c := abi.Caps{
 		FWVer:        a.FWVersion,
 		NodeGUID:     nodeGUID(mac, a.NodeGUID),
 		PageSizeCap:  4096,
-		VendorID:     PCIVendorID,
-		VendorPartID: PCIDeviceID,
+		VendorID:     abi.PCIVendorID,
+		VendorPartID: abi.PCIDeviceID,
 		HWVer:        1,
 		MaxUAR:       UARPages,
 		MaxPKeys:     1,
 		PhysPortCnt:  1,
-		Mode:         DeviceModeRoCE,
-		GIDTypes:     GIDTypeFlagRoCEv2,
+		Mode:         abi.DeviceModeRoCE,
+		GIDTypes:     abi.GIDTypeFlagRoCEv2,
 	}
 	if a.GIDType == hostverbs.GIDTypeRoCEv1 {
 		// One type only: the driver refuses a device offering both.
-		c.GIDTypes = GIDTypeFlagRoCEv1
+		c.GIDTypes = abi.GIDTypeFlagRoCEv1
 	}
 	if c.FWVer == 0 {
 		c.FWVer = firmwareVersion
@@ -88,8 +89,16 @@ func computeCaps(a hostverbs.DeviceAttr, l Limits, mac [6]byte) Caps {
 	}
 	c.GIDTblLen = minu(pos(a.GIDTableLen), pos(l.GIDTableLen), maxGIDTableLen)
 	c.LocalCAAckDelay = a.LocalCAAckDelay
+	if a.DeviceCapFlags&hostverbs.DeviceCapMemMgtExtensions != 0 && a.MaxFastRegPageListLen > 0 {
+		// Fast registration, local and remote invalidation: the driver
+		// then sets IB_DEVICE_MEM_MGT_EXTENSIONS, which kernel consumers
+		// (nvme-rdma, xprtrdma, iSER, SRP, RDS) require. Page lists hold
+		// 4 KiB pages (page_size_cap) and at most the ABI's 128 entries.
+		c.BMMEFlags = fastRegBMME
+		c.MaxFastRegPageListLen = minu(pos(a.MaxFastRegPageListLen), ringbuf.MaxFastRegPages)
+	}
 	if a.AtomicCap != hostverbs.AtomicNone {
-		c.AtomicOps = AtomicOpCompSwap | AtomicOpFetchAdd
+		c.AtomicOps = abi.AtomicOpCompSwap | abi.AtomicOpFetchAdd
 	}
 	return c
 }

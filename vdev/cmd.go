@@ -8,6 +8,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // command describes one PVRDMA command: how many request bytes it reads,
@@ -25,33 +26,33 @@ type command struct {
 	run func(d *Device, req, resp []byte) error
 }
 
-var commands = [NumCmds]command{
-	CmdQueryPort:   {"QUERY_PORT", QueryPortSize, RespFlag | CmdQueryPort, QueryPortRespSize, (*Device).cmdQueryPort},
-	CmdQueryPKey:   {"QUERY_PKEY", QueryPKeySize, RespFlag | CmdQueryPKey, QueryPKeyRespSize, (*Device).cmdQueryPKey},
-	CmdCreatePD:    {"CREATE_PD", CreatePDSize, RespFlag | CmdCreatePD, CreatePDRespSize, (*Device).cmdCreatePD},
-	CmdDestroyPD:   {"DESTROY_PD", DestroyPDSize, RespFlag | CmdDestroyPD, RespHdrSize, (*Device).cmdDestroyPD},
-	CmdCreateMR:    {"CREATE_MR", CreateMRSize, RespFlag | CmdCreateMR, CreateMRRespSize, (*Device).cmdCreateMR},
-	CmdDestroyMR:   {"DESTROY_MR", DestroyMRSize, RespFlag | CmdDestroyMR, RespHdrSize, (*Device).cmdDestroyMR},
-	CmdCreateCQ:    {"CREATE_CQ", CreateCQSize, RespFlag | CmdCreateCQ, CreateCQRespSize, (*Device).cmdCreateCQ},
-	CmdResizeCQ:    {"RESIZE_CQ", ResizeCQSize, RespFlag | CmdResizeCQ, ResizeCQRespSize, (*Device).cmdResizeCQ},
-	CmdDestroyCQ:   {"DESTROY_CQ", DestroyCQSize, RespFlag | CmdDestroyCQ, RespHdrSize, (*Device).cmdDestroyCQ},
-	CmdCreateQP:    {"CREATE_QP", CreateQPSize, RespFlag | CmdCreateQP, CreateQPRespV2Size, (*Device).cmdCreateQP},
-	CmdModifyQP:    {"MODIFY_QP", ModifyQPSize, RespFlag | CmdModifyQP, RespHdrSize, (*Device).cmdModifyQP},
-	CmdQueryQP:     {"QUERY_QP", QueryQPSize, RespFlag | CmdQueryQP, QueryQPRespSize, (*Device).cmdQueryQP},
-	CmdDestroyQP:   {"DESTROY_QP", DestroyQPSize, RespFlag | CmdDestroyQP, DestroyQPRespSize, (*Device).cmdDestroyQP},
-	CmdCreateUC:    {"CREATE_UC", CreateUCSize, RespFlag | CmdCreateUC, CreateUCRespSize, (*Device).cmdCreateUC},
-	CmdDestroyUC:   {"DESTROY_UC", DestroyUCSize, RespFlag | CmdDestroyUC, RespHdrSize, (*Device).cmdDestroyUC},
-	CmdCreateBind:  {"CREATE_BIND", CreateBindSize, RespFlag | CmdCreateBind, RespHdrSize, (*Device).cmdCreateBind},
-	CmdDestroyBind: {"DESTROY_BIND", DestroyBindSize, RespFlag | CmdDestroyBind, RespHdrSize, (*Device).cmdDestroyBind},
-	CmdCreateSRQ:   {"CREATE_SRQ", CreateSRQSize, RespFlag | CmdCreateSRQ, CreateSRQRespSize, (*Device).cmdCreateSRQ},
-	CmdModifySRQ:   {"MODIFY_SRQ", ModifySRQSize, RespFlag | CmdModifySRQ, RespHdrSize, (*Device).cmdModifySRQ},
-	CmdQuerySRQ:    {"QUERY_SRQ", QuerySRQSize, RespFlag | CmdQuerySRQ, QuerySRQRespSize, (*Device).cmdQuerySRQ},
-	CmdDestroySRQ:  {"DESTROY_SRQ", DestroySRQSize, RespFlag | CmdDestroySRQ, RespHdrSize, (*Device).cmdDestroySRQ},
+var commands = [abi.NumCmds]command{
+	abi.CmdQueryPort:   {"QUERY_PORT", abi.QueryPortSize, abi.RespFlag | abi.CmdQueryPort, abi.QueryPortRespSize, (*Device).cmdQueryPort},
+	abi.CmdQueryPKey:   {"QUERY_PKEY", abi.QueryPKeySize, abi.RespFlag | abi.CmdQueryPKey, abi.QueryPKeyRespSize, (*Device).cmdQueryPKey},
+	abi.CmdCreatePD:    {"CREATE_PD", abi.CreatePDSize, abi.RespFlag | abi.CmdCreatePD, abi.CreatePDRespSize, (*Device).cmdCreatePD},
+	abi.CmdDestroyPD:   {"DESTROY_PD", abi.DestroyPDSize, abi.RespFlag | abi.CmdDestroyPD, abi.RespHdrSize, (*Device).cmdDestroyPD},
+	abi.CmdCreateMR:    {"CREATE_MR", abi.CreateMRSize, abi.RespFlag | abi.CmdCreateMR, abi.CreateMRRespSize, (*Device).cmdCreateMR},
+	abi.CmdDestroyMR:   {"DESTROY_MR", abi.DestroyMRSize, abi.RespFlag | abi.CmdDestroyMR, abi.RespHdrSize, (*Device).cmdDestroyMR},
+	abi.CmdCreateCQ:    {"CREATE_CQ", abi.CreateCQSize, abi.RespFlag | abi.CmdCreateCQ, abi.CreateCQRespSize, (*Device).cmdCreateCQ},
+	abi.CmdResizeCQ:    {"RESIZE_CQ", abi.ResizeCQSize, abi.RespFlag | abi.CmdResizeCQ, abi.ResizeCQRespSize, (*Device).cmdResizeCQ},
+	abi.CmdDestroyCQ:   {"DESTROY_CQ", abi.DestroyCQSize, abi.RespFlag | abi.CmdDestroyCQ, abi.RespHdrSize, (*Device).cmdDestroyCQ},
+	abi.CmdCreateQP:    {"CREATE_QP", abi.CreateQPSize, abi.RespFlag | abi.CmdCreateQP, abi.CreateQPRespV2Size, (*Device).cmdCreateQP},
+	abi.CmdModifyQP:    {"MODIFY_QP", abi.ModifyQPSize, abi.RespFlag | abi.CmdModifyQP, abi.RespHdrSize, (*Device).cmdModifyQP},
+	abi.CmdQueryQP:     {"QUERY_QP", abi.QueryQPSize, abi.RespFlag | abi.CmdQueryQP, abi.QueryQPRespSize, (*Device).cmdQueryQP},
+	abi.CmdDestroyQP:   {"DESTROY_QP", abi.DestroyQPSize, abi.RespFlag | abi.CmdDestroyQP, abi.DestroyQPRespSize, (*Device).cmdDestroyQP},
+	abi.CmdCreateUC:    {"CREATE_UC", abi.CreateUCSize, abi.RespFlag | abi.CmdCreateUC, abi.CreateUCRespSize, (*Device).cmdCreateUC},
+	abi.CmdDestroyUC:   {"DESTROY_UC", abi.DestroyUCSize, abi.RespFlag | abi.CmdDestroyUC, abi.RespHdrSize, (*Device).cmdDestroyUC},
+	abi.CmdCreateBind:  {"CREATE_BIND", abi.CreateBindSize, abi.RespFlag | abi.CmdCreateBind, abi.RespHdrSize, (*Device).cmdCreateBind},
+	abi.CmdDestroyBind: {"DESTROY_BIND", abi.DestroyBindSize, abi.RespFlag | abi.CmdDestroyBind, abi.RespHdrSize, (*Device).cmdDestroyBind},
+	abi.CmdCreateSRQ:   {"CREATE_SRQ", abi.CreateSRQSize, abi.RespFlag | abi.CmdCreateSRQ, abi.CreateSRQRespSize, (*Device).cmdCreateSRQ},
+	abi.CmdModifySRQ:   {"MODIFY_SRQ", abi.ModifySRQSize, abi.RespFlag | abi.CmdModifySRQ, abi.RespHdrSize, (*Device).cmdModifySRQ},
+	abi.CmdQuerySRQ:    {"QUERY_SRQ", abi.QuerySRQSize, abi.RespFlag | abi.CmdQuerySRQ, abi.QuerySRQRespSize, (*Device).cmdQuerySRQ},
+	abi.CmdDestroySRQ:  {"DESTROY_SRQ", abi.DestroySRQSize, abi.RespFlag | abi.CmdDestroySRQ, abi.RespHdrSize, (*Device).cmdDestroySRQ},
 }
 
 // CommandName returns the name of command code c, or "" if unknown.
 func CommandName(c uint32) string {
-	if c < NumCmds {
+	if c < abi.NumCmds {
 		return commands[c].name
 	}
 	return ""
@@ -73,7 +74,7 @@ func (d *Device) execCommand() {
 	} else {
 		d.errReg = 0
 	}
-	d.raise(VectorResponse)
+	d.raise(abi.VectorResponse)
 }
 
 func (d *Device) dispatch() error {
@@ -84,9 +85,9 @@ func (d *Device) dispatch() error {
 	if err := d.mem.ReadAt(req, d.dsr.cmdSlot); err != nil {
 		return fmt.Errorf("read command slot: %w", err)
 	}
-	var hdr CmdHdr
+	var hdr abi.CmdHdr
 	hdr.Decode(req)
-	if hdr.Cmd >= NumCmds {
+	if hdr.Cmd >= abi.NumCmds {
 		return fmt.Errorf("command %d: %w", hdr.Cmd, hostverbs.ErrInvalid)
 	}
 	c := &commands[hdr.Cmd]
@@ -97,7 +98,7 @@ func (d *Device) dispatch() error {
 		err = fmt.Errorf("%s: %w", c.name, err)
 	}
 	d.journalCommand(hdr.Cmd, req[:c.reqSize], resp, err)
-	RespHdr{Response: hdr.Response, Ack: c.respCode, Err: uint8(errnoOf(err))}.Encode(resp)
+	abi.RespHdr{Response: hdr.Response, Ack: c.respCode, Err: uint8(errnoOf(err))}.Encode(resp)
 	if werr := d.mem.WriteAt(resp, d.dsr.respSlot); werr != nil && err == nil {
 		err = fmt.Errorf("%s: write response slot: %w", c.name, werr)
 	}

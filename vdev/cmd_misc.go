@@ -6,6 +6,7 @@ import (
 	"syscall"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // uctx is a user context: one UAR page of BAR2, whose index is also the
@@ -23,7 +24,7 @@ type pd struct {
 const portNum = 1
 
 func (d *Device) cmdQueryPort(req, resp []byte) error {
-	var r QueryPort
+	var r abi.QueryPort
 	r.Decode(req)
 	if r.PortNum != portNum {
 		return fmt.Errorf("port %d: %w", r.PortNum, syscall.EINVAL)
@@ -32,7 +33,7 @@ func (d *Device) cmdQueryPort(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("query port: %w", err)
 	}
-	a := PortAttr{
+	a := abi.PortAttr{
 		State: uint32(pa.State), MaxMTU: uint32(pa.MaxMTU), ActiveMTU: uint32(pa.ActiveMTU),
 		GIDTblLen: d.caps.GIDTblLen, PortCapFlags: pa.PortCapFlags, MaxMsgSz: pa.MaxMsgSize,
 		BadPKeyCntr: pa.BadPKeyCntr, QKeyViolCntr: pa.QKeyViolCntr, PKeyTblLen: 1,
@@ -43,24 +44,24 @@ func (d *Device) cmdQueryPort(req, resp []byte) error {
 	if a.PhysState == 0 && pa.State == hostverbs.PortActive {
 		a.PhysState = 5 // LinkUp
 	}
-	QueryPortResp{Attrs: a}.Encode(resp)
+	abi.QueryPortResp{Attrs: a}.Encode(resp)
 	return nil
 }
 
 func (d *Device) cmdQueryPKey(req, resp []byte) error {
-	var r QueryPKey
+	var r abi.QueryPKey
 	r.Decode(req)
 	if r.PortNum != portNum || r.Index != 0 {
 		return fmt.Errorf("port %d pkey index %d: %w", r.PortNum, r.Index, syscall.EINVAL)
 	}
-	QueryPKeyResp{PKey: 0xFFFF}.Encode(resp)
+	abi.QueryPKeyResp{PKey: 0xFFFF}.Encode(resp)
 	return nil
 }
 
 // cmdCreateUC binds a user context to the UAR page whose frame number the
 // driver passes: UAR page index = pfn - DSR uar_pfn, in [1, max_uar).
 func (d *Device) cmdCreateUC(req, resp []byte) error {
-	var r CreateUC
+	var r abi.CreateUC
 	r.Decode(req)
 	idx := r.PFN - d.dsr.uarPFN
 	if r.PFN < d.dsr.uarPFN || idx == 0 || idx >= uint64(d.caps.MaxUAR) {
@@ -69,12 +70,12 @@ func (d *Device) cmdCreateUC(req, resp []byte) error {
 	if !d.ucs.set(uint32(idx), &uctx{uar: uint32(idx)}) {
 		return fmt.Errorf("UAR page %d already in use: %w", idx, syscall.EBUSY)
 	}
-	CreateUCResp{CtxHandle: uint32(idx)}.Encode(resp)
+	abi.CreateUCResp{CtxHandle: uint32(idx)}.Encode(resp)
 	return nil
 }
 
 func (d *Device) cmdDestroyUC(req, resp []byte) error {
-	var r DestroyUC
+	var r abi.DestroyUC
 	r.Decode(req)
 	if _, ok := d.ucs.get(r.CtxHandle); !ok {
 		return fmt.Errorf("context %d: %w", r.CtxHandle, ErrBadHandle)
@@ -95,7 +96,7 @@ func (d *Device) context(h uint32) (uint32, error) {
 }
 
 func (d *Device) cmdCreatePD(req, resp []byte) error {
-	var r CreatePD
+	var r abi.CreatePD
 	r.Decode(req)
 	uar, err := d.context(r.CtxHandle)
 	if err != nil {
@@ -111,12 +112,12 @@ func (d *Device) cmdCreatePD(req, resp []byte) error {
 		d.pds.free(h)
 		return fmt.Errorf("alloc PD: %w", err)
 	}
-	CreatePDResp{PDHandle: h}.Encode(resp)
+	abi.CreatePDResp{PDHandle: h}.Encode(resp)
 	return nil
 }
 
 func (d *Device) cmdDestroyPD(req, resp []byte) error {
-	var r DestroyPD
+	var r abi.DestroyPD
 	r.Decode(req)
 	p, ok := d.pds.get(r.PDHandle)
 	if !ok {
@@ -150,7 +151,7 @@ func (d *Device) pd(h uint32) (*pd, error) {
 // addresses, sent by ib_core's add_gid) in the provider, binding that
 // address to this VM on its fabric.
 func (d *Device) cmdCreateBind(req, resp []byte) error {
-	var r CreateBind
+	var r abi.CreateBind
 	r.Decode(req)
 	if r.Index >= uint32(len(d.gids)) {
 		return fmt.Errorf("GID index %d of %d: %w", r.Index, len(d.gids), syscall.EINVAL)
@@ -206,7 +207,7 @@ func (d *Device) cmdCreateBind(req, resp []byte) error {
 }
 
 func (d *Device) cmdDestroyBind(req, resp []byte) error {
-	var r DestroyBind
+	var r abi.DestroyBind
 	r.Decode(req)
 	if r.Index >= uint32(len(d.gids)) || !d.gids[r.Index].bound {
 		return fmt.Errorf("GID index %d not bound: %w", r.Index, syscall.EINVAL)

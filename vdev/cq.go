@@ -9,6 +9,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // Arm states of a CQ, weakest first (a later ARM upgrades an ARM_SOL).
@@ -38,8 +39,8 @@ type cq struct {
 	armed      uint8
 	dead       bool
 	overflowed bool
-	cqe        CQE
-	buf        [CQESize]byte
+	cqe        abi.CQE
+	buf        [abi.CQESize]byte
 	wc         hostverbs.WorkCompletion // scratch: a provider completion translated, or one the device makes
 	// notifyDue and errDue are what the CQEs written under mu call for
 	// once it is released (see unlock).
@@ -56,11 +57,11 @@ type cq struct {
 // cqRingPages is how many pages a CQ ring of n CQEs needs: the ring-state
 // page and the CQEs (pvrdma_create_cq and rdma-core compute the same).
 func cqRingPages(n uint32) uint64 {
-	return 1 + (uint64(n)*CQESize+guestmem.PageSize-1)/guestmem.PageSize
+	return 1 + (uint64(n)*abi.CQESize+guestmem.PageSize-1)/guestmem.PageSize
 }
 
 func (d *Device) cmdCreateCQ(req, resp []byte) error {
-	var r CreateCQ
+	var r abi.CreateCQ
 	r.Decode(req)
 	uar, err := d.context(r.CtxHandle)
 	if err != nil {
@@ -97,7 +98,7 @@ func (d *Device) cmdCreateCQ(req, resp []byte) error {
 		d.heap.Release(c.cost)
 		return fmt.Errorf("create CQ: %w", err)
 	}
-	CreateCQResp{CQHandle: h, CQE: r.CQE}.Encode(resp)
+	abi.CreateCQResp{CQHandle: h, CQE: r.CQE}.Encode(resp)
 	return nil
 }
 
@@ -106,7 +107,7 @@ func (d *Device) cmdCreateCQ(req, resp []byte) error {
 // and the guest restarts its cons_head (no Linux driver issues
 // RESIZE_CQ: it returns EOPNOTSUPP to its callers).
 func (d *Device) cmdResizeCQ(req, resp []byte) error {
-	var r ResizeCQ
+	var r abi.ResizeCQ
 	r.Decode(req)
 	c, ok := d.cqs.get(r.CQHandle)
 	if !ok {
@@ -131,12 +132,12 @@ func (d *Device) cmdResizeCQ(req, resp []byte) error {
 		return err
 	}
 	c.overflowed = false
-	ResizeCQResp{CQE: r.CQE}.Encode(resp)
+	abi.ResizeCQResp{CQE: r.CQE}.Encode(resp)
 	return nil
 }
 
 func (d *Device) cmdDestroyCQ(req, resp []byte) error {
-	var r DestroyCQ
+	var r abi.DestroyCQ
 	r.Decode(req)
 	c, ok := d.cqs.get(r.CQHandle)
 	if !ok {
@@ -286,7 +287,7 @@ func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32,
 		return
 	}
 	e := &c.cqe
-	*e = CQE{
+	*e = abi.CQE{
 		WRID: wc.WRID, QP: uint64(q.handle), Opcode: uint32(wc.Opcode), Status: uint32(wc.Status),
 		ByteLen: wc.ByteLen, ImmData: wc.ImmData, SrcQP: wc.SrcQP, WCFlags: cqeFlags(wc.Flags, q.uar != 0),
 		VendorErr: wc.VendorErr, PKeyIndex: wc.PKeyIndex, SLID: wc.SLID, SL: wc.SL,
@@ -312,6 +313,9 @@ func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32,
 	}
 	d.stats.completions.Add(1)
 	d.observeSend(at)
+	if wc.Status != hostverbs.WCSuccess {
+		c.reportError(q, wc)
+	}
 	switch {
 	case c.armed == armNext:
 		c.notifyDue = true
@@ -324,6 +328,22 @@ func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32,
 	if q.typ == hostverbs.QPTypeRC && wc.Status != hostverbs.WCSuccess && wc.Status != hostverbs.WCWRFlushErr {
 		q.state.Store(uint32(hostverbs.QPStateErr)) // an RC completion error moves the QP to ERR
 	}
+}
+
+// reportError counts an unsuccessful CQE and logs it, rate-limited: a
+// failure an operator can follow (the QP, the work request, the status;
+// the provider's log says why a remote access was refused). c.mu held.
+func (c *cq) reportError(q *qp, wc *hostverbs.WorkCompletion) {
+	d := c.dev
+	if wc.Status == hostverbs.WCWRFlushErr {
+		d.stats.flushCQEs.Add(1)
+		// Debug: every disconnect flushes the receives still posted.
+		d.lim.Debug("wc-flush", "pvrdma: work requests flushed: the QP is in ERR", "qp", q.handle, "qpn", wc.QPN, "wr_id", wc.WRID)
+		return
+	}
+	d.stats.errorCQEs.Add(1)
+	d.lim.Warn("wc-error", "pvrdma: work request completed in error", "qp", q.handle, "qpn", wc.QPN,
+		"type", q.typ, "status", wc.Status, "opcode", wc.Opcode, "wr_id", wc.WRID, "vendor_err", wc.VendorErr)
 }
 
 // unlock releases c.mu, then raises what the CQEs written under it call

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 var (
@@ -47,12 +48,12 @@ func (u *userRC) newQP(t testing.TB) *gqp {
 	return q
 }
 
-func (u *userRC) sge(off uint64, n uint32) SGE {
-	return SGE{Addr: u.mr.iova + off, Length: n, LKey: u.mr.lkey}
+func (u *userRC) sge(off uint64, n uint32) abi.SGE {
+	return abi.SGE{Addr: u.mr.iova + off, Length: n, LKey: u.mr.lkey}
 }
 
-func wqe(op hostverbs.WROpcode, wrid uint64, flags hostverbs.SendFlags) SQWQEHdr {
-	return SQWQEHdr{WRID: wrid, Opcode: uint32(op), SendFlags: uint32(flags)}
+func wqe(op hostverbs.WROpcode, wrid uint64, flags hostverbs.SendFlags) abi.SQWQEHdr {
+	return abi.SQWQEHdr{WRID: wrid, Opcode: uint32(op), SendFlags: uint32(flags)}
 }
 
 func TestSendTranslationRC(t *testing.T) {
@@ -63,16 +64,16 @@ func TestSendTranslationRC(t *testing.T) {
 	q.postSend(h, u.sge(0, 100), u.sge(4096, 200))
 	h = wqe(hostverbs.WRRDMAWriteWithImm, 2, 0)
 	h.Ex = 7
-	WRRDMA{RemoteAddr: 0xabc0001000, RKey: 0x5522}.Encode(h.WR[:])
+	abi.WRRDMA{RemoteAddr: 0xabc0001000, RKey: 0x5522}.Encode(h.WR[:])
 	q.postSend(h, u.sge(8, 1<<16))
 	h = wqe(hostverbs.WRRDMARead, 3, hostverbs.SendSignaled)
-	WRRDMA{RemoteAddr: 0xabc0002000, RKey: 0x5523}.Encode(h.WR[:])
+	abi.WRRDMA{RemoteAddr: 0xabc0002000, RKey: 0x5523}.Encode(h.WR[:])
 	q.postSend(h, u.sge(0, 4096))
 	h = wqe(hostverbs.WRAtomicCmpAndSwp, 4, hostverbs.SendSignaled|hostverbs.SendFence)
-	WRAtomic{RemoteAddr: 0xabc0003000, CompareAdd: 11, Swap: 22, RKey: 0x5524}.Encode(h.WR[:])
+	abi.WRAtomic{RemoteAddr: 0xabc0003000, CompareAdd: 11, Swap: 22, RKey: 0x5524}.Encode(h.WR[:])
 	q.postSend(h, u.sge(64, 8))
 	h = wqe(hostverbs.WRAtomicFetchAndAdd, 5, hostverbs.SendSignaled)
-	WRAtomic{RemoteAddr: 0xabc0003008, CompareAdd: 3, RKey: 0x5524}.Encode(h.WR[:])
+	abi.WRAtomic{RemoteAddr: 0xabc0003008, CompareAdd: 3, RKey: 0x5524}.Encode(h.WR[:])
 	q.postSend(h, u.sge(72, 8))
 	h = wqe(hostverbs.WRSend, 6, 0)
 	q.postSend(h) // zero SGEs: a zero-length send
@@ -115,7 +116,7 @@ func TestSendTranslationRC(t *testing.T) {
 func TestCompletionsBecomeCQEs(t *testing.T) {
 	u := newUserRC(t)
 	h := wqe(hostverbs.WRRDMARead, 0xfeed, hostverbs.SendSignaled)
-	WRRDMA{RemoteAddr: 0x1000, RKey: 1}.Encode(h.WR[:])
+	abi.WRRDMA{RemoteAddr: 0x1000, RKey: 1}.Encode(h.WR[:])
 	u.qp.postSend(h, u.sge(0, 4096))
 	u.qp.postRecv(9, u.sge(0, 64))
 	u.qp.postRecv(10, u.sge(0, 512))
@@ -215,33 +216,33 @@ func TestCQArmAndNotify(t *testing.T) {
 	}
 	ok(true, false, hostverbs.WCSuccess)
 	assert.Empty(t, g.notifications(), "not armed")
-	u.rcq.arm(UARCQArm)
+	u.rcq.arm(abi.UARCQArm)
 	ok(true, false, hostverbs.WCSuccess)
 	assert.Equal(t, []uint32{u.rcq.handle}, g.notifications())
-	assert.EqualValues(t, 1, g.irq.count(VectorCQ))
+	assert.EqualValues(t, 1, g.irq.count(abi.VectorCQ))
 	ok(true, false, hostverbs.WCSuccess)
 	assert.Empty(t, g.notifications(), "ARM is one-shot")
 
-	u.rcq.arm(UARCQArmSol)
+	u.rcq.arm(abi.UARCQArmSol)
 	ok(true, false, hostverbs.WCSuccess)
 	assert.Empty(t, g.notifications(), "ARM_SOL ignores unsolicited successes")
 	ok(true, true, hostverbs.WCSuccess)
 	assert.Equal(t, []uint32{u.rcq.handle}, g.notifications())
-	u.rcq.arm(UARCQArmSol)
+	u.rcq.arm(abi.UARCQArmSol)
 	ok(true, false, hostverbs.WCLocLenErr)
 	assert.Equal(t, []uint32{u.rcq.handle}, g.notifications(), "ARM_SOL fires on errors")
 	u.qp = u.newQP(t) // the error left the QP in ERR
-	u.rcq.arm(UARCQArmSol)
-	u.rcq.arm(UARCQArm)
+	u.rcq.arm(abi.UARCQArmSol)
+	u.rcq.arm(abi.UARCQArm)
 	ok(true, false, hostverbs.WCSuccess)
 	assert.Len(t, g.notifications(), 1, "ARM after ARM_SOL upgrades to any completion")
-	assert.EqualValues(t, 4, g.irq.count(VectorCQ))
+	assert.EqualValues(t, 4, g.irq.count(abi.VectorCQ))
 
 	// More notifications than the notify ring's 1024 usable slots: the
-	// driver's arithmetic keeps consuming them (OBSERVED.md).
+	// driver's arithmetic (indices masked with 2*slots-1) keeps consuming them.
 	got := 0
 	for i := 0; i < 2500; i++ {
-		u.rcq.arm(UARCQArm)
+		u.rcq.arm(abi.UARCQArm)
 		ok(true, false, hostverbs.WCSuccess)
 		u.rcq.mustPoll()
 		got += len(g.notifications())
@@ -261,28 +262,28 @@ func TestBadWQEsCompleteWithErrors(t *testing.T) {
 		{"num_sge huge", func(u *userRC) {
 			u.qp.writeSend(wqe(hostverbs.WRSend, 1, 0))
 			u.g.put32(u.qp.sqWQE(0)+8, 0xffffffff)
-			u.g.doorbell(1, UARQPOffset, UARQPSend|u.qp.handle)
+			u.g.doorbell(1, abi.UARQPOffset, abi.UARQPSend|u.qp.handle)
 		}, hostverbs.WCLocLenErr},
 		{"unknown lkey", func(u *userRC) {
-			u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), SGE{Addr: u.mr.iova, Length: 8, LKey: 0xdeadbeef})
+			u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), abi.SGE{Addr: u.mr.iova, Length: 8, LKey: 0xdeadbeef})
 		}, hostverbs.WCLocProtErr},
 		{"beyond the MR", func(u *userRC) { u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), u.sge(1<<20-4, 8)) }, hostverbs.WCLocProtErr},
 		{"before the MR", func(u *userRC) {
-			u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), SGE{Addr: u.mr.iova - 1, Length: 8, LKey: u.mr.lkey})
+			u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), abi.SGE{Addr: u.mr.iova - 1, Length: 8, LKey: u.mr.lkey})
 		}, hostverbs.WCLocProtErr},
 		{"wrapping length", func(u *userRC) {
-			u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), SGE{Addr: ^uint64(0) - 2, Length: 8, LKey: u.mr.lkey})
+			u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), abi.SGE{Addr: ^uint64(0) - 2, Length: 8, LKey: u.mr.lkey})
 		}, hostverbs.WCLocProtErr},
 		{"MR of another PD", func(u *userRC) {
 			other := u.g.regMR(u.g.createPD(1), 0x1000, 4096, 1)
-			u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), SGE{Addr: 0x1000, Length: 8, LKey: other.lkey})
+			u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), abi.SGE{Addr: 0x1000, Length: 8, LKey: other.lkey})
 		}, hostverbs.WCLocProtErr},
 		{"READ into an MR without local write", func(u *userRC) {
 			ro := u.g.regMR(u.pd, 0x2000, 4096, 0)
 			h := wqe(hostverbs.WRRDMARead, 1, 0)
-			u.qp.postSend(h, SGE{Addr: 0x2000, Length: 8, LKey: ro.lkey})
+			u.qp.postSend(h, abi.SGE{Addr: 0x2000, Length: 8, LKey: ro.lkey})
 		}, hostverbs.WCLocProtErr},
-		{"unknown opcode", func(u *userRC) { u.qp.postSend(SQWQEHdr{WRID: 1, Opcode: 99}, u.sge(0, 1)) }, hostverbs.WCLocQPOpErr},
+		{"unknown opcode", func(u *userRC) { u.qp.postSend(abi.SQWQEHdr{WRID: 1, Opcode: 99}, u.sge(0, 1)) }, hostverbs.WCLocQPOpErr},
 		{"LSO", func(u *userRC) { u.qp.postSend(wqe(hostverbs.WRLSO, 1, 0)) }, hostverbs.WCLocQPOpErr},
 		{"masked atomic", func(u *userRC) { u.qp.postSend(wqe(hostverbs.WRMaskedAtomicFAdd, 1, 0), u.sge(0, 8)) }, hostverbs.WCLocQPOpErr},
 		{"REG_MR from user space", func(u *userRC) { u.qp.postSend(wqe(hostverbs.WRRegMR, 1, 0)) }, hostverbs.WCLocQPOpErr},
@@ -290,7 +291,7 @@ func TestBadWQEsCompleteWithErrors(t *testing.T) {
 		{"SEND_WITH_INV from user space", func(u *userRC) { u.qp.postSend(wqe(hostverbs.WRSendWithInv, 1, 0)) }, hostverbs.WCLocQPOpErr},
 		{"atomic of 4 bytes", func(u *userRC) { u.qp.postSend(wqe(hostverbs.WRAtomicFetchAndAdd, 1, 0), u.sge(0, 4)) }, hostverbs.WCLocLenErr},
 		{"message above max_msg_sz", func(u *userRC) {
-			u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), u.sge(0, 1<<20), SGE{Addr: 0, Length: 0xffffffff, LKey: u.mr.lkey})
+			u.qp.postSend(wqe(hostverbs.WRSend, 1, 0), u.sge(0, 1<<20), abi.SGE{Addr: 0, Length: 0xffffffff, LKey: u.mr.lkey})
 		}, hostverbs.WCLocProtErr},
 		{"provider refuses", func(u *userRC) {
 			u.fv.failNext("PostSend", hostverbs.ErrInvalid)
@@ -321,7 +322,7 @@ func TestBadWQEsCompleteWithErrors(t *testing.T) {
 func TestBadRecvWQEs(t *testing.T) {
 	u := newUserRC(t)
 	ro := u.g.regMR(u.pd, 0x3000, 4096, 0)
-	u.qp.postRecv(5, SGE{Addr: 0x3000, Length: 64, LKey: ro.lkey})
+	u.qp.postRecv(5, abi.SGE{Addr: 0x3000, Length: 64, LKey: ro.lkey})
 	e := u.rcq.mustPoll()
 	assert.EqualValues(t, hostverbs.WCLocProtErr, e.Status, "receive into an MR without local write")
 	assert.EqualValues(t, hostverbs.WCRecv, e.Opcode)
@@ -348,9 +349,9 @@ func TestFlushOnErr(t *testing.T) {
 	q.writeSend(wqe(hostverbs.WRRDMAWrite, 10, 0), u.sge(0, 8))
 	q.writeSend(wqe(hostverbs.WRRDMARead, 11, 0), u.sge(0, 8))
 	q.writeRecv(12, u.sge(0, 8))
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateErr)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateErr)})
 	assert.Equal(t, hostverbs.QPStateErr, u.fq.attr.State)
-	var got []CQE
+	var got []abi.CQE
 	for e, ok := u.scq.poll(); ok; e, ok = u.scq.poll() {
 		got = append(got, e)
 	}
@@ -376,7 +377,7 @@ func TestFlushOnErr(t *testing.T) {
 	assert.Empty(t, recvs)
 
 	// ERR -> RESET resets the rings; the guest resets its side too.
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateReset)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
 	assert.Zero(t, q.sqConsumed())
 	assert.Zero(t, q.rqConsumed())
 	u.g.put32(q.sqState(), 0)
@@ -399,8 +400,8 @@ func TestPostBeforeRTS(t *testing.T) {
 	q := u.g.createQP(qpSpec{pd: u.pd, scq: u.scq, rcq: u.rcq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
 	q.postRecv(1, u.sge(0, 8))
 	assert.EqualValues(t, 0, q.rqConsumed(), "receives in RESET are not consumed")
-	q.mustModify(0x39, QPAttr{State: 1, PortNum: 1})
-	q.g.doorbell(1, UARQPOffset, UARQPRecv|q.handle)
+	q.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1})
+	q.g.doorbell(1, abi.UARQPOffset, abi.UARQPRecv|q.handle)
 	assert.Equal(t, 1, u.fv.qps[len(u.fv.qps)-1].outstanding(true), "receives in INIT are posted")
 	q.postSend(wqe(hostverbs.WRSend, 2, 0), u.sge(0, 8))
 	assert.EqualValues(t, hostverbs.WCLocQPOpErr, u.scq.mustPoll().Status, "sends before RTS fail")
@@ -412,16 +413,16 @@ func TestStallAndResume(t *testing.T) {
 	for i := 0; i < 5; i++ {
 		u.qp.writeSend(wqe(hostverbs.WRSend, uint64(i), 0), u.sge(0, 8))
 	}
-	u.g.doorbell(1, UARQPOffset, UARQPSend|u.qp.handle)
+	u.g.doorbell(1, abi.UARQPOffset, abi.UARQPSend|u.qp.handle)
 	assert.Equal(t, 2, u.fq.outstanding(false), "stopped at the provider's queue limit, WQEs stay in the ring")
-	u.scq.arm(UARCQPoll)
+	u.scq.arm(abi.UARCQPoll)
 	assert.Equal(t, 2, u.fq.outstanding(false), "still full")
 	sends, _ := u.fq.take()
 	require.Len(t, sends, 2)
-	u.g.doorbell(1, UARCQOffset, UARCQPoll|u.scq.handle) // the provider's empty-poll doorbell
+	u.g.doorbell(1, abi.UARCQOffset, abi.UARCQPoll|u.scq.handle) // the provider's empty-poll doorbell
 	assert.Equal(t, 4, u.fq.outstanding(false))
 	u.fq.take()
-	u.scq.arm(UARCQArm)
+	u.scq.arm(abi.UARCQArm)
 	assert.Equal(t, 5, u.fq.outstanding(false))
 	sends, _ = u.fq.take()
 	require.Len(t, sends, 1)
@@ -438,16 +439,16 @@ func TestDoorbellOwnership(t *testing.T) {
 	u := newUserRC(t)
 	bad := u.g.dev.Stats().BadDoorbells
 	u.qp.writeSend(wqe(hostverbs.WRSend, 1, 0), u.sge(0, 8))
-	u.g.doorbell(0, UARQPOffset, UARQPSend|u.qp.handle) // the kernel's page
-	u.g.doorbell(2, UARQPOffset, UARQPSend|u.qp.handle) // another context's page
-	u.g.doorbell(1, UARQPOffset, UARQPSend|0xfff)       // no such QP
-	u.g.doorbell(0, UARCQOffset, UARCQArm|u.scq.handle)
-	u.g.doorbell(1, UARSRQOffset, UARSRQRecv|3)
+	u.g.doorbell(0, abi.UARQPOffset, abi.UARQPSend|u.qp.handle) // the kernel's page
+	u.g.doorbell(2, abi.UARQPOffset, abi.UARQPSend|u.qp.handle) // another context's page
+	u.g.doorbell(1, abi.UARQPOffset, abi.UARQPSend|0xfff)       // no such QP
+	u.g.doorbell(0, abi.UARCQOffset, abi.UARCQArm|u.scq.handle)
+	u.g.doorbell(1, abi.UARSRQOffset, abi.UARSRQRecv|3)
 	assert.EqualValues(t, bad+5, u.g.dev.Stats().BadDoorbells)
 	assert.Zero(t, u.fq.outstanding(false))
-	u.g.doorbell(1+UARPages/2, UARQPOffset, UARQPSend|u.qp.handle)
+	u.g.doorbell(1+UARPages/2, abi.UARQPOffset, abi.UARQPSend|u.qp.handle)
 	assert.Zero(t, u.fq.outstanding(false), "pages do not alias")
-	u.g.doorbell(1, UARQPOffset, UARQPSend|u.qp.handle)
+	u.g.doorbell(1, abi.UARQPOffset, abi.UARQPSend|u.qp.handle)
 	assert.Equal(t, 1, u.fq.outstanding(false))
 }
 
@@ -460,7 +461,7 @@ func TestUDSend(t *testing.T) {
 	send := func(wrid uint64, gidIndex uint8, port uint32) {
 		h := wqe(hostverbs.WRSendWithImm, wrid, hostverbs.SendSignaled)
 		h.Ex = 0x12
-		WRUD{RemoteQPN: 0x1234, RemoteQKey: 0x11111111, AV: AV{PortPD: port<<24 | u.pd,
+		abi.WRUD{RemoteQPN: 0x1234, RemoteQKey: 0x11111111, AV: abi.AV{PortPD: port<<24 | u.pd,
 			SLTClassFlowLabel: 3<<28 | 0x20<<20 | 0xabcde, DGID: gidB, GIDIndex: gidIndex, HopLimit: 1,
 			DMAC: [6]byte{1, 2, 3, 4, 5, 6}}}.Encode(h.WR[:])
 		q.postSend(h, u.sge(0, 512))
@@ -470,7 +471,7 @@ func TestUDSend(t *testing.T) {
 		fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
 		assert.EqualValues(t, wrid, u.scq.mustPoll().WRID)
 	}
-	send(1, 0, 1) // a 1-entry SQ: every WQE is slot 0 (OBSERVED.md pitfall 11)
+	send(1, 0, 1) // a 1-entry SQ: every WQE is slot 0 (a prototype once consumed zero-filled WQEs here)
 	sent(1)
 	send(2, 0, 1)
 	sends, _ := fq.take()
@@ -509,26 +510,26 @@ func TestSRQ(t *testing.T) {
 		s.postRecv(uint64(i), u.sge(uint64(i)*64, 64))
 	}
 	assert.Len(t, fs.recvs, 40)
-	s.postRecv(99, SGE{Addr: 1, Length: 1, LKey: 0x1234567})
+	s.postRecv(99, abi.SGE{Addr: 1, Length: 1, LKey: 0x1234567})
 	evs := g.events()
 	require.NotEmpty(t, evs)
-	assert.Equal(t, EQE{Type: uint32(hostverbs.EventSRQErr), Info: s.handle}, evs[len(evs)-1])
+	assert.Equal(t, abi.EQE{Type: uint32(hostverbs.EventSRQErr), Info: s.handle}, evs[len(evs)-1])
 
-	g.mustCmd(CmdModifySRQ, ModifySRQ{SRQHandle: s.handle, AttrMask: srqAttrLimit, Attrs: SRQAttr{SRQLimit: 8}})
+	g.mustCmd(abi.CmdModifySRQ, abi.ModifySRQ{SRQHandle: s.handle, AttrMask: srqAttrLimit, Attrs: abi.SRQAttr{SRQLimit: 8}})
 	assert.EqualValues(t, 8, fs.attr.Limit)
-	errReg, _ := g.cmd(CmdModifySRQ, ModifySRQ{SRQHandle: s.handle, AttrMask: srqAttrMaxWR, Attrs: SRQAttr{MaxWR: 64}})
+	errReg, _ := g.cmd(abi.CmdModifySRQ, abi.ModifySRQ{SRQHandle: s.handle, AttrMask: srqAttrMaxWR, Attrs: abi.SRQAttr{MaxWR: 64}})
 	assert.NotZero(t, errReg, "SRQ resize is not supported")
-	var qr QuerySRQResp
-	qr.Decode(g.mustCmd(CmdQuerySRQ, QuerySRQ{SRQHandle: s.handle}))
-	assert.Equal(t, SRQAttr{MaxWR: 32, MaxSGE: 2, SRQLimit: 8}, qr.Attrs)
-	errReg, _ = g.cmd(CmdDestroySRQ, DestroySRQ{SRQHandle: s.handle})
+	var qr abi.QuerySRQResp
+	qr.Decode(g.mustCmd(abi.CmdQuerySRQ, abi.QuerySRQ{SRQHandle: s.handle}))
+	assert.Equal(t, abi.SRQAttr{MaxWR: 32, MaxSGE: 2, SRQLimit: 8}, qr.Attrs)
+	errReg, _ = g.cmd(abi.CmdDestroySRQ, abi.DestroySRQ{SRQHandle: s.handle})
 	assert.NotZero(t, errReg, "SRQ in use by a QP")
-	g.mustCmd(CmdDestroyQP, DestroyQP{QPHandle: q.handle})
-	g.mustCmd(CmdDestroySRQ, DestroySRQ{SRQHandle: s.handle})
+	g.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: q.handle})
+	g.mustCmd(abi.CmdDestroySRQ, abi.DestroySRQ{SRQHandle: s.handle})
 	assert.Equal(t, 0, u.fv.count("srq"))
 
-	for _, bad := range []SRQAttr{{MaxWR: 0, MaxSGE: 1}, {MaxWR: 3, MaxSGE: 1}, {MaxWR: 1 << 20, MaxSGE: 1}, {MaxWR: 4, MaxSGE: 99}, {MaxWR: 4, MaxSGE: 1, SRQLimit: 5}} {
-		errReg, _ := g.cmd(CmdCreateSRQ, CreateSRQ{PDHandle: u.pd, NChunks: 2, PDirDMA: g.pdir(g.pages(2)), Attrs: bad})
+	for _, bad := range []abi.SRQAttr{{MaxWR: 0, MaxSGE: 1}, {MaxWR: 3, MaxSGE: 1}, {MaxWR: 1 << 20, MaxSGE: 1}, {MaxWR: 4, MaxSGE: 99}, {MaxWR: 4, MaxSGE: 1, SRQLimit: 5}} {
+		errReg, _ := g.cmd(abi.CmdCreateSRQ, abi.CreateSRQ{PDHandle: u.pd, NChunks: 2, PDirDMA: g.pdir(g.pages(2)), Attrs: bad})
 		assert.NotZero(t, errReg, "%+v", bad)
 	}
 }
@@ -552,7 +553,7 @@ func TestCQOverflow(t *testing.T) {
 	for i := 0; i < 2; i++ {
 		fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv})
 	}
-	assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventCQErr), Info: small.handle}}, g.events(), "one CQ error event, no blocking")
+	assert.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventCQErr), Info: small.handle}}, g.events(), "one CQ error event, no blocking")
 	for i := 0; i < 4; i++ {
 		assert.EqualValues(t, i, small.mustPoll().WRID)
 	}
@@ -566,7 +567,7 @@ func TestCQOverflow(t *testing.T) {
 func TestNoCompletionAfterDestroy(t *testing.T) {
 	u := newUserRC(t)
 	fq := u.fq
-	u.g.mustCmd(CmdDestroyQP, DestroyQP{QPHandle: u.qp.handle})
+	u.g.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: u.qp.handle})
 	fq.complete(false, hostverbs.WorkCompletion{WRID: 1})
 	_, ok := u.scq.poll()
 	assert.False(t, ok, "a late completion of a destroyed QP is dropped")
@@ -607,14 +608,14 @@ func TestAsyncEvents(t *testing.T) {
 	dev.HandleEvent(hostverbs.AsyncEvent{Type: hostverbs.EventQPFatal, Context: 1<<40 | 5}) // stale
 	dev.HandleEvent(hostverbs.AsyncEvent{Type: 200})
 	dev.HandleEvent(hostverbs.AsyncEvent{Type: hostverbs.EventQPAccessErr, Context: u.fq.init.Context})
-	assert.Equal(t, []EQE{
+	assert.Equal(t, []abi.EQE{
 		{Type: uint32(hostverbs.EventCommEst), Info: u.qp.handle},
 		{Type: uint32(hostverbs.EventQPLastWQEReach), Info: u.qp.handle},
 		{Type: uint32(hostverbs.EventSRQLimitReached), Info: 3},
 		{Type: uint32(hostverbs.EventPortErr), Info: 1},
 		{Type: uint32(hostverbs.EventQPAccessErr), Info: u.qp.handle},
 	}, g.events())
-	assert.EqualValues(t, 6, g.irq.count(VectorAsync))
+	assert.EqualValues(t, 6, g.irq.count(abi.VectorAsync))
 	u.qp.postSend(wqe(hostverbs.WRSend, 7, 0), u.sge(0, 1))
 	assert.EqualValues(t, hostverbs.WCWRFlushErr, u.scq.mustPoll().Status, "an access error event leaves the QP in ERR")
 
@@ -631,22 +632,22 @@ func TestModifyQPValidation(t *testing.T) {
 	q := u.g.createQP(qpSpec{pd: u.pd, scq: u.scq, rcq: u.rcq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
 	for _, c := range []struct {
 		mask hostverbs.AttrMask
-		a    QPAttr
+		a    abi.QPAttr
 	}{
-		{0x1, QPAttr{State: 3}},              // RESET -> RTS
-		{0x39, QPAttr{State: 1, PortNum: 2}}, // port 2
-		{0x39, QPAttr{State: 9, PortNum: 1}}, // no such state
-		{1 << 25, QPAttr{}},                  // unknown mask bit
-		{0x1, QPAttr{State: 1}},              // INIT without required attrs
+		{0x1, abi.QPAttr{State: 3}},              // RESET -> RTS
+		{0x39, abi.QPAttr{State: 1, PortNum: 2}}, // port 2
+		{0x39, abi.QPAttr{State: 9, PortNum: 1}}, // no such state
+		{1 << 25, abi.QPAttr{}},                  // unknown mask bit
+		{0x1, abi.QPAttr{State: 1}},              // INIT without required attrs
 	} {
 		errReg, h := q.modify(c.mask, c.a)
 		assert.NotZero(t, errReg, "%#x %+v", c.mask, c.a)
 		assert.NotZero(t, h.Err)
 	}
-	q.mustModify(0x39, QPAttr{State: 1, PortNum: 1})
-	errReg, _ := q.modify(0x129181, QPAttr{State: 2, PathMTU: 3, DestQPNum: 5, AH: AHAttr{DGID: gidB, SGIDIndex: 7, PortNum: 1}})
+	q.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1})
+	errReg, _ := q.modify(0x129181, abi.QPAttr{State: 2, PathMTU: 3, DestQPNum: 5, AH: abi.AHAttr{DGID: gidB, SGIDIndex: 7, PortNum: 1}})
 	assert.NotZero(t, errReg, "AV with an unbound source GID index")
-	errReg, _ = q.modify(0x129181, QPAttr{State: 2, PathMTU: 9, DestQPNum: 5, AH: AHAttr{DGID: gidB, PortNum: 1}})
+	errReg, _ = q.modify(0x129181, abi.QPAttr{State: 2, PathMTU: 9, DestQPNum: 5, AH: abi.AHAttr{DGID: gidB, PortNum: 1}})
 	assert.NotZero(t, errReg, "path MTU 9")
 	q.toRTS(5, gidB, 0) // from INIT via its INIT->INIT... the helper starts with RESET->INIT
 }
@@ -659,36 +660,36 @@ func TestControlledQKeyRefused(t *testing.T) {
 	q := u.g.createQP(qpSpec{pd: u.pd, scq: u.scq, rcq: u.rcq, typ: hostverbs.QPTypeUD, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
 	const udInit = 0x71 // STATE | PKEY_INDEX | PORT | QKEY
 	for _, k := range []uint32{0x80010000, 0x80000000, 0xffffffff} {
-		errReg, h := q.modify(udInit, QPAttr{State: 1, PortNum: 1, QKey: k})
+		errReg, h := q.modify(udInit, abi.QPAttr{State: 1, PortNum: 1, QKey: k})
 		assert.NotZero(t, errReg, "%#x", k)
 		assert.EqualValues(t, syscall.EPERM, h.Err, "%#x", k)
 	}
-	q.mustModify(udInit, QPAttr{State: 1, PortNum: 1, QKey: 0x11111111})
-	errReg, _ := q.modify(0x40, QPAttr{QKey: 0x80010000}) // INIT->INIT, Q_Key alone
+	q.mustModify(udInit, abi.QPAttr{State: 1, PortNum: 1, QKey: 0x11111111})
+	errReg, _ := q.modify(0x40, abi.QPAttr{QKey: 0x80010000}) // INIT->INIT, Q_Key alone
 	assert.NotZero(t, errReg)
 }
 
 func TestQueryQP(t *testing.T) {
 	u := newUserRC(t)
-	var r QueryQPResp
-	r.Decode(u.g.mustCmd(CmdQueryQP, QueryQP{QPHandle: u.qp.handle, AttrMask: 0x40}))
+	var r abi.QueryQPResp
+	r.Decode(u.g.mustCmd(abi.CmdQueryQP, abi.QueryQP{QPHandle: u.qp.handle, AttrMask: 0x40}))
 	assert.EqualValues(t, hostverbs.QPStateRTS, r.Attrs.State)
 	assert.EqualValues(t, 0x99, r.Attrs.DestQPNum)
 	assert.Equal(t, [16]byte(gidB), r.Attrs.AH.DGID)
-	assert.EqualValues(t, AHFlagGRH, r.Attrs.AH.Flags)
-	assert.Equal(t, QPCap{MaxSendWR: 16, MaxRecvWR: 16, MaxSendSGE: 4, MaxRecvSGE: 2}, r.Attrs.Cap)
+	assert.EqualValues(t, abi.AHFlagGRH, r.Attrs.AH.Flags)
+	assert.Equal(t, abi.QPCap{MaxSendWR: 16, MaxRecvWR: 16, MaxSendSGE: 4, MaxRecvSGE: 2}, r.Attrs.Cap)
 }
 
 func TestResizeCQ(t *testing.T) {
 	u := newUserRC(t)
 	g := u.g
 	c := g.createCQ(1, 16) // 2 pages: room for 64 CQEs
-	var r ResizeCQResp
-	r.Decode(g.mustCmd(CmdResizeCQ, ResizeCQ{CQHandle: c.handle, CQE: 64}))
+	var r abi.ResizeCQResp
+	r.Decode(g.mustCmd(abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: c.handle, CQE: 64}))
 	assert.EqualValues(t, 64, r.CQE)
-	errReg, _ := g.cmd(CmdResizeCQ, ResizeCQ{CQHandle: c.handle, CQE: 128})
+	errReg, _ := g.cmd(abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: c.handle, CQE: 128})
 	assert.NotZero(t, errReg, "more CQEs than the pages hold")
-	errReg, _ = g.cmd(CmdResizeCQ, ResizeCQ{CQHandle: c.handle, CQE: 48})
+	errReg, _ = g.cmd(abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: c.handle, CQE: 48})
 	assert.NotZero(t, errReg, "not a power of two")
 	c.n = 64
 	q := g.createQP(qpSpec{pd: u.pd, scq: c, rcq: c, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
@@ -703,74 +704,123 @@ func TestResizeCQ(t *testing.T) {
 	}
 	q.postSend(wqe(hostverbs.WRSend, 1, hostverbs.SendSignaled), u.sge(0, 1))
 	fq.finish(t, false, 0, hostverbs.WorkCompletion{})
-	errReg, _ = g.cmd(CmdResizeCQ, ResizeCQ{CQHandle: c.handle, CQE: 16})
+	errReg, _ = g.cmd(abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: c.handle, CQE: 16})
 	assert.EqualValues(t, 16, errReg, "EBUSY: not empty")
 }
 
+// TestFastRegisterAndInvalidate: the device hands REG_MR and LOCAL_INV to
+// the provider's fast-reg MR (its key, base and consumer byte, is the
+// provider's, so peers' rkeys resolve there), checks what is the device's
+// to check (the key's MR, its PD, the page list), and completes them in
+// order after the sends before them. The provider's own semantics (the
+// key refused once invalidated, remote invalidation) are tested with the
+// soft provider (hostverbs/soft, soft_test.go).
 func TestFastRegisterAndInvalidate(t *testing.T) {
 	fv := newFakeVerbs()
 	g := probedGuest(t, fv)
 	g.bindGID(0, gidA)
 	pd := g.createPD(0)
+	otherPD := g.createPD(0)
 	cq := g.createCQ(0, 64)
 	q := g.createQP(qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 2, recvSGE: 1})
 	q.toRTS(5, gidB, 0)
 	fq := fv.qps[0]
-	var fr CreateMRResp
-	fr.Decode(g.mustCmd(CmdCreateMR, CreateMR{PDHandle: pd, Flags: MRFlagFRMR, NChunks: 16}))
-	assert.Zero(t, fr.LKey&0xff, "consumer byte free for ib_update_fast_reg_key")
-	errReg, _ := g.cmd(CmdCreateMR, CreateMR{PDHandle: pd, Flags: MRFlagFRMR, NChunks: 129})
+	var fr abi.CreateMRResp
+	fr.Decode(g.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: pd, Flags: abi.MRFlagFRMR, NChunks: 16}))
+	m := fv.mrs[len(fv.mrs)-1]
+	assert.Equal(t, m.lkey, fr.LKey, "the provider's base key")
+	assert.Equal(t, fr.LKey, fr.RKey)
+	errReg, _ := g.cmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: pd, Flags: abi.MRFlagFRMR, NChunks: 129})
 	assert.NotZero(t, errReg, "above PVRDMA_MAX_FAST_REG_PAGES")
-	// Not usable before registration.
-	q.postSend(wqe(hostverbs.WRSend, 1, 0), SGE{Addr: 0x10000, Length: 8, LKey: fr.LKey})
-	assert.EqualValues(t, hostverbs.WCLocProtErr, cq.mustPoll().Status)
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateReset)})
-	g.put32(q.sqState(), 0)
-	g.put32(q.rqState(), 0)
-	q.toRTS(5, gidB, 0)
 
 	pages := g.scatteredPages(4)
-	key := fr.LKey | 0x07
-	h := wqe(hostverbs.WRRegMR, 2, hostverbs.SendSignaled)
-	WRFastReg{IOVAStart: 0xffff000000001000, PLPDirDMA: g.pdir(pages), PageShift: 12, PageListLen: 4,
-		Length: 4 * 4096, AccessFlags: uint32(hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite), RKey: key}.Encode(h.WR[:])
-	q.postSend(h)
+	key := fr.LKey&^0xff | (fr.LKey+1)&0xff
+	regWQE := func(wrid uint64, key uint32, shift uint32) abi.SQWQEHdr {
+		h := wqe(hostverbs.WRRegMR, wrid, hostverbs.SendSignaled)
+		abi.WRFastReg{IOVAStart: 0xffff000000001000, PLPDirDMA: g.pdir(pages), PageShift: shift, PageListLen: 4,
+			Length: 4 * 4096, AccessFlags: uint32(hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite), RKey: key}.Encode(h.WR[:])
+		return h
+	}
+	q.postSend(regWQE(2, key, 12))
 	e := cq.mustPoll()
 	assert.EqualValues(t, hostverbs.WCSuccess, e.Status)
 	assert.EqualValues(t, hostverbs.WCRegMR, e.Opcode)
-	m := fv.mrs[len(fv.mrs)-1]
-	assert.Equal(t, uint64(0xffff000000001000), m.attr.Pages.IOVA)
-	assert.EqualValues(t, pages[2], m.attr.Pages.Pages[2])
-	q.postSend(wqe(hostverbs.WRSend, 3, 0), SGE{Addr: 0xffff000000001000 + 4000, Length: 200, LKey: key})
+	st, reg := fv.frmrs(t)[0].Registration()
+	require.Equal(t, hostverbs.MRValid, st)
+	assert.Equal(t, key, reg.Key, "the guest's key, consumer byte and all")
+	assert.Equal(t, uint64(0xffff000000001000), reg.Pages.IOVA)
+	assert.EqualValues(t, pages[2], reg.Pages.Pages[2])
+	assert.Equal(t, hostverbs.AccessLocalWrite|hostverbs.AccessRemoteWrite, reg.Access)
+
+	q.postSend(wqe(hostverbs.WRSend, 3, 0), abi.SGE{Addr: 0xffff000000001000 + 4000, Length: 200, LKey: key})
 	sends, _ := fq.take()
 	require.Len(t, sends, 1)
-	assert.Equal(t, m.lkey, sends[0].SGL[0].LKey, "the guest's key is translated to the provider's")
+	assert.Equal(t, key, sends[0].SGL[0].LKey, "the guest's key goes to the provider as it is")
 	assert.NotZero(t, sends[0].Flags&hostverbs.SendSignaled, "a kernel QP's last send is signaled to the provider: a local operation may follow")
-	h = wqe(hostverbs.WRLocalInv, 4, 0)
+	h := wqe(hostverbs.WRLocalInv, 4, 0)
 	h.Ex = key
 	q.postSend(h)
-	assert.True(t, m.dead, "invalidation deregisters")
+	st, _ = fv.frmrs(t)[0].Registration()
+	assert.Equal(t, hostverbs.MRFree, st, "LOCAL_INV reaches the provider")
 	head := q.sqConsumed()
 	fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
 	_, ok := cq.poll()
 	assert.False(t, ok, "neither the unsignaled send nor the unsignaled LOCAL_INV reports")
 	assert.Equal(t, head+2, q.sqConsumed(), "both released by the send's completion")
-	q.postSend(wqe(hostverbs.WRSend, 5, 0), SGE{Addr: 0xffff000000001000, Length: 8, LKey: key})
+	s := g.dev.Stats()
+	assert.EqualValues(t, 1, s.FastRegs)
+	assert.EqualValues(t, 1, s.LocalInvs)
+
+	// Refused, each a WQE completed in error (the QP goes to ERR: reset it).
+	reset := func() {
+		q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
+		g.put32(q.sqState(), 0)
+		g.put32(q.rqState(), 0)
+		q.toRTS(5, gidB, 0)
+	}
+	for _, tc := range []struct {
+		name string
+		h    abi.SQWQEHdr
+		want hostverbs.WCStatus
+	}{
+		{"another MR's key index", regWQE(5, key+0x100, 12), hostverbs.WCLocQPOpErr},
+		{"page shift", regWQE(6, key, 16), hostverbs.WCLocQPOpErr},
+		{"LOCAL_INV of a plain MR's key", func() abi.SQWQEHdr {
+			h := wqe(hostverbs.WRLocalInv, 7, 0)
+			h.Ex = g.regMR(pd, 0x10000, 4096, 1).lkey
+			return h
+		}(), hostverbs.WCLocQPOpErr},
+	} {
+		q.postSend(tc.h)
+		assert.EqualValues(t, tc.want, cq.mustPoll().Status, tc.name)
+		reset()
+	}
+	q.postSend(regWQE(8, key, 12))
+	require.EqualValues(t, hostverbs.WCSuccess, cq.mustPoll().Status)
+	q.postSend(regWQE(9, key, 12))
+	assert.EqualValues(t, hostverbs.WCLocQPOpErr, cq.mustPoll().Status, "REG_MR of a valid MR (the provider refuses)")
+	reset()
+	// A QP of another PD may not register it.
+	q2 := g.createQP(qpSpec{pd: otherPD, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 2, recvSGE: 1})
+	q2.toRTS(6, gidB, 0)
+	q2.postSend(regWQE(10, key, 12))
 	assert.EqualValues(t, hostverbs.WCLocProtErr, cq.mustPoll().Status)
+	assert.EqualValues(t, 4, g.dev.Stats().FastRegRefused)
+	assert.EqualValues(t, 1, g.dev.Stats().LocalInvRefused)
 }
 
 func TestDMAMRRestrictions(t *testing.T) {
 	g := probedGuest(t, newFakeVerbs())
 	kpd := g.createPD(0)
 	upd := g.createPD(g.createUC(1))
-	errReg, _ := g.cmd(CmdCreateMR, CreateMR{PDHandle: upd, AccessFlags: 1, Flags: MRFlagDMA})
+	errReg, _ := g.cmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: upd, AccessFlags: 1, Flags: abi.MRFlagDMA})
 	assert.NotZero(t, errReg, "no DMA MR for a user context")
-	errReg, _ = g.cmd(CmdCreateMR, CreateMR{PDHandle: kpd, AccessFlags: 7, Flags: MRFlagDMA})
+	errReg, _ = g.cmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: kpd, AccessFlags: 7, Flags: abi.MRFlagDMA})
 	assert.NotZero(t, errReg, "no remotely accessible DMA MR: it would expose all guest RAM")
-	errReg, _ = g.cmd(CmdCreateMR, CreateMR{PDHandle: kpd, AccessFlags: 1, Flags: 3})
+	errReg, _ = g.cmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: kpd, AccessFlags: 1, Flags: 3})
 	assert.NotZero(t, errReg)
-	errReg, _ = g.cmd(CmdCreateMR, CreateMR{PDHandle: upd, AccessFlags: 2, Start: 0x1000, Length: 4096, NChunks: 1, PDirDMA: g.pdir(g.pages(1))})
+	errReg, _ = g.cmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: upd, AccessFlags: 2, Start: 0x1000, Length: 4096, NChunks: 1, PDirDMA: g.pdir(g.pages(1))})
 	assert.NotZero(t, errReg, "remote write without local write")
-	errReg, _ = g.cmd(CmdCreateMR, CreateMR{PDHandle: upd, AccessFlags: 1 << 6, Start: 0x1000, Length: 4096, NChunks: 1, PDirDMA: g.pdir(g.pages(1))})
+	errReg, _ = g.cmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: upd, AccessFlags: 1 << 6, Start: 0x1000, Length: 4096, NChunks: 1, PDirDMA: g.pdir(g.pages(1))})
 	assert.NotZero(t, errReg, "on-demand paging")
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // IRQ raises the device's interrupts: MSI-X vector v (VectorResponse,
@@ -160,6 +161,19 @@ type Stats struct {
 	// transport state (a planned hand-over); RestoreLostObjects those the
 	// provider could not take back (handles kept, errors raised).
 	RestoredObjects, RestoreErroredQPs, RestoreContinuedQPs, RestoreLostObjects uint64
+	// FastRegs counts REG_MR work requests executed, FastRegRefused those
+	// refused (no such fast-reg MR, another PD, a bad page list or key,
+	// an MR still valid); LocalInvs and LocalInvRefused the same for
+	// LOCAL_INV; FRMRRefused the fast-reg MRs the guest asked for where
+	// the provider has no fast registration. Each refusal is logged
+	// (rate-limited) with its reason.
+	FastRegs, FastRegRefused, LocalInvs, LocalInvRefused, FRMRRefused uint64
+	// ErrorCQEs counts the CQEs written with an error status other than
+	// a flush, FlushCQEs those of work requests flushed because their QP
+	// is in ERR (whoever completed them: the provider or the device). Both
+	// are logged, rate-limited, with the QP and the work request (flushes
+	// at debug level: every disconnect flushes the receives left posted).
+	ErrorCQEs, FlushCQEs uint64
 }
 
 type counters struct {
@@ -178,6 +192,10 @@ type counters struct {
 	journalRecords                 atomic.Uint64
 	restored, restoreErrored       atomic.Uint64
 	restoreContinued, restoreLost  atomic.Uint64
+	fastRegs, fastRegRefused       atomic.Uint64
+	localInvs, localInvRefused     atomic.Uint64
+	frmrRefused                    atomic.Uint64
+	errorCQEs, flushCQEs           atomic.Uint64
 }
 
 // Device is one PVRDMA function serving one VM.
@@ -192,7 +210,7 @@ type Device struct {
 	checkGID func(int, hostverbs.GIDEntry) error
 	mac      [6]byte
 	limits   Limits
-	caps     Caps
+	caps     abi.Caps
 	stats    counters
 	// dist is what the device measures (Config.Distributions; nil: off).
 	dist *distributions
@@ -206,10 +224,10 @@ type Device struct {
 	// them only under mu and the ring's own lock.
 	asyncMu  sync.Mutex
 	async    *ringbuf.Producer
-	eqeBuf   [EQESize]byte
+	eqeBuf   [abi.EQESize]byte
 	notifyMu sync.Mutex
 	notify   *ringbuf.Producer
-	cqneBuf  [CQNESize]byte
+	cqneBuf  [abi.CQNESize]byte
 
 	// live maps a QP handle to the QP while it exists, for completion
 	// handlers (which must not take mu). See qp.context.
@@ -253,9 +271,9 @@ type Device struct {
 
 	// Scratch space for the BAR goroutine (guarded by mu): command slots
 	// and one WQE at a time.
-	req  [CmdReqSize]byte
-	resp [CmdRespSize]byte
-	wqe  [SQWQEHdrSize + SGESize*maxSGELimit]byte
+	req  [abi.CmdReqSize]byte
+	resp [abi.CmdRespSize]byte
+	wqe  [abi.SQWQEHdrSize + abi.SGESize*maxSGELimit]byte
 	sgl  [maxSGELimit]hostverbs.SGE
 	swr  hostverbs.SendWR
 	rwr  hostverbs.RecvWR
@@ -313,7 +331,7 @@ func (d *Device) Fault() error {
 }
 
 // Caps returns the capabilities the device reports to the guest.
-func (d *Device) Caps() Caps { return d.caps }
+func (d *Device) Caps() abi.Caps { return d.caps }
 
 // Stats returns a snapshot of the device's counters.
 func (d *Device) Stats() Stats {
@@ -332,6 +350,10 @@ func (d *Device) Stats() Stats {
 		JournalRecords: s.journalRecords.Load(), RestoredObjects: s.restored.Load(),
 		RestoreErroredQPs: s.restoreErrored.Load(), RestoreContinuedQPs: s.restoreContinued.Load(),
 		RestoreLostObjects: s.restoreLost.Load(),
+		FastRegs:           s.fastRegs.Load(), FastRegRefused: s.fastRegRefused.Load(),
+		LocalInvs: s.localInvs.Load(), LocalInvRefused: s.localInvRefused.Load(),
+		FRMRRefused: s.frmrRefused.Load(),
+		ErrorCQEs:   s.errorCQEs.Load(), FlushCQEs: s.flushCQEs.Load(),
 	}
 }
 
@@ -390,7 +412,7 @@ func (d *Device) Reset() {
 	defer d.mu.Unlock()
 	d.resetLocked()
 	if !d.closed {
-		d.journalReg(RegCtl, CtlReset)
+		d.journalReg(abi.RegCtl, abi.CtlReset)
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 func TestPCIDescription(t *testing.T) {
@@ -26,7 +27,7 @@ func TestPCIDescription(t *testing.T) {
 	assert.EqualValues(t, 2<<20, p.BARs[2].Size)
 	assert.True(t, p.BARs[2].Is64Bit)
 	assert.Equal(t, MSIXInfo{Vectors: 3, BAR: 0, TableOffset: 0, PBAOffset: 0x2000}, p.MSIX)
-	assert.Equal(t, uint64(p.BARs[2].Size/UARPageSize), uint64(UARPages))
+	assert.Equal(t, uint64(p.BARs[2].Size/abi.UARPageSize), uint64(UARPages))
 }
 
 func TestProbeAndCaps(t *testing.T) {
@@ -37,7 +38,7 @@ func TestProbeAndCaps(t *testing.T) {
 	assert.EqualValues(t, 0x0820, c.VendorPartID)
 	assert.EqualValues(t, 512, c.MaxUAR, "2 MiB of UAR pages, a power of two")
 	assert.EqualValues(t, 0x505400fffe123456, c.NodeGUID)
-	assert.Equal(t, []byte{0x50, 0x54, 0x00, 0xff, 0xfe, 0x12, 0x34, 0x56}, g.bytes(g.dsr+DSRCapsOffset+8, 8))
+	assert.Equal(t, []byte{0x50, 0x54, 0x00, 0xff, 0xfe, 0x12, 0x34, 0x56}, g.bytes(g.dsr+abi.DSRCapsOffset+8, 8))
 	// Smallest of provider and limits, powers of two where the driver rounds.
 	assert.EqualValues(t, 256, c.MaxQP, "provider 256 < limit 1024")
 	assert.EqualValues(t, 4096, c.MaxQPWR, "limit 4096 < provider 8192")
@@ -45,15 +46,17 @@ func TestProbeAndCaps(t *testing.T) {
 	assert.EqualValues(t, 16384, c.MaxCQE)
 	assert.EqualValues(t, 128, c.MaxSRQ)
 	assert.EqualValues(t, 16, c.GIDTblLen)
-	assert.EqualValues(t, AtomicOpCompSwap|AtomicOpFetchAdd, c.AtomicOps)
-	assert.Zero(t, c.BMMEFlags, "fast-reg MRs are not remotely usable: not advertised")
+	assert.EqualValues(t, abi.AtomicOpCompSwap|abi.AtomicOpFetchAdd, c.AtomicOps)
+	assert.EqualValues(t, abi.BMMEFlagLocalInv|abi.BMMEFlagRemoteInv|abi.BMMEFlagFastRegWR, c.BMMEFlags,
+		"the provider has fast registration: all three bits (the driver then sets MEM_MGT_EXTENSIONS)")
+	assert.EqualValues(t, 128, c.MaxFastRegPageListLen, "provider 256, the ABI's page list at most 128")
 	// The SRQ caps where the prototype slipped.
 	assert.EqualValues(t, 128, g.u32(g.dsr+248))
 	assert.EqualValues(t, 4096, g.u32(g.dsr+252))
 	assert.EqualValues(t, 8, g.u32(g.dsr+256))
 	// Activation announces the active port on the async ring, vector 1.
-	assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventPortActive), Info: 1}}, g.events())
-	assert.EqualValues(t, 1, g.irq.count(VectorAsync))
+	assert.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventPortActive), Info: 1}}, g.events())
+	assert.EqualValues(t, 1, g.irq.count(abi.VectorAsync))
 }
 
 func TestComputeCapsRounding(t *testing.T) {
@@ -78,15 +81,15 @@ func TestComputeCapsRounding(t *testing.T) {
 
 func TestRegisters(t *testing.T) {
 	g := newGuest(t, newFakeVerbs(), Limits{})
-	assert.EqualValues(t, 20, g.readReg(RegVersion))
-	assert.EqualValues(t, 0xFFFF, g.readReg(RegErr), "ERR reads nonzero before activation")
-	assert.EqualValues(t, 0xFFFFFFFF, g.readReg(RegIMR), "interrupts masked at reset")
-	assert.EqualValues(t, 0x12005452, g.readReg(RegMACL))
-	assert.EqualValues(t, 0x5634, g.readReg(RegMACH))
-	require.NoError(t, g.writeReg(RegMACL, 0x11223344))
-	assert.EqualValues(t, 0x11223344, g.readReg(RegMACL))
-	require.NoError(t, g.writeReg(RegVersion, 99), "read-only registers ignore writes")
-	assert.EqualValues(t, 20, g.readReg(RegVersion))
+	assert.EqualValues(t, 20, g.readReg(abi.RegVersion))
+	assert.EqualValues(t, 0xFFFF, g.readReg(abi.RegErr), "ERR reads nonzero before activation")
+	assert.EqualValues(t, 0xFFFFFFFF, g.readReg(abi.RegIMR), "interrupts masked at reset")
+	assert.EqualValues(t, 0x12005452, g.readReg(abi.RegMACL))
+	assert.EqualValues(t, 0x5634, g.readReg(abi.RegMACH))
+	require.NoError(t, g.writeReg(abi.RegMACL, 0x11223344))
+	assert.EqualValues(t, 0x11223344, g.readReg(abi.RegMACL))
+	require.NoError(t, g.writeReg(abi.RegVersion, 99), "read-only registers ignore writes")
+	assert.EqualValues(t, 20, g.readReg(abi.RegVersion))
 
 	// Every offset of every BAR answers a read of every size, and never
 	// panics (CVE-2018-20191).
@@ -99,65 +102,65 @@ func TestRegisters(t *testing.T) {
 					continue
 				}
 				require.NoError(t, g.dev.ReadBAR(bar, off, p), "BAR%d %#x+%d", bar, off, n)
-				if bar == UARBAR {
+				if bar == abi.UARBAR {
 					assert.Equal(t, byte(0xff), p[0])
 				}
 			}
 		}
 	}
 	var b [8]byte
-	require.NoError(t, g.dev.ReadBAR(RegsBAR, 0, b[:]))
+	require.NoError(t, g.dev.ReadBAR(abi.RegsBAR, 0, b[:]))
 	assert.EqualValues(t, 20, binary.LittleEndian.Uint32(b[:]))
-	require.NoError(t, g.dev.ReadBAR(RegsBAR, 1, b[:2]), "unaligned reads are answered from the same view")
+	require.NoError(t, g.dev.ReadBAR(abi.RegsBAR, 1, b[:2]), "unaligned reads are answered from the same view")
 	assert.ErrorIs(t, g.dev.ReadBAR(3, 0, b[:4]), ErrAccess)
 	assert.ErrorIs(t, g.dev.ReadBAR(-1, 0, b[:4]), ErrAccess)
-	assert.ErrorIs(t, g.dev.ReadBAR(RegsBAR, BAR1Size, b[:4]), ErrAccess)
-	assert.ErrorIs(t, g.dev.ReadBAR(RegsBAR, ^uint64(0)-1, b[:4]), ErrAccess, "offset overflow")
-	assert.ErrorIs(t, g.dev.WriteBAR(RegsBAR, 2, b[:4]), ErrAccess)
-	assert.ErrorIs(t, g.dev.WriteBAR(RegsBAR, 0, b[:2]), ErrAccess)
-	assert.ErrorIs(t, g.dev.WriteBAR(UARBAR, BAR2Size, b[:4]), ErrAccess)
-	require.NoError(t, g.dev.WriteBAR(MSIXBAR, MSIXPBA, b[:4]), "PBA writes are dropped")
-	require.NoError(t, g.dev.WriteBAR(UARBAR, 12, b[:4]), "unknown UAR offsets are ignored")
+	assert.ErrorIs(t, g.dev.ReadBAR(abi.RegsBAR, BAR1Size, b[:4]), ErrAccess)
+	assert.ErrorIs(t, g.dev.ReadBAR(abi.RegsBAR, ^uint64(0)-1, b[:4]), ErrAccess, "offset overflow")
+	assert.ErrorIs(t, g.dev.WriteBAR(abi.RegsBAR, 2, b[:4]), ErrAccess)
+	assert.ErrorIs(t, g.dev.WriteBAR(abi.RegsBAR, 0, b[:2]), ErrAccess)
+	assert.ErrorIs(t, g.dev.WriteBAR(abi.UARBAR, BAR2Size, b[:4]), ErrAccess)
+	require.NoError(t, g.dev.WriteBAR(abi.MSIXBAR, MSIXPBA, b[:4]), "PBA writes are dropped")
+	require.NoError(t, g.dev.WriteBAR(abi.UARBAR, 12, b[:4]), "unknown UAR offsets are ignored")
 	assert.Positive(t, g.dev.Stats().BadDoorbells)
 
 	// ICR is read-to-clear; a pending response hides the other causes
 	// (the driver's INTx handler completes commands only on ICR == 1).
-	g.dev.raise(VectorCQ)
-	assert.EqualValues(t, 4, g.readReg(RegICR))
-	assert.EqualValues(t, 0, g.readReg(RegICR))
-	g.dev.raise(VectorCQ)
-	g.dev.raise(VectorResponse)
-	assert.EqualValues(t, 1, g.readReg(RegICR))
-	assert.EqualValues(t, 0, g.irq.count(VectorCQ), "IMR masks every vector")
-	require.NoError(t, g.writeReg(RegIMR, 0))
-	g.dev.raise(VectorCQ)
-	assert.EqualValues(t, 1, g.irq.count(VectorCQ))
+	g.dev.raise(abi.VectorCQ)
+	assert.EqualValues(t, 4, g.readReg(abi.RegICR))
+	assert.EqualValues(t, 0, g.readReg(abi.RegICR))
+	g.dev.raise(abi.VectorCQ)
+	g.dev.raise(abi.VectorResponse)
+	assert.EqualValues(t, 1, g.readReg(abi.RegICR))
+	assert.EqualValues(t, 0, g.irq.count(abi.VectorCQ), "IMR masks every vector")
+	require.NoError(t, g.writeReg(abi.RegIMR, 0))
+	g.dev.raise(abi.VectorCQ)
+	assert.EqualValues(t, 1, g.irq.count(abi.VectorCQ))
 
 	require.NoError(t, g.dev.Close())
-	assert.ErrorIs(t, g.dev.WriteBAR(RegsBAR, RegIMR, b[:4]), ErrClosed)
-	assert.ErrorIs(t, g.dev.ReadBAR(RegsBAR, RegErr, b[:4]), ErrClosed)
+	assert.ErrorIs(t, g.dev.WriteBAR(abi.RegsBAR, abi.RegIMR, b[:4]), ErrClosed)
+	assert.ErrorIs(t, g.dev.ReadBAR(abi.RegsBAR, abi.RegErr, b[:4]), ErrClosed)
 }
 
 func TestCommandsBeforeDSR(t *testing.T) {
 	// CVE-2022-1050: a guest issuing commands before the DSR (and so the
 	// command and response slots) exists gets an error, not a crash.
 	g := newGuest(t, newFakeVerbs(), Limits{})
-	require.NoError(t, g.writeReg(RegIMR, 0))
-	require.NoError(t, g.writeReg(RegRequest, 0))
-	assert.EqualValues(t, syscall.EFAULT, g.readReg(RegErr))
-	assert.EqualValues(t, 1, g.irq.count(VectorResponse), "the interrupt the driver waits for still comes")
-	require.NoError(t, g.writeReg(RegCtl, CtlActivate))
-	assert.NotZero(t, g.readReg(RegErr), "ACTIVATE without a DSR fails")
-	g.doorbell(0, UARQPOffset, UARQPSend)
-	g.doorbell(0, UARCQOffset, UARCQPoll)
+	require.NoError(t, g.writeReg(abi.RegIMR, 0))
+	require.NoError(t, g.writeReg(abi.RegRequest, 0))
+	assert.EqualValues(t, syscall.EFAULT, g.readReg(abi.RegErr))
+	assert.EqualValues(t, 1, g.irq.count(abi.VectorResponse), "the interrupt the driver waits for still comes")
+	require.NoError(t, g.writeReg(abi.RegCtl, abi.CtlActivate))
+	assert.NotZero(t, g.readReg(abi.RegErr), "ACTIVATE without a DSR fails")
+	g.doorbell(0, abi.UARQPOffset, abi.UARQPSend)
+	g.doorbell(0, abi.UARCQOffset, abi.UARCQPoll)
 	assert.EqualValues(t, 2, g.dev.Stats().BadDoorbells)
-	require.NoError(t, g.writeReg(RegCtl, 7))
-	assert.EqualValues(t, syscall.EINVAL, g.readReg(RegErr))
+	require.NoError(t, g.writeReg(abi.RegCtl, 7))
+	assert.EqualValues(t, syscall.EINVAL, g.readReg(abi.RegErr))
 }
 
 func TestUnknownCommand(t *testing.T) {
 	g := probedGuest(t, newFakeVerbs())
-	for _, code := range []uint32{NumCmds, 0x80000000, 0xffffffff} {
+	for _, code := range []uint32{abi.NumCmds, 0x80000000, 0xffffffff} {
 		errReg, _ := g.cmd(code, nil)
 		assert.EqualValues(t, syscall.EINVAL, errReg)
 	}
@@ -166,20 +169,20 @@ func TestUnknownCommand(t *testing.T) {
 
 func TestQueryPortAndPKey(t *testing.T) {
 	g := probedGuest(t, newFakeVerbs())
-	var r QueryPortResp
-	r.Decode(g.mustCmd(CmdQueryPort, QueryPort{PortNum: 1}))
+	var r abi.QueryPortResp
+	r.Decode(g.mustCmd(abi.CmdQueryPort, abi.QueryPort{PortNum: 1}))
 	assert.EqualValues(t, hostverbs.PortActive, r.Attrs.State)
 	assert.EqualValues(t, 16, r.Attrs.GIDTblLen, "the GID table the guest gets, not the provider's")
 	assert.EqualValues(t, 1, r.Attrs.PKeyTblLen)
 	assert.EqualValues(t, 5, r.Attrs.PhysState)
 	assert.EqualValues(t, hostverbs.MTU1024, r.Attrs.ActiveMTU)
-	errReg, _ := g.cmd(CmdQueryPort, QueryPort{PortNum: 2})
+	errReg, _ := g.cmd(abi.CmdQueryPort, abi.QueryPort{PortNum: 2})
 	assert.EqualValues(t, syscall.EINVAL, errReg)
 
-	var pk QueryPKeyResp
-	pk.Decode(g.mustCmd(CmdQueryPKey, QueryPKey{PortNum: 1, Index: 0}))
+	var pk abi.QueryPKeyResp
+	pk.Decode(g.mustCmd(abi.CmdQueryPKey, abi.QueryPKey{PortNum: 1, Index: 0}))
 	assert.EqualValues(t, 0xFFFF, pk.PKey)
-	errReg, _ = g.cmd(CmdQueryPKey, QueryPKey{PortNum: 1, Index: 1})
+	errReg, _ = g.cmd(abi.CmdQueryPKey, abi.QueryPKey{PortNum: 1, Index: 1})
 	assert.NotZero(t, errReg)
 }
 
@@ -188,18 +191,18 @@ func TestUserContexts(t *testing.T) {
 	assert.EqualValues(t, 1, g.createUC(1), "context handle = UAR page index")
 	assert.EqualValues(t, 7, g.createUC(7))
 	for _, pfn := range []uint64{uarPFN, uarPFN + 1, uarPFN + 512, uarPFN - 1, 0, ^uint64(0)} {
-		errReg, rsp := g.cmd(CmdCreateUC, CreateUC{PFN: pfn})
+		errReg, rsp := g.cmd(abi.CmdCreateUC, abi.CreateUC{PFN: pfn})
 		assert.NotZero(t, errReg, "pfn %#x", pfn)
-		var h RespHdr
+		var h abi.RespHdr
 		h.Decode(rsp)
-		assert.EqualValues(t, RespFlag|CmdCreateUC, h.Ack)
+		assert.EqualValues(t, abi.RespFlag|abi.CmdCreateUC, h.Ack)
 		assert.NotZero(t, h.Err)
 	}
-	g.mustCmd(CmdDestroyUC, DestroyUC{CtxHandle: 1})
+	g.mustCmd(abi.CmdDestroyUC, abi.DestroyUC{CtxHandle: 1})
 	assert.EqualValues(t, 1, g.createUC(1), "index reused after DESTROY_UC")
-	errReg, _ := g.cmd(CmdDestroyUC, DestroyUC{CtxHandle: 3})
+	errReg, _ := g.cmd(abi.CmdDestroyUC, abi.DestroyUC{CtxHandle: 3})
 	assert.NotZero(t, errReg)
-	errReg, _ = g.cmd(CmdCreatePD, CreatePD{CtxHandle: 3})
+	errReg, _ = g.cmd(abi.CmdCreatePD, abi.CreatePD{CtxHandle: 3})
 	assert.NotZero(t, errReg, "PD in a context that does not exist")
 }
 
@@ -214,52 +217,52 @@ func TestGIDBinding(t *testing.T) {
 	assert.Equal(t, []gidEvent{{0, hostverbs.GIDEntry{GID: ll, Type: 2}, true}, {1, hostverbs.GIDEntry{GID: v4, Type: 2}, true}}, g.gotGID)
 	assert.Equal(t, v4, g.dev.GIDs()[1].GID)
 
-	for _, bad := range []CreateBind{
+	for _, bad := range []abi.CreateBind{
 		{Index: 16, NewGID: ll, GIDType: 2},
 		{Index: 0xffffffff, NewGID: ll, GIDType: 2},
 		{Index: 2, NewGID: ll, GIDType: 3},
 		{Index: 2, NewGID: hostverbs.GID{}, GIDType: 2},
 	} {
-		errReg, _ := g.cmd(CmdCreateBind, bad)
+		errReg, _ := g.cmd(abi.CmdCreateBind, bad)
 		assert.NotZero(t, errReg, "%+v", bad)
 	}
-	errReg, _ := g.cmd(CmdDestroyBind, DestroyBind{Index: 1, DestGID: ll})
+	errReg, _ := g.cmd(abi.CmdDestroyBind, abi.DestroyBind{Index: 1, DestGID: ll})
 	assert.NotZero(t, errReg, "wrong GID for the index")
-	errReg, _ = g.cmd(CmdDestroyBind, DestroyBind{Index: 5, DestGID: ll})
+	errReg, _ = g.cmd(abi.CmdDestroyBind, abi.DestroyBind{Index: 5, DestGID: ll})
 	assert.NotZero(t, errReg, "unbound index")
-	g.mustCmd(CmdDestroyBind, DestroyBind{Index: 1, DestGID: v4})
+	g.mustCmd(abi.CmdDestroyBind, abi.DestroyBind{Index: 1, DestGID: v4})
 	_, bound := fv.gids[1]
 	assert.False(t, bound)
 	assert.Equal(t, gidEvent{1, hostverbs.GIDEntry{GID: v4, Type: 2}, false}, g.gotGID[2])
 
 	fv.failNext("SetGID", hostverbs.ErrInvalid)
-	errReg, _ = g.cmd(CmdCreateBind, CreateBind{Index: 3, NewGID: v4, GIDType: 2})
+	errReg, _ = g.cmd(abi.CmdCreateBind, abi.CreateBind{Index: 3, NewGID: v4, GIDType: 2})
 	assert.EqualValues(t, syscall.EINVAL, errReg)
 	assert.False(t, g.dev.GIDs()[3].GID != hostverbs.GID{}, "a refused bind is not recorded")
 }
 
-// TestKernelGSIProbe replays what ib_core's MAD agent does at probe
-// (OBSERVED.md section 2): PD, DMA MR, CQ of 1024 in 17 pages, the GSI QP
+// TestKernelGSIProbe replays what ib_core's MAD agent does at probe (as
+// seen from the 6.1 driver): PD, DMA MR, CQ of 1024 in 17 pages, the GSI QP
 // (wr 128/512, sge 2/1, 9 pages with 4 send pages), three MODIFY_QPs, an
 // ARM and 512 single-WQE RECV doorbells.
 func TestKernelGSIProbe(t *testing.T) {
 	fv := newFakeVerbs()
 	g := probedGuest(t, fv)
 	pd := g.createPD(0)
-	var mr CreateMRResp
-	mr.Decode(g.mustCmd(CmdCreateMR, CreateMR{PDHandle: pd, AccessFlags: 1, Flags: MRFlagDMA}))
+	var mr abi.CreateMRResp
+	mr.Decode(g.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: pd, AccessFlags: 1, Flags: abi.MRFlagDMA}))
 	cq := g.createCQ(0, 1024)
 	require.Len(t, cq.pages, 17)
-	cq.arm(UARCQArm)
+	cq.arm(abi.UARCQArm)
 	q := g.createQP(qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeGSI, sendWR: 128, recvWR: 512, sendSGE: 2, recvSGE: 1, sigAll: true})
 	assert.EqualValues(t, 1, q.qpn, "the GSI QP is QPN 1")
 	assert.Len(t, q.pages, 9)
 	assert.Equal(t, 4, q.sendChunks)
-	q.mustModify(0x51, QPAttr{State: 1, PKeyIndex: 0, QKey: 0x80010000})
-	q.mustModify(0x1, QPAttr{State: 2})
-	q.mustModify(0x10001, QPAttr{State: 3})
+	q.mustModify(0x51, abi.QPAttr{State: 1, PKeyIndex: 0, QKey: 0x80010000})
+	q.mustModify(0x1, abi.QPAttr{State: 2})
+	q.mustModify(0x10001, abi.QPAttr{State: 3})
 	for i := 0; i < 512; i++ {
-		q.postRecv(uint64(0xffff888000000000)+uint64(i), SGE{Addr: 0x2000000 + uint64(i)*296, Length: 296, LKey: mr.LKey})
+		q.postRecv(uint64(0xffff888000000000)+uint64(i), abi.SGE{Addr: 0x2000000 + uint64(i)*296, Length: 296, LKey: mr.LKey})
 	}
 	fq := fv.qps[0]
 	assert.Equal(t, hostverbs.QPTypeGSI, fq.init.Type)
@@ -272,12 +275,12 @@ func TestKernelGSIProbe(t *testing.T) {
 
 	// A CM MAD sent on QP1: 2 SGEs in the DMA MR, UD AV to the peer.
 	g.bindGID(1, hostverbs.GID{10: 0xff, 11: 0xff, 12: 10, 13: 77, 15: 1})
-	var h SQWQEHdr
+	var h abi.SQWQEHdr
 	h.Opcode, h.SendFlags, h.WRID = uint32(hostverbs.WRSend), uint32(hostverbs.SendSignaled), 0xffff888011112222
 	peer := hostverbs.GID{10: 0xff, 11: 0xff, 12: 10, 13: 77, 15: 2}
-	WRUD{RemoteQPN: 1, RemoteQKey: 0x80010000, AV: AV{PortPD: 0x01000000 | pd, SLTClassFlowLabel: 0x3c90a,
+	abi.WRUD{RemoteQPN: 1, RemoteQKey: 0x80010000, AV: abi.AV{PortPD: 0x01000000 | pd, SLTClassFlowLabel: 0x3c90a,
 		DGID: peer, SrcPathBits: 0x80, GIDIndex: 1, HopLimit: 64, DMAC: [6]byte{0x52, 0x54, 0, 0x77, 0, 2}}}.Encode(h.WR[:])
-	q.postSend(h, SGE{Addr: 0x3000000, Length: 24, LKey: mr.LKey}, SGE{Addr: 0x3000018, Length: 232, LKey: mr.LKey})
+	q.postSend(h, abi.SGE{Addr: 0x3000000, Length: 24, LKey: mr.LKey}, abi.SGE{Addr: 0x3000018, Length: 232, LKey: mr.LKey})
 	sends, _ := fq.take()
 	require.Len(t, sends, 1)
 	s := sends[0]
@@ -299,24 +302,24 @@ func TestLimitsAndHandles(t *testing.T) {
 	require.EqualValues(t, 2, g.caps.MaxPD)
 	pd0, pd1 := g.createPD(0), g.createPD(0)
 	assert.Equal(t, []uint32{0, 1}, []uint32{pd0, pd1}, "handles start at 0, below max_pd")
-	errReg, rsp := g.cmd(CmdCreatePD, CreatePD{})
+	errReg, rsp := g.cmd(abi.CmdCreatePD, abi.CreatePD{})
 	assert.EqualValues(t, syscall.ENOMEM, errReg, "over the quota: an error status, not host exhaustion")
-	var h RespHdr
+	var h abi.RespHdr
 	h.Decode(rsp)
 	assert.EqualValues(t, syscall.ENOMEM, h.Err)
 	assert.Equal(t, 2, fv.count("pd"), "no provider PD leaked by the refused command")
-	g.mustCmd(CmdDestroyPD, DestroyPD{PDHandle: pd0})
+	g.mustCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: pd0})
 	assert.EqualValues(t, 0, g.createPD(0), "lowest free handle reused")
 
 	m := g.regMR(pd1, 0x7f0000000000, 48<<10, 1)
-	errReg, _ = g.cmd(CmdCreateMR, CreateMR{Start: 0x10000, Length: 32 << 10, PDHandle: pd1, AccessFlags: 1,
+	errReg, _ = g.cmd(abi.CmdCreateMR, abi.CreateMR{Start: 0x10000, Length: 32 << 10, PDHandle: pd1, AccessFlags: 1,
 		NChunks: 8, PDirDMA: g.pdir(g.pages(8))})
 	assert.EqualValues(t, syscall.ENOMEM, errReg, "registered-bytes quota")
-	g.mustCmd(CmdDestroyMR, DestroyMR{MRHandle: m.handle})
+	g.mustCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: m.handle})
 	g.regMR(pd1, 0x10000, 32<<10, 1)
 
 	cq1, cq2 := g.createCQ(0, 16), g.createCQ(0, 16)
-	errReg, _ = g.cmd(CmdCreateCQ, CreateCQ{CQE: 16, NChunks: 2, PDirDMA: g.pdir(g.pages(2))})
+	errReg, _ = g.cmd(abi.CmdCreateCQ, abi.CreateCQ{CQE: 16, NChunks: 2, PDirDMA: g.pdir(g.pages(2))})
 	assert.EqualValues(t, syscall.ENOMEM, errReg)
 	assert.Equal(t, 2, fv.count("cq"))
 	spec := qpSpec{pd: pd1, scq: cq1, rcq: cq2, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1}
@@ -325,9 +328,9 @@ func TestLimitsAndHandles(t *testing.T) {
 	_, errReg = g.tryCreateQP(spec)
 	assert.EqualValues(t, syscall.ENOMEM, errReg)
 	assert.Equal(t, 2, fv.count("qp"))
-	errReg, _ = g.cmd(CmdDestroyCQ, DestroyCQ{CQHandle: cq1.handle})
+	errReg, _ = g.cmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: cq1.handle})
 	assert.EqualValues(t, syscall.EBUSY, errReg, "CQ in use by QPs")
-	errReg, _ = g.cmd(CmdDestroyPD, DestroyPD{PDHandle: pd1})
+	errReg, _ = g.cmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: pd1})
 	assert.EqualValues(t, syscall.EBUSY, errReg, "PD in use")
 }
 
@@ -336,19 +339,19 @@ func TestProviderFailuresLeakNothing(t *testing.T) {
 	fv := newFakeVerbs()
 	g := probedGuest(t, fv)
 	fv.failNext("AllocPD", hostverbs.ErrNoResources)
-	errReg, _ := g.cmd(CmdCreatePD, CreatePD{})
+	errReg, _ := g.cmd(abi.CmdCreatePD, abi.CreatePD{})
 	assert.EqualValues(t, syscall.ENOMEM, errReg)
 	pd := g.createPD(0)
 	assert.EqualValues(t, 0, pd, "the failed PD's handle was released")
 
 	fv.failNext("CreateCQ", hostverbs.ErrInvalid)
-	errReg, _ = g.cmd(CmdCreateCQ, CreateCQ{CQE: 16, NChunks: 2, PDirDMA: g.pdir(g.pages(2))})
+	errReg, _ = g.cmd(abi.CmdCreateCQ, abi.CreateCQ{CQE: 16, NChunks: 2, PDirDMA: g.pdir(g.pages(2))})
 	assert.EqualValues(t, syscall.EINVAL, errReg)
 	cq := g.createCQ(0, 16)
 	assert.EqualValues(t, 0, cq.handle)
 
 	fv.failNext("RegMR", hostverbs.ErrNoResources)
-	errReg, _ = g.cmd(CmdCreateMR, CreateMR{Start: 0x1000, Length: 4096, PDHandle: pd, AccessFlags: 1, NChunks: 1, PDirDMA: g.pdir(g.pages(1))})
+	errReg, _ = g.cmd(abi.CmdCreateMR, abi.CreateMR{Start: 0x1000, Length: 4096, PDHandle: pd, AccessFlags: 1, NChunks: 1, PDirDMA: g.pdir(g.pages(1))})
 	assert.EqualValues(t, syscall.ENOMEM, errReg)
 	assert.EqualValues(t, 0, g.regMR(pd, 0x1000, 4096, 1).handle)
 
@@ -359,14 +362,14 @@ func TestProviderFailuresLeakNothing(t *testing.T) {
 	q := g.createQP(spec)
 	assert.EqualValues(t, 0, q.handle)
 	assert.Equal(t, 1, fv.count("qp"))
-	errReg, _ = g.cmd(CmdDestroyPD, DestroyPD{PDHandle: pd})
+	errReg, _ = g.cmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: pd})
 	assert.EqualValues(t, syscall.EBUSY, errReg, "refcounts survived the failures exactly")
 
 	fv.failNext("Modify", hostverbs.ErrInvalid)
-	errReg, h := q.modify(0x39, QPAttr{State: 1, PortNum: 1})
+	errReg, h := q.modify(0x39, abi.QPAttr{State: 1, PortNum: 1})
 	assert.EqualValues(t, syscall.EINVAL, errReg)
 	assert.EqualValues(t, syscall.EINVAL, h.Err, "MODIFY_QP reports in the response too")
-	q.mustModify(0x39, QPAttr{State: 1, PortNum: 1})
+	q.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1})
 }
 
 func TestBadHandles(t *testing.T) {
@@ -375,27 +378,27 @@ func TestBadHandles(t *testing.T) {
 		code uint32
 		req  encoder
 	}{
-		{CmdDestroyPD, DestroyPD{PDHandle: 5}},
-		{CmdCreateMR, CreateMR{PDHandle: 9, Flags: MRFlagDMA}},
-		{CmdDestroyMR, DestroyMR{MRHandle: 0}},
-		{CmdCreateCQ, CreateCQ{CtxHandle: 77, CQE: 16, NChunks: 2}},
-		{CmdResizeCQ, ResizeCQ{CQHandle: 3, CQE: 16}},
-		{CmdDestroyCQ, DestroyCQ{CQHandle: 0xffffff}},
-		{CmdCreateQP, CreateQP{PDHandle: 1, QPType: 2, MaxSendWR: 1, MaxRecvWR: 1, MaxSendSGE: 1, MaxRecvSGE: 1}},
-		{CmdModifyQP, ModifyQP{QPHandle: 0, AttrMask: 1}},
-		{CmdQueryQP, QueryQP{QPHandle: 1 << 31}},
-		{CmdDestroyQP, DestroyQP{QPHandle: 0}},
-		{CmdModifySRQ, ModifySRQ{SRQHandle: 0, AttrMask: 2}},
-		{CmdQuerySRQ, QuerySRQ{SRQHandle: 0}},
-		{CmdDestroySRQ, DestroySRQ{SRQHandle: 0}},
-		{CmdCreateSRQ, CreateSRQ{PDHandle: 4, Attrs: SRQAttr{MaxWR: 4, MaxSGE: 1}}},
+		{abi.CmdDestroyPD, abi.DestroyPD{PDHandle: 5}},
+		{abi.CmdCreateMR, abi.CreateMR{PDHandle: 9, Flags: abi.MRFlagDMA}},
+		{abi.CmdDestroyMR, abi.DestroyMR{MRHandle: 0}},
+		{abi.CmdCreateCQ, abi.CreateCQ{CtxHandle: 77, CQE: 16, NChunks: 2}},
+		{abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: 3, CQE: 16}},
+		{abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: 0xffffff}},
+		{abi.CmdCreateQP, abi.CreateQP{PDHandle: 1, QPType: 2, MaxSendWR: 1, MaxRecvWR: 1, MaxSendSGE: 1, MaxRecvSGE: 1}},
+		{abi.CmdModifyQP, abi.ModifyQP{QPHandle: 0, AttrMask: 1}},
+		{abi.CmdQueryQP, abi.QueryQP{QPHandle: 1 << 31}},
+		{abi.CmdDestroyQP, abi.DestroyQP{QPHandle: 0}},
+		{abi.CmdModifySRQ, abi.ModifySRQ{SRQHandle: 0, AttrMask: 2}},
+		{abi.CmdQuerySRQ, abi.QuerySRQ{SRQHandle: 0}},
+		{abi.CmdDestroySRQ, abi.DestroySRQ{SRQHandle: 0}},
+		{abi.CmdCreateSRQ, abi.CreateSRQ{PDHandle: 4, Attrs: abi.SRQAttr{MaxWR: 4, MaxSGE: 1}}},
 	} {
 		errReg, rsp := g.cmd(c.code, c.req)
 		assert.NotZero(t, errReg, CommandName(c.code))
 		assert.Less(t, errReg, uint32(256), "ERR holds a small positive errno")
-		var h RespHdr
+		var h abi.RespHdr
 		h.Decode(rsp)
-		assert.EqualValues(t, RespFlag|c.code, h.Ack, CommandName(c.code))
+		assert.EqualValues(t, abi.RespFlag|c.code, h.Ack, CommandName(c.code))
 		assert.NotZero(t, h.Err, CommandName(c.code))
 	}
 }
@@ -413,15 +416,15 @@ func TestResetDropsEverything(t *testing.T) {
 	for _, k := range []string{"pd", "cq", "mr", "srq", "qp"} {
 		require.Equal(t, 1, fv.count(k), k)
 	}
-	require.NoError(t, g.writeReg(RegCtl, CtlReset))
+	require.NoError(t, g.writeReg(abi.RegCtl, abi.CtlReset))
 	for _, k := range []string{"pd", "cq", "mr", "srq", "qp"} {
 		assert.Equal(t, 0, fv.count(k), k)
 	}
 	assert.Empty(t, fv.gids)
 	assert.False(t, g.gotGID[len(g.gotGID)-1].bound, "GIDs unbound")
-	assert.EqualValues(t, 0xFFFF, g.readReg(RegErr))
-	require.NoError(t, g.writeReg(RegIMR, 0))
-	errReg, _ := g.cmd(CmdCreatePD, CreatePD{})
+	assert.EqualValues(t, 0xFFFF, g.readReg(abi.RegErr))
+	require.NoError(t, g.writeReg(abi.RegIMR, 0))
+	errReg, _ := g.cmd(abi.CmdCreatePD, abi.CreatePD{})
 	assert.EqualValues(t, syscall.EFAULT, errReg, "no DSR after reset")
 	// The guest probes again on the same device (QMP system_reset).
 	g.probe()
@@ -436,11 +439,11 @@ func TestNotSharedMemoryIsRefused(t *testing.T) {
 	require.NoError(t, err)
 	var b [4]byte
 	binary.LittleEndian.PutUint32(b[:], 0x1000)
-	require.NoError(t, d.WriteBAR(RegsBAR, RegDSRLow, b[:]))
+	require.NoError(t, d.WriteBAR(abi.RegsBAR, abi.RegDSRLow, b[:]))
 	binary.LittleEndian.PutUint32(b[:], 0)
-	require.NoError(t, d.WriteBAR(RegsBAR, RegDSRHigh, b[:]))
-	require.NoError(t, d.WriteBAR(RegsBAR, RegCtl, b[:]))
-	require.NoError(t, d.ReadBAR(RegsBAR, RegErr, b[:]))
+	require.NoError(t, d.WriteBAR(abi.RegsBAR, abi.RegDSRHigh, b[:]))
+	require.NoError(t, d.WriteBAR(abi.RegsBAR, abi.RegCtl, b[:]))
+	require.NoError(t, d.ReadBAR(abi.RegsBAR, abi.RegErr, b[:]))
 	assert.NotZero(t, binary.LittleEndian.Uint32(b[:]), "a VM whose RAM has no fd cannot activate the device")
 	_, err = mem.Uint32(0x1000)
 	assert.ErrorIs(t, err, guestmem.ErrNotShared)
@@ -458,7 +461,7 @@ func TestNewValidatesConfig(t *testing.T) {
 // (the stock driver refuses a device offering both).
 func TestCapsGIDTypes(t *testing.T) {
 	a := newFakeVerbs().attr
-	assert.EqualValues(t, GIDTypeFlagRoCEv2, computeCaps(a, Limits{}.withDefaults(), testMAC).GIDTypes)
+	assert.EqualValues(t, abi.GIDTypeFlagRoCEv2, computeCaps(a, Limits{}.withDefaults(), testMAC).GIDTypes)
 	a.GIDType = hostverbs.GIDTypeRoCEv1
-	assert.EqualValues(t, GIDTypeFlagRoCEv1, computeCaps(a, Limits{}.withDefaults(), testMAC).GIDTypes)
+	assert.EqualValues(t, abi.GIDTypeFlagRoCEv1, computeCaps(a, Limits{}.withDefaults(), testMAC).GIDTypes)
 }

@@ -8,7 +8,10 @@
 // async-event and CQ-notification rings with their MSI-X vectors, and the
 // translation of guest work requests (read from guest rings with
 // package ringbuf) into hostverbs work requests and of hostverbs work
-// completions into CQEs in guest CQ rings.
+// completions into CQEs in guest CQ rings. The binary layouts it reads
+// and writes (registers, DSR, commands, WQEs, CQEs, ring entries) are
+// package vdev/abi's, which holds the codecs only; what a field may hold
+// and what the device does with it are decided here.
 //
 // Everything the guest writes is untrusted: ring indices, page
 // directories, handles, keys, SGEs and every command field are validated
@@ -34,7 +37,9 @@
 // made (Config.Journal, journal.go), compacts it on demand (Checkpoint)
 // and is rebuilt from it by a restarted daemon for the same, still running
 // guest (Restore, restore.go): same handles, QPNs and keys, rings adopted
-// where the guest memory has them.
+// where the guest memory has them. Restore reads as its stages: read the
+// journal (restore_journal.go), replay its records (restore_replay.go; the
+// command handlers' side in restore_hooks.go), settle the result.
 //
 // Planned hand-over (handover.go, handover_srq.go): with the guest's
 // doorbells and commands stopped, a daemon waits for SendsDrained,

@@ -9,6 +9,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // Limits of the device rings the DSR names. The driver uses 4 pages each
@@ -56,11 +57,11 @@ func (d *Device) loadDSRAt(gpa guestmem.GPA) error {
 	if gpa.PageOffset()%8 != 0 {
 		return fmt.Errorf("DSR at %v misaligned: %w", gpa, syscall.EINVAL)
 	}
-	var buf [DSRSize]byte
+	var buf [abi.DSRSize]byte
 	if err := d.mem.ReadAt(buf[:], gpa); err != nil {
 		return fmt.Errorf("read DSR at %v: %w", gpa, err)
 	}
-	var dsr DSR
+	var dsr abi.DSR
 	dsr.Decode(buf[:])
 	st := &dsrState{
 		gpa: gpa, driverVersion: dsr.DriverVersion,
@@ -74,24 +75,24 @@ func (d *Device) loadDSRAt(gpa guestmem.GPA) error {
 			return fmt.Errorf("DSR %s: %w", s.name, err)
 		}
 	}
-	async, err := d.deviceRing(dsr.AsyncRing, EQESize)
+	async, err := d.deviceRing(dsr.AsyncRing, abi.EQESize)
 	if err != nil {
 		return fmt.Errorf("DSR async event ring: %w", err)
 	}
-	notify, err := d.deviceRing(dsr.CQRing, CQNESize)
+	notify, err := d.deviceRing(dsr.CQRing, abi.CQNESize)
 	if err != nil {
 		return fmt.Errorf("DSR CQ notification ring: %w", err)
 	}
-	if dsr.DriverVersion < VersionQPHandle {
+	if dsr.DriverVersion < abi.VersionQPHandle {
 		d.lim.Warn("old-driver", "pvrdma: guest driver predates device version 20 (QP handles); it may misbehave",
 			"driver_version", dsr.DriverVersion)
 	}
-	var caps [CapsSize]byte
+	var caps [abi.CapsSize]byte
 	d.caps.Encode(caps[:])
 	if d.rp != nil {
 		// A restore: the driver read its capabilities at probe.
-		d.rp.checkCaps(caps[:], gpa+DSRCapsOffset)
-	} else if err := d.mem.WriteAt(caps[:], gpa+DSRCapsOffset); err != nil {
+		d.rp.checkCaps(caps[:], gpa+abi.DSRCapsOffset)
+	} else if err := d.mem.WriteAt(caps[:], gpa+abi.DSRCapsOffset); err != nil {
 		return fmt.Errorf("write caps: %w", err)
 	}
 	d.asyncMu.Lock()
@@ -112,7 +113,7 @@ func (d *Device) loadDSRAt(gpa guestmem.GPA) error {
 // of size bytes start at page 1, (pages-1)*4096/size of them as the driver
 // counts (see ringbuf.Geometry for why that count need not be a power of
 // two).
-func (d *Device) deviceRing(info RingPageInfo, size uint32) (*ringbuf.Producer, error) {
+func (d *Device) deviceRing(info abi.RingPageInfo, size uint32) (*ringbuf.Producer, error) {
 	if info.NumPages < minDSRRingPages || info.NumPages > maxDSRRingPages {
 		return nil, fmt.Errorf("%d pages (allowed %d..%d): %w", info.NumPages, minDSRRingPages, maxDSRRingPages, ringbuf.ErrPageCount)
 	}
@@ -165,7 +166,7 @@ func (d *Device) pushEvent(typ, info uint32) {
 	}
 	gpa, err := d.async.Reserve()
 	if err == nil {
-		EQE{Type: typ, Info: info}.Encode(d.eqeBuf[:])
+		abi.EQE{Type: typ, Info: info}.Encode(d.eqeBuf[:])
 		if err = d.mem.WriteAt(d.eqeBuf[:], gpa); err == nil {
 			err = d.async.Commit()
 		}
@@ -176,7 +177,7 @@ func (d *Device) pushEvent(typ, info uint32) {
 		return
 	}
 	d.stats.asyncEvents.Add(1)
-	d.raise(VectorAsync)
+	d.raise(abi.VectorAsync)
 }
 
 // pushCQNotify appends a CQ handle to the CQ-notification ring and raises
@@ -190,7 +191,7 @@ func (d *Device) pushCQNotify(handle uint32) {
 	}
 	gpa, err := d.notify.Reserve()
 	if err == nil {
-		CQNE{Info: handle}.Encode(d.cqneBuf[:])
+		abi.CQNE{Info: handle}.Encode(d.cqneBuf[:])
 		if err = d.mem.WriteAt(d.cqneBuf[:], gpa); err == nil {
 			err = d.notify.Commit()
 		}
@@ -201,5 +202,5 @@ func (d *Device) pushCQNotify(handle uint32) {
 		return
 	}
 	d.stats.cqNotifications.Add(1)
-	d.raise(VectorCQ)
+	d.raise(abi.VectorCQ)
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // The guest's send and receive rings are the durable record of the work
@@ -144,7 +145,7 @@ func TestUnpublishedCQEStillReleases(t *testing.T) {
 	q := g.createQP(qpSpec{pd: pd, scq: scq, rcq: rcq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 1, recvSGE: 1, uar: 1})
 	q.toRTS(0x99, gidB, 0)
 	fq := fv.qps[0]
-	sge := SGE{Addr: mr.iova, Length: 8, LKey: mr.lkey}
+	sge := abi.SGE{Addr: mr.iova, Length: 8, LKey: mr.lkey}
 
 	q.postSend(wqe(hostverbs.WRSend, 7, hostverbs.SendSignaled), sge)
 	fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
@@ -225,7 +226,7 @@ func TestCrashLeavesOutstandingWork(t *testing.T) {
 
 	// What the old device wrote is there, once; what the new one writes
 	// follows it.
-	assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventPortErr), Info: 1}, {Type: uint32(eventPortActive), Info: 1}}, g.events(),
+	assert.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventPortErr), Info: 1}, {Type: uint32(eventPortActive), Info: 1}}, g.events(),
 		"the old device's event, then the new one's activation")
 	assert.EqualValues(t, 1, u.scq.mustPoll().WRID)
 	assert.EqualValues(t, 11, u.rcq.mustPoll().WRID)
@@ -244,7 +245,7 @@ func TestCrashLeavesOutstandingWork(t *testing.T) {
 	_, ok := u.scq.poll()
 	assert.False(t, ok)
 	g.dev.HandleEvent(hostverbs.AsyncEvent{Type: hostverbs.EventGIDChange})
-	assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventGIDChange), Info: 1}}, g.events())
+	assert.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventGIDChange), Info: 1}}, g.events())
 
 	// The guest goes on as before.
 	q.postSend(wqe(hostverbs.WRSend, 7, hostverbs.SendSignaled), u.sge(0, 8))
@@ -264,17 +265,17 @@ func (g *guest) rebuild(verbs hostverbs.Device) {
 	g.t.Cleanup(func() { _ = dev.Close() })
 	g.dev, g.verbs = dev, verbs
 	assert.False(g.t, dev.SetAdoptRings(true))
-	require.NoError(g.t, g.writeReg(RegDSRLow, uint32(g.dsr)))
-	require.NoError(g.t, g.writeReg(RegDSRHigh, uint32(g.dsr>>32)))
-	require.NoError(g.t, g.writeReg(RegIMR, 0))
-	require.NoError(g.t, g.writeReg(RegCtl, CtlActivate))
-	require.Zero(g.t, g.readReg(RegErr))
+	require.NoError(g.t, g.writeReg(abi.RegDSRLow, uint32(g.dsr)))
+	require.NoError(g.t, g.writeReg(abi.RegDSRHigh, uint32(g.dsr>>32)))
+	require.NoError(g.t, g.writeReg(abi.RegIMR, 0))
+	require.NoError(g.t, g.writeReg(abi.RegCtl, abi.CtlActivate))
+	require.Zero(g.t, g.readReg(abi.RegErr))
 	for _, req := range g.journal {
 		copy(g.raw[g.cmdGPA:], req)
-		require.NoError(g.t, g.writeReg(RegRequest, 0))
-		var h CmdHdr
+		require.NoError(g.t, g.writeReg(abi.RegRequest, 0))
+		var h abi.CmdHdr
 		h.Decode(req)
-		require.Zero(g.t, g.readReg(RegErr), "replay %s", CommandName(h.Cmd))
+		require.Zero(g.t, g.readReg(abi.RegErr), "replay %s", CommandName(h.Cmd))
 	}
 	assert.True(g.t, dev.SetAdoptRings(false))
 	dev.KickQueues()
@@ -303,17 +304,17 @@ func TestAdoptRejectsGarbage(t *testing.T) {
 			t.Cleanup(func() { _ = dev.Close() })
 			g.dev = dev
 			dev.SetAdoptRings(true)
-			require.NoError(t, g.writeReg(RegDSRLow, uint32(g.dsr)))
-			require.NoError(t, g.writeReg(RegDSRHigh, uint32(g.dsr>>32)))
-			require.NoError(t, g.writeReg(RegCtl, CtlActivate))
-			require.Zero(t, g.readReg(RegErr))
+			require.NoError(t, g.writeReg(abi.RegDSRLow, uint32(g.dsr)))
+			require.NoError(t, g.writeReg(abi.RegDSRHigh, uint32(g.dsr>>32)))
+			require.NoError(t, g.writeReg(abi.RegCtl, abi.CtlActivate))
+			require.Zero(t, g.readReg(abi.RegErr))
 			failed := map[string]uint32{}
 			for _, req := range g.journal {
 				copy(g.raw[g.cmdGPA:], req)
-				require.NoError(t, g.writeReg(RegRequest, 0))
-				var h CmdHdr
+				require.NoError(t, g.writeReg(abi.RegRequest, 0))
+				var h abi.CmdHdr
 				h.Decode(req)
-				if e := g.readReg(RegErr); e != 0 {
+				if e := g.readReg(abi.RegErr); e != 0 {
 					failed[CommandName(h.Cmd)] = e
 				}
 			}
@@ -331,9 +332,9 @@ func TestAdoptRejectsGarbage(t *testing.T) {
 	t.Cleanup(func() { _ = dev.Close() })
 	g.dev = dev
 	dev.SetAdoptRings(true)
-	require.NoError(t, g.writeReg(RegDSRLow, uint32(g.dsr)))
-	require.NoError(t, g.writeReg(RegDSRHigh, uint32(g.dsr>>32)))
-	assert.EqualValues(t, 22, g.readReg(RegErr))
+	require.NoError(t, g.writeReg(abi.RegDSRLow, uint32(g.dsr)))
+	require.NoError(t, g.writeReg(abi.RegDSRHigh, uint32(g.dsr>>32)))
+	assert.EqualValues(t, 22, g.readReg(abi.RegErr))
 	assert.Error(t, dev.Fault())
 	dev.KickQueues() // no DSR: nothing
 }
@@ -345,13 +346,13 @@ func TestAdoptedReset(t *testing.T) {
 	u.fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
 	require.EqualValues(t, 1, q.sqConsumed())
 	g.dev.SetAdoptRings(true)
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateReset)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
 	assert.EqualValues(t, 1, q.sqConsumed(), "a replayed RESET keeps the ring as the guest has it")
 	g.store32(q.rqState()+4, 0xdead)
-	errReg, _ := q.modify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateReset)})
+	errReg, _ := q.modify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
 	assert.EqualValues(t, 22, errReg, "garbage cons_head: EINVAL")
 	g.dev.SetAdoptRings(false)
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateReset)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
 	assert.Zero(t, q.sqConsumed())
 	assert.Zero(t, q.rqConsumed())
 }
@@ -361,16 +362,16 @@ func TestFlushAndLocalOpsRelease(t *testing.T) {
 	g := probedGuest(t, fv)
 	g.bindGID(0, gidA)
 	pd := g.createPD(0)
-	var dma CreateMRResp
-	dma.Decode(g.mustCmd(CmdCreateMR, CreateMR{PDHandle: pd, AccessFlags: 1, Flags: MRFlagDMA}))
+	var dma abi.CreateMRResp
+	dma.Decode(g.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: pd, AccessFlags: 1, Flags: abi.MRFlagDMA}))
 	cq := g.createCQ(0, 64)
 	q := g.createQP(qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 2, recvSGE: 1})
 	q.toRTS(5, gidB, 0)
 	fq := fv.qps[0]
-	sge := SGE{Addr: 0x200000, Length: 64, LKey: dma.LKey}
-	var fr CreateMRResp
-	fr.Decode(g.mustCmd(CmdCreateMR, CreateMR{PDHandle: pd, Flags: MRFlagFRMR, NChunks: 16}))
-	inv := func(wrid uint64, flags hostverbs.SendFlags) SQWQEHdr {
+	sge := abi.SGE{Addr: 0x200000, Length: 64, LKey: dma.LKey}
+	var fr abi.CreateMRResp
+	fr.Decode(g.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: pd, Flags: abi.MRFlagFRMR, NChunks: 16}))
+	inv := func(wrid uint64, flags hostverbs.SendFlags) abi.SQWQEHdr {
 		h := wqe(hostverbs.WRLocalInv, wrid, flags)
 		h.Ex = fr.LKey
 		return h
@@ -411,7 +412,7 @@ func TestFlushAndLocalOpsRelease(t *testing.T) {
 		q.writeSend(wqe(hostverbs.WRSend, i, 0), sge)
 	}
 	q.writeSend(inv(8, hostverbs.SendSignaled))
-	g.doorbell(0, UARQPOffset, UARQPSend|q.handle)
+	g.doorbell(0, abi.UARQPOffset, abi.UARQPSend|q.handle)
 	sends, _ = fq.take()
 	require.Len(t, sends, 3)
 	assert.Zero(t, sends[0].Flags&hostverbs.SendSignaled, "followed by a send: left unsignaled")
@@ -423,7 +424,7 @@ func TestFlushAndLocalOpsRelease(t *testing.T) {
 	q.writeSend(wqe(hostverbs.WRSend, 9, 0), sge)
 	q.writeSend(inv(10, 0))
 	q.writeRecv(20, sge)
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateErr)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateErr)})
 	var got []uint64
 	var st []hostverbs.WCStatus
 	for e, ok := cq.poll(); ok; e, ok = cq.poll() {
@@ -453,7 +454,7 @@ func TestDirectErrorWaitsInOrder(t *testing.T) {
 	q.udToRTS(0x11111111)
 	send := func(wrid uint64, port uint32) {
 		h := wqe(hostverbs.WRSend, wrid, hostverbs.SendSignaled)
-		WRUD{RemoteQPN: 0x1234, RemoteQKey: 0x11111111, AV: AV{PortPD: port<<24 | u.pd, DGID: gidB, HopLimit: 1}}.Encode(h.WR[:])
+		abi.WRUD{RemoteQPN: 0x1234, RemoteQKey: 0x11111111, AV: abi.AV{PortPD: port<<24 | u.pd, DGID: gidB, HopLimit: 1}}.Encode(h.WR[:])
 		q.postSend(h, u.sge(0, 64))
 	}
 	send(1, 1)
@@ -501,8 +502,8 @@ func TestHostileRingIndices(t *testing.T) {
 	q.postSend(wqe(hostverbs.WRSend, 5, hostverbs.SendSignaled), u.sge(0, 8))
 	q.postSend(wqe(hostverbs.WRSend, 6, hostverbs.SendSignaled), u.sge(0, 8))
 	g.store32(q.sqState(), 5)
-	g.doorbell(1, UARQPOffset, UARQPSend|q.handle)
-	assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventQPFatal), Info: q.handle}}, g.events())
+	g.doorbell(1, abi.UARQPOffset, abi.UARQPSend|q.handle)
+	assert.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventQPFatal), Info: q.handle}}, g.events())
 	assert.EqualValues(t, 5, u.scq.mustPoll().WRID)
 	assert.EqualValues(t, 6, u.scq.mustPoll().WRID)
 	_, ok := u.scq.poll()
@@ -514,8 +515,8 @@ func TestHostileRingIndices(t *testing.T) {
 		q = u.newQP(t)
 		q.postRecv(1, u.sge(0, 8))
 		g.store32(q.rqState(), bad)
-		g.doorbell(1, UARQPOffset, UARQPRecv|q.handle)
-		assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventQPFatal), Info: q.handle}}, g.events(), "prod_tail %#x", bad)
+		g.doorbell(1, abi.UARQPOffset, abi.UARQPRecv|q.handle)
+		assert.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventQPFatal), Info: q.handle}}, g.events(), "prod_tail %#x", bad)
 		assert.EqualValues(t, 1, u.rcq.mustPoll().WRID, "flushed once")
 		assert.EqualValues(t, 1, q.rqConsumed())
 	}
@@ -567,17 +568,17 @@ func TestHotPathAllocs(t *testing.T) {
 	u := newUserRC(t)
 	u.fv.autoComplete = true
 	g, q := u.g, u.qp
-	var w [SQWQEHdrSize + SGESize]byte
+	var w [abi.SQWQEHdrSize + abi.SGESize]byte
 	h := wqe(hostverbs.WRSend, 0, hostverbs.SendSignaled)
 	h.NumSGE = 1
 	h.Encode(w[:])
-	u.sge(0, 64).Encode(w[SQWQEHdrSize:])
-	var r [RQWQEHdrSize + SGESize]byte
-	RQWQEHdr{WRID: 1, NumSGE: 1}.Encode(r[:])
-	u.sge(0, 64).Encode(r[RQWQEHdrSize:])
+	u.sge(0, 64).Encode(w[abi.SQWQEHdrSize:])
+	var r [abi.RQWQEHdrSize + abi.SGESize]byte
+	abi.RQWQEHdr{WRID: 1, NumSGE: 1}.Encode(r[:])
+	u.sge(0, 64).Encode(r[abi.RQWQEHdrSize:])
 	var sdb, rdb [4]byte
-	putLE32(sdb[:], UARQPSend|q.handle)
-	putLE32(rdb[:], UARQPRecv|q.handle)
+	putLE32(sdb[:], abi.UARQPSend|q.handle)
+	putLE32(rdb[:], abi.UARQPRecv|q.handle)
 	consume := func(c *gcq) {
 		st := c.pages[0] + 8
 		head := g.u32(st + 4)
@@ -590,14 +591,14 @@ func TestHotPathAllocs(t *testing.T) {
 		tail := g.u32(q.sqState())
 		copy(g.raw[q.sqWQE(tail):], w[:])
 		g.put32(q.sqState(), drvInc(tail, q.sendWR))
-		if err := g.dev.WriteBAR(UARBAR, UARPageSize+UARQPOffset, sdb[:]); err != nil {
+		if err := g.dev.WriteBAR(abi.UARBAR, abi.UARPageSize+abi.UARQPOffset, sdb[:]); err != nil {
 			t.Fatal(err)
 		}
 		consume(u.scq)
 		tail = g.u32(q.rqState())
 		copy(g.raw[q.rqWQE(tail):], r[:])
 		g.put32(q.rqState(), drvInc(tail, q.recvWR))
-		if err := g.dev.WriteBAR(UARBAR, UARPageSize+UARQPOffset, rdb[:]); err != nil {
+		if err := g.dev.WriteBAR(abi.UARBAR, abi.UARPageSize+abi.UARQPOffset, rdb[:]); err != nil {
 			t.Fatal(err)
 		}
 		consume(u.rcq)
@@ -621,7 +622,7 @@ func TestDrainAfterUnsignaledSends(t *testing.T) {
 	require.Len(t, sends, 3)
 	assert.Zero(t, sends[2].Flags&hostverbs.SendSignaled, "a user QP's unsignaled send stays unsignaled")
 	fq.retire(3)
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateErr)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateErr)})
 	_, ok := u.scq.poll()
 	assert.False(t, ok)
 	q.postSend(wqe(hostverbs.WRRDMAWrite, 0xd7a1, hostverbs.SendSignaled)) // the drain marker
@@ -644,7 +645,7 @@ func TestDirectErrorAfterUnsignaled(t *testing.T) {
 	q.udToRTS(0x11111111)
 	send := func(wrid uint64, port uint32, flags hostverbs.SendFlags) {
 		h := wqe(hostverbs.WRSend, wrid, flags)
-		WRUD{RemoteQPN: 0x1234, RemoteQKey: 0x11111111, AV: AV{PortPD: port<<24 | u.pd, DGID: gidB, HopLimit: 1}}.Encode(h.WR[:])
+		abi.WRUD{RemoteQPN: 0x1234, RemoteQKey: 0x11111111, AV: abi.AV{PortPD: port<<24 | u.pd, DGID: gidB, HopLimit: 1}}.Encode(h.WR[:])
 		q.postSend(h, u.sge(0, 64))
 	}
 	send(1, 1, 0)

@@ -1,6 +1,9 @@
 package vdev
 
-import "github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+import (
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
+)
 
 const eventPortActive = hostverbs.EventPortActive
 
@@ -24,7 +27,7 @@ func (d *Device) HandleEvent(ev hostverbs.AsyncEvent) {
 		}
 		d.pushEvent(uint32(ev.Type), q.handle)
 	case hostverbs.EventCQErr, hostverbs.EventSRQErr, hostverbs.EventSRQLimitReached:
-		if ev.Context > UARHandleMask {
+		if ev.Context > abi.UARHandleMask {
 			d.stats.asyncDropped.Add(1)
 			return
 		}

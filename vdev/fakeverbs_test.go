@@ -39,6 +39,7 @@ type fakeVerbs struct {
 	qps         []*fakeQP
 	srqs        []*fakeSRQ
 	mrs         []*fakeMR
+	frs         []*fakeFRMR
 }
 
 func newFakeVerbs() *fakeVerbs {
@@ -48,6 +49,7 @@ func newFakeVerbs() *fakeVerbs {
 			MaxSGE: 8, MaxSGERd: 8, MaxCQ: 512, MaxCQE: 65536, MaxMR: 1024, MaxPD: 256, MaxQPRdAtom: 16,
 			MaxQPInitRdAtom: 16, MaxAH: 1 << 20, MaxSRQ: 128, MaxSRQWR: 8192, MaxSRQSGE: 8,
 			AtomicCap: hostverbs.AtomicHCA, LocalCAAckDelay: 15, MaxPKeys: 1, GIDTableLen: 64, PhysPortCnt: 1,
+			DeviceCapFlags: hostverbs.DeviceCapMemMgtExtensions, MaxFastRegPageListLen: 256,
 		},
 		port: hostverbs.PortAttr{State: hostverbs.PortActive, MaxMTU: hostverbs.MTU4096, ActiveMTU: hostverbs.MTU1024,
 			GIDTableLen: 64, MaxMsgSize: 1 << 31, PKeyTableLen: 1, ActiveWidth: 1, ActiveSpeed: 1, PhysState: 5},
@@ -231,6 +233,98 @@ func (p *fakePD) Dealloc() error {
 	defer p.f.mu.Unlock()
 	p.f.live["pd"]--
 	return nil
+}
+
+// AllocFastRegMR makes a fast-reg MR with the fake's key rules (a forced
+// key, or the next free one); it keeps its state as the soft provider does.
+func (p *fakePD) AllocFastRegMR(attr hostverbs.FastRegAttr) (hostverbs.FastRegMR, error) {
+	f := p.f
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.check("AllocFastRegMR"); err != nil {
+		return nil, err
+	}
+	m := &fakeFRMR{fakeMR: fakeMR{f: f}, max: attr.MaxPages}
+	if attr.Key != 0 {
+		if f.noForce {
+			return nil, fmt.Errorf("fake: key %#x: %w", attr.Key, hostverbs.ErrNotSupported)
+		}
+		if f.keys[attr.Key] {
+			return nil, fmt.Errorf("fake: key %#x: %w", attr.Key, hostverbs.ErrBusy)
+		}
+		m.lkey = attr.Key
+		f.nextKey = max(f.nextKey, attr.Key&^0xff)
+	} else {
+		for {
+			f.nextKey += 0x100
+			if !f.keys[f.nextKey|0x33] {
+				break
+			}
+		}
+		m.lkey = f.nextKey | 0x33
+	}
+	m.rkey = m.lkey
+	f.keys[m.lkey] = true
+	f.live["mr"]++
+	f.mrs = append(f.mrs, &m.fakeMR)
+	f.frs = append(f.frs, m)
+	return m, nil
+}
+
+// fakeFRMR is a fast-reg MR of the fake: free or valid under a key.
+type fakeFRMR struct {
+	fakeMR
+	max   int
+	valid bool
+	reg   hostverbs.FastReg
+}
+
+func (m *fakeFRMR) Register(r hostverbs.FastReg) error {
+	m.f.mu.Lock()
+	defer m.f.mu.Unlock()
+	if err := m.f.check("Register"); err != nil {
+		return err
+	}
+	switch {
+	case m.valid:
+		return fmt.Errorf("fake: MR %#x valid: %w", m.lkey, hostverbs.ErrBusy)
+	case r.Key>>8 != m.lkey>>8 || len(r.Pages.Pages) > m.max:
+		return fmt.Errorf("fake: key %#x, %d pages: %w", r.Key, len(r.Pages.Pages), hostverbs.ErrInvalid)
+	}
+	delete(m.f.keys, m.lkey)
+	m.valid, m.reg, m.lkey, m.rkey = true, r, r.Key, r.Key
+	m.f.keys[m.lkey] = true
+	return nil
+}
+
+func (m *fakeFRMR) Invalidate(key uint32) error {
+	m.f.mu.Lock()
+	defer m.f.mu.Unlock()
+	if key != m.lkey {
+		return fmt.Errorf("fake: invalidate %#x, the MR has %#x: %w", key, m.lkey, hostverbs.ErrInvalid)
+	}
+	m.valid = false
+	return nil
+}
+
+func (m *fakeFRMR) Registration() (hostverbs.MRState, hostverbs.FastReg) {
+	m.f.mu.Lock()
+	defer m.f.mu.Unlock()
+	if !m.valid {
+		return hostverbs.MRFree, hostverbs.FastReg{}
+	}
+	return hostverbs.MRValid, m.reg
+}
+
+// frmrs returns the fake's fast-reg MRs, oldest first.
+func (f *fakeVerbs) frmrs(t testing.TB) []*fakeFRMR {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := append([]*fakeFRMR(nil), f.frs...)
+	if len(out) == 0 {
+		t.Fatal("no fast-reg MR")
+	}
+	return out
 }
 
 type fakeMR struct {

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // fuzzGuest is a probed guest with a few objects and known-good page
@@ -34,7 +35,7 @@ func newFuzzGuest(t testing.TB) *fuzzGuest {
 
 // checkInvariants are what must hold whatever the guest did.
 func (fg *fuzzGuest) checkInvariants(t *testing.T) {
-	if e := fg.readReg(RegErr); e >= 256 && e != 0xFFFF {
+	if e := fg.readReg(abi.RegErr); e >= 256 && e != 0xFFFF {
 		t.Fatalf("ERR %#x is not a small positive errno", e)
 	}
 	d := fg.dev
@@ -58,43 +59,43 @@ func (fg *fuzzGuest) checkInvariants(t *testing.T) {
 }
 
 // pdirOffset is where each creating command carries its page directory.
-var pdirOffset = map[uint32]int{CmdCreateMR: cmrPDirDMA, CmdCreateCQ: 16, CmdCreateQP: cqpPDirDMA, CmdCreateSRQ: 16}
+var pdirOffset = map[uint32]int{abi.CmdCreateMR: abi.CreateMRPDirOffset, abi.CmdCreateCQ: 16, abi.CmdCreateQP: abi.CreateQPPDirOffset, abi.CmdCreateSRQ: 16}
 
 // FuzzCommand runs one command slot of arbitrary bytes.
 func FuzzCommand(f *testing.F) {
 	seed := func(code uint32, req encoder) []byte {
-		b := make([]byte, CmdReqSize)
-		CmdHdr{Cmd: code}.Encode(b)
+		b := make([]byte, abi.CmdReqSize)
+		abi.CmdHdr{Cmd: code}.Encode(b)
 		if req != nil {
 			req.Encode(b)
 		}
 		return b
 	}
-	f.Add(seed(CmdQueryPort, QueryPort{PortNum: 1}), uint8(0))
-	f.Add(seed(CmdCreateCQ, CreateCQ{CQE: 64, NChunks: 2}), uint8(1))
-	f.Add(seed(CmdCreateMR, CreateMR{Start: 0x1000, Length: 0x1000, NChunks: 1, AccessFlags: 1}), uint8(0))
-	f.Add(seed(CmdCreateQP, CreateQP{PDHandle: 0, QPType: 2, MaxSendWR: 4, MaxRecvWR: 4, MaxSendSGE: 1, MaxRecvSGE: 1, TotalChunks: 2, SendChunks: 1}), uint8(1))
-	f.Add(seed(CmdModifyQP, ModifyQP{QPHandle: 0, AttrMask: 1, Attrs: QPAttr{State: 6}}), uint8(0))
-	f.Add(seed(CmdCreateSRQ, CreateSRQ{Attrs: SRQAttr{MaxWR: 16, MaxSGE: 1}, NChunks: 2}), uint8(1))
-	f.Add(seed(CmdCreateBind, CreateBind{Index: 3, NewGID: gidB, GIDType: 2}), uint8(0))
-	f.Add(seed(CmdDestroyQP, DestroyQP{}), uint8(0))
+	f.Add(seed(abi.CmdQueryPort, abi.QueryPort{PortNum: 1}), uint8(0))
+	f.Add(seed(abi.CmdCreateCQ, abi.CreateCQ{CQE: 64, NChunks: 2}), uint8(1))
+	f.Add(seed(abi.CmdCreateMR, abi.CreateMR{Start: 0x1000, Length: 0x1000, NChunks: 1, AccessFlags: 1}), uint8(0))
+	f.Add(seed(abi.CmdCreateQP, abi.CreateQP{PDHandle: 0, QPType: 2, MaxSendWR: 4, MaxRecvWR: 4, MaxSendSGE: 1, MaxRecvSGE: 1, TotalChunks: 2, SendChunks: 1}), uint8(1))
+	f.Add(seed(abi.CmdModifyQP, abi.ModifyQP{QPHandle: 0, AttrMask: 1, Attrs: abi.QPAttr{State: 6}}), uint8(0))
+	f.Add(seed(abi.CmdCreateSRQ, abi.CreateSRQ{Attrs: abi.SRQAttr{MaxWR: 16, MaxSGE: 1}, NChunks: 2}), uint8(1))
+	f.Add(seed(abi.CmdCreateBind, abi.CreateBind{Index: 3, NewGID: gidB, GIDType: 2}), uint8(0))
+	f.Add(seed(abi.CmdDestroyQP, abi.DestroyQP{}), uint8(0))
 	f.Fuzz(func(t *testing.T, slot []byte, dir uint8) {
 		fg := newFuzzGuest(t)
-		b := make([]byte, CmdReqSize)
+		b := make([]byte, abi.CmdReqSize)
 		copy(b, slot)
 		code := binary.LittleEndian.Uint32(b[8:])
-		if off, ok := pdirOffset[code%NumCmds]; ok && dir&0x80 == 0 {
+		if off, ok := pdirOffset[code%abi.NumCmds]; ok && dir&0x80 == 0 {
 			binary.LittleEndian.PutUint64(b[off:], fg.dirs[int(dir)%len(fg.dirs)])
 		}
 		copy(fg.raw[fg.cmdGPA:], b)
-		if err := fg.writeReg(RegRequest, 0); err != nil {
+		if err := fg.writeReg(abi.RegRequest, 0); err != nil {
 			t.Fatal(err)
 		}
 		fg.checkInvariants(t)
-		if code < NumCmds && fg.readReg(RegErr) == 0 {
-			var h RespHdr
+		if code < abi.NumCmds && fg.readReg(abi.RegErr) == 0 {
+			var h abi.RespHdr
 			h.Decode(fg.raw[fg.rspGPA:])
-			if h.Ack != RespFlag|code || h.Err != 0 {
+			if h.Ack != abi.RespFlag|code || h.Err != 0 {
 				t.Fatalf("success with response %+v", h)
 			}
 		}
@@ -104,9 +105,9 @@ func FuzzCommand(f *testing.F) {
 // FuzzCommandSequence interleaves commands, doorbells, register writes and
 // guest scribbles over the device's rings.
 func FuzzCommandSequence(f *testing.F) {
-	f.Add([]byte{0, CmdCreatePD, 0, 0, 0, 0, 0, CmdCreateCQ, 1, 64, 0, 0, 0, 1, 0, 0, 0, 1, 4, 0, 0, 0x40})
-	f.Add([]byte{0, CmdDestroyQP, 0, 0, 0, 0, 2, 8, 0xff, 0xff, 0xff, 0xff, 1, 0, 0, 0, 0, 0x80})
-	f.Add([]byte{3, 0x0c, 2, 0, 0, 0, 0, CmdCreatePD, 0, 0, 0, 0})
+	f.Add([]byte{0, abi.CmdCreatePD, 0, 0, 0, 0, 0, abi.CmdCreateCQ, 1, 64, 0, 0, 0, 1, 0, 0, 0, 1, 4, 0, 0, 0x40})
+	f.Add([]byte{0, abi.CmdDestroyQP, 0, 0, 0, 0, 2, 8, 0xff, 0xff, 0xff, 0xff, 1, 0, 0, 0, 0, 0x80})
+	f.Add([]byte{3, 0x0c, 2, 0, 0, 0, 0, abi.CmdCreatePD, 0, 0, 0, 0})
 	f.Fuzz(runSeq)
 }
 
@@ -121,25 +122,25 @@ func runSeq(t *testing.T, prog []byte) {
 		prog = prog[n:]
 		switch op {
 		case 0: // a command: code, then 16 argument bytes at offset 16, a pdir choice
-			b := make([]byte, CmdReqSize)
-			code := uint32(arg[0]) % (NumCmds + 2)
-			CmdHdr{Cmd: code}.Encode(b)
+			b := make([]byte, abi.CmdReqSize)
+			code := uint32(arg[0]) % (abi.NumCmds + 2)
+			abi.CmdHdr{Cmd: code}.Encode(b)
 			copy(b[16:], arg[1:17])
 			if off, ok := pdirOffset[code]; ok {
 				binary.LittleEndian.PutUint64(b[off:], fg.dirs[int(arg[17])%len(fg.dirs)])
 			}
 			copy(fg.raw[fg.cmdGPA:], b)
-			_ = fg.writeReg(RegRequest, 0)
+			_ = fg.writeReg(abi.RegRequest, 0)
 		case 1: // a doorbell
 			page := uint64(arg[0] % 4)
 			off := uint64(arg[1]%4) * 4
-			_ = fg.dev.WriteBAR(UARBAR, page*UARPageSize+off, arg[2:6])
+			_ = fg.dev.WriteBAR(abi.UARBAR, page*abi.UARPageSize+off, arg[2:6])
 		case 2: // the guest writes anywhere in the pages it handed the device
 			gpa := uint64(1<<20) + uint64(binary.LittleEndian.Uint32(arg[0:]))%(fg.next-(1<<20))
 			copy(fg.raw[gpa:min(gpa+8, uint64(len(fg.raw)))], arg[4:12])
 		case 3: // a register write (RESET and DSR rewrites included)
 			reg := uint64(arg[0]%10) * 4
-			_ = fg.dev.WriteBAR(RegsBAR, reg, arg[1:5])
+			_ = fg.dev.WriteBAR(abi.RegsBAR, reg, arg[1:5])
 		}
 		fg.checkInvariants(t)
 	}
@@ -149,13 +150,13 @@ const guestmemPage = 4096
 
 // FuzzWQE posts one send and one receive WQE of arbitrary bytes.
 func FuzzWQE(f *testing.F) {
-	var h SQWQEHdr
+	var h abi.SQWQEHdr
 	h.Opcode = uint32(hostverbs.WRRDMAWrite)
-	WRRDMA{RemoteAddr: 0x1000, RKey: 5}.Encode(h.WR[:])
+	abi.WRRDMA{RemoteAddr: 0x1000, RKey: 5}.Encode(h.WR[:])
 	b := make([]byte, 256)
 	h.NumSGE = 1
 	h.Encode(b)
-	SGE{Addr: 0x10000, Length: 64}.Encode(b[SQWQEHdrSize:])
+	abi.SGE{Addr: 0x10000, Length: 64}.Encode(b[abi.SQWQEHdrSize:])
 	f.Add(b, []byte{1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 64, 0, 0, 0}, true)
 	f.Add(make([]byte, 256), make([]byte, 64), false)
 	f.Fuzz(func(t *testing.T, sq, rq []byte, fixKeys bool) {
@@ -173,19 +174,19 @@ func FuzzWQE(f *testing.F) {
 		copy(w, sq)
 		if fixKeys {
 			for i := 0; i < 2; i++ {
-				binary.LittleEndian.PutUint32(w[SQWQEHdrSize+i*SGESize+12:], fg.mr.lkey)
+				binary.LittleEndian.PutUint32(w[abi.SQWQEHdrSize+i*abi.SGESize+12:], fg.mr.lkey)
 			}
 		}
 		copy(fg.raw[sqHead:], w)
 		r := make([]byte, rstride)
 		copy(r, rq)
 		if fixKeys {
-			binary.LittleEndian.PutUint32(r[RQWQEHdrSize+12:], fg.mr.lkey)
+			binary.LittleEndian.PutUint32(r[abi.RQWQEHdrSize+12:], fg.mr.lkey)
 		}
 		copy(fg.raw[rqHead:], r)
 		fg.put32(sqState, drvInc(fg.u32(sqState), 16))
 		fg.put32(sqState+8, drvInc(fg.u32(sqState+8), 16))
-		fg.doorbell(0, UARQPOffset, UARQPSend|UARQPRecv)
+		fg.doorbell(0, abi.UARQPOffset, abi.UARQPSend|abi.UARQPRecv)
 		// Each WQE either completed in the device (released) or went to
 		// the provider (outstanding): never both, never neither.
 		fq := fg.verbs.(*fakeVerbs).qps[0]

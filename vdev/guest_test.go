@@ -9,6 +9,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // This file is a Go stand-in for the guest side: it lays out the DSR,
@@ -18,11 +19,11 @@ import (
 // driver's own (pvrdma_ring.h), not package ringbuf's.
 
 type fakeIRQ struct {
-	counts [NumVectors]atomic.Int64
+	counts [abi.NumVectors]atomic.Int64
 }
 
 func (f *fakeIRQ) Trigger(v int) {
-	if v >= 0 && v < NumVectors {
+	if v >= 0 && v < abi.NumVectors {
 		f.counts[v].Add(1)
 	}
 }
@@ -32,6 +33,9 @@ func (f *fakeIRQ) count(v int) int64 { return f.counts[v].Load() }
 // Driver ring arithmetic (pvrdma_ring.h).
 func drvValid(idx, max uint32) bool { return idx&^((max<<1)-1) == 0 }
 func drvInc(idx, max uint32) uint32 { return (idx + 1) & ((max << 1) - 1) }
+
+// put32 writes v little-endian at b[off:] (records and slots the tests forge).
+func put32(b []byte, off int, v uint32) { binary.LittleEndian.PutUint32(b[off:], v) }
 
 const (
 	guestRAMSize = 48 << 20
@@ -53,7 +57,7 @@ type guest struct {
 	async  []uint64 // pages of the async ring, page 0 = state
 	cqn    []uint64 // pages of the CQ-notify ring
 	key    uint64
-	caps   Caps
+	caps   abi.Caps
 	gotGID []gidEvent
 	// journal holds every command slot that succeeded, in order: what a
 	// restarted daemon replays (see rebuild).
@@ -144,13 +148,13 @@ func (g *guest) pdir(pages []uint64) uint64 {
 func (g *guest) writeReg(off uint64, v uint32) error {
 	var b [4]byte
 	binary.LittleEndian.PutUint32(b[:], v)
-	return g.dev.WriteBAR(RegsBAR, off, b[:])
+	return g.dev.WriteBAR(abi.RegsBAR, off, b[:])
 }
 
 func (g *guest) readReg(off uint64) uint32 {
 	g.t.Helper()
 	var b [4]byte
-	require.NoError(g.t, g.dev.ReadBAR(RegsBAR, off, b[:]))
+	require.NoError(g.t, g.dev.ReadBAR(abi.RegsBAR, off, b[:]))
 	return binary.LittleEndian.Uint32(b[:])
 }
 
@@ -158,7 +162,7 @@ func (g *guest) doorbell(uar uint32, off uint64, v uint32) {
 	g.t.Helper()
 	var b [4]byte
 	binary.LittleEndian.PutUint32(b[:], v)
-	require.NoError(g.t, g.dev.WriteBAR(UARBAR, uint64(uar)*UARPageSize+off, b[:]))
+	require.NoError(g.t, g.dev.WriteBAR(abi.UARBAR, uint64(uar)*abi.UARPageSize+off, b[:]))
 }
 
 // setupDSR lays out the DSR as pvrdma_pci_probe does.
@@ -166,10 +170,10 @@ func (g *guest) setupDSR() {
 	g.dsr = g.page(1)
 	g.cmdGPA, g.rspGPA = g.page(1), g.page(1)
 	g.async, g.cqn = g.pages(ringPages), g.pages(ringPages)
-	DSR{
-		DriverVersion: DeviceVersion, GOSInfo: 0x46, CmdSlot: g.cmdGPA, RespSlot: g.rspGPA,
-		AsyncRing: RingPageInfo{NumPages: ringPages, PDirDMA: g.pdir(g.async)},
-		CQRing:    RingPageInfo{NumPages: ringPages, PDirDMA: g.pdir(g.cqn)},
+	abi.DSR{
+		DriverVersion: abi.DeviceVersion, GOSInfo: 0x46, CmdSlot: g.cmdGPA, RespSlot: g.rspGPA,
+		AsyncRing: abi.RingPageInfo{NumPages: ringPages, PDirDMA: g.pdir(g.async)},
+		CQRing:    abi.RingPageInfo{NumPages: ringPages, PDirDMA: g.pdir(g.cqn)},
 		UARPFN:    uarPFN,
 	}.Encode(g.raw[g.dsr:])
 }
@@ -178,16 +182,16 @@ func (g *guest) setupDSR() {
 // interrupts, activate, check ERR.
 func (g *guest) probe() {
 	g.t.Helper()
-	require.EqualValues(g.t, DeviceVersion, g.readReg(RegVersion))
+	require.EqualValues(g.t, abi.DeviceVersion, g.readReg(abi.RegVersion))
 	g.setupDSR()
-	require.NoError(g.t, g.writeReg(RegDSRLow, uint32(g.dsr)))
-	require.NoError(g.t, g.writeReg(RegDSRHigh, uint32(g.dsr>>32)))
-	g.caps.Decode(g.raw[g.dsr+DSRCapsOffset:])
-	require.EqualValues(g.t, DeviceModeRoCE, g.caps.Mode)
-	require.EqualValues(g.t, GIDTypeFlagRoCEv2, g.caps.GIDTypes, "the driver compares with ==")
-	require.NoError(g.t, g.writeReg(RegIMR, 0))
-	require.NoError(g.t, g.writeReg(RegCtl, CtlActivate))
-	require.Zero(g.t, g.readReg(RegErr))
+	require.NoError(g.t, g.writeReg(abi.RegDSRLow, uint32(g.dsr)))
+	require.NoError(g.t, g.writeReg(abi.RegDSRHigh, uint32(g.dsr>>32)))
+	g.caps.Decode(g.raw[g.dsr+abi.DSRCapsOffset:])
+	require.EqualValues(g.t, abi.DeviceModeRoCE, g.caps.Mode)
+	require.EqualValues(g.t, abi.GIDTypeFlagRoCEv2, g.caps.GIDTypes, "the driver compares with ==")
+	require.NoError(g.t, g.writeReg(abi.RegIMR, 0))
+	require.NoError(g.t, g.writeReg(abi.RegCtl, abi.CtlActivate))
+	require.Zero(g.t, g.readReg(abi.RegErr))
 }
 
 type encoder interface{ Encode([]byte) }
@@ -196,21 +200,21 @@ type encoder interface{ Encode([]byte) }
 // copy of the response slot (the union's 176 bytes).
 func (g *guest) cmd(code uint32, req encoder) (uint32, []byte) {
 	g.t.Helper()
-	slot := g.raw[g.cmdGPA : g.cmdGPA+CmdReqSize]
+	slot := g.raw[g.cmdGPA : g.cmdGPA+abi.CmdReqSize]
 	clear(slot)
 	g.key++
-	CmdHdr{Response: g.key, Cmd: code}.Encode(slot)
+	abi.CmdHdr{Response: g.key, Cmd: code}.Encode(slot)
 	if req != nil {
 		req.Encode(slot)
 	}
-	rsp := g.raw[g.rspGPA : g.rspGPA+CmdRespSize]
+	rsp := g.raw[g.rspGPA : g.rspGPA+abi.CmdRespSize]
 	for i := range rsp {
 		rsp[i] = 0xEE
 	}
-	before := g.irq.count(VectorResponse)
-	require.NoError(g.t, g.writeReg(RegRequest, 0))
-	errReg := g.readReg(RegErr)
-	require.Equal(g.t, before+1, g.irq.count(VectorResponse), "every command raises vector 0")
+	before := g.irq.count(abi.VectorResponse)
+	require.NoError(g.t, g.writeReg(abi.RegRequest, 0))
+	errReg := g.readReg(abi.RegErr)
+	require.Equal(g.t, before+1, g.irq.count(abi.VectorResponse), "every command raises vector 0")
 	if errReg == 0 {
 		g.journal = append(g.journal, append([]byte(nil), slot...))
 	}
@@ -222,28 +226,28 @@ func (g *guest) mustCmd(code uint32, req encoder) []byte {
 	g.t.Helper()
 	errReg, rsp := g.cmd(code, req)
 	require.Zero(g.t, errReg, "%s failed with ERR %d", CommandName(code), errReg)
-	var h RespHdr
+	var h abi.RespHdr
 	h.Decode(rsp)
 	require.Equal(g.t, g.key, h.Response, "response key echoed")
-	require.EqualValues(g.t, RespFlag|code, h.Ack)
+	require.EqualValues(g.t, abi.RespFlag|code, h.Ack)
 	require.Zero(g.t, h.Err)
 	return rsp
 }
 
 func (g *guest) createPD(ctx uint32) uint32 {
-	var r CreatePDResp
-	r.Decode(g.mustCmd(CmdCreatePD, CreatePD{CtxHandle: ctx}))
+	var r abi.CreatePDResp
+	r.Decode(g.mustCmd(abi.CmdCreatePD, abi.CreatePD{CtxHandle: ctx}))
 	return r.PDHandle
 }
 
 func (g *guest) createUC(uar uint32) uint32 {
-	var r CreateUCResp
-	r.Decode(g.mustCmd(CmdCreateUC, CreateUC{PFN: uarPFN + uint64(uar)}))
+	var r abi.CreateUCResp
+	r.Decode(g.mustCmd(abi.CmdCreateUC, abi.CreateUC{PFN: uarPFN + uint64(uar)}))
 	return r.CtxHandle
 }
 
 func (g *guest) bindGID(index uint32, gid hostverbs.GID) {
-	g.mustCmd(CmdCreateBind, CreateBind{MTU: 1024, VLAN: 0xfff, Index: index, NewGID: gid, GIDType: 2})
+	g.mustCmd(abi.CmdCreateBind, abi.CreateBind{MTU: 1024, VLAN: 0xfff, Index: index, NewGID: gid, GIDType: 2})
 }
 
 // gmr is a guest memory region: iova as the guest sees it and the
@@ -287,8 +291,8 @@ func (g *guest) regMR(pd uint32, iova, length uint64, access uint32) *gmr {
 	g.t.Helper()
 	span := int((iova+length-1)>>12 - iova>>12 + 1)
 	m := &gmr{iova: iova, length: length, pages: g.scatteredPages(span)}
-	var r CreateMRResp
-	r.Decode(g.mustCmd(CmdCreateMR, CreateMR{Start: iova, Length: length, PDirDMA: g.pdir(m.pages),
+	var r abi.CreateMRResp
+	r.Decode(g.mustCmd(abi.CmdCreateMR, abi.CreateMR{Start: iova, Length: length, PDirDMA: g.pdir(m.pages),
 		PDHandle: pd, AccessFlags: access, NChunks: uint32(span)}))
 	m.handle, m.lkey, m.rkey = r.MRHandle, r.LKey, r.RKey
 	return m
@@ -306,8 +310,8 @@ type gcq struct {
 func (g *guest) createCQ(ctx, n uint32) *gcq {
 	g.t.Helper()
 	c := &gcq{g: g, n: n, uar: ctx, pages: g.pages(int(cqRingPages(n)))}
-	var r CreateCQResp
-	r.Decode(g.mustCmd(CmdCreateCQ, CreateCQ{PDirDMA: g.pdir(c.pages), CtxHandle: ctx, CQE: n, NChunks: uint32(len(c.pages))}))
+	var r abi.CreateCQResp
+	r.Decode(g.mustCmd(abi.CmdCreateCQ, abi.CreateCQ{PDirDMA: g.pdir(c.pages), CtxHandle: ctx, CQE: n, NChunks: uint32(len(c.pages))}))
 	require.Equal(g.t, n, r.CQE)
 	c.handle = r.CQHandle
 	return c
@@ -317,29 +321,29 @@ func (c *gcq) tail() uint32 { return c.g.load32(c.pages[0] + 8) }
 func (c *gcq) head() uint32 { return c.g.load32(c.pages[0] + 12) }
 
 // poll takes one CQE the way pvrdma_poll_one does; ok is false when empty.
-func (c *gcq) poll() (CQE, bool) {
+func (c *gcq) poll() (abi.CQE, bool) {
 	c.g.t.Helper()
 	tail, head := c.tail(), c.head()
 	require.True(c.g.t, drvValid(tail, c.n) && drvValid(head, c.n), "CQ ring state invalid: %#x %#x", tail, head)
 	if tail == head {
-		return CQE{}, false
+		return abi.CQE{}, false
 	}
-	off := uint64(head&(c.n-1)) * CQESize
+	off := uint64(head&(c.n-1)) * abi.CQESize
 	gpa := c.pages[1+off/guestmem.PageSize] + off%guestmem.PageSize
-	var e CQE
+	var e abi.CQE
 	e.Decode(c.g.raw[gpa:])
 	c.g.store32(c.pages[0]+12, drvInc(head, c.n))
 	return e, true
 }
 
-func (c *gcq) mustPoll() CQE {
+func (c *gcq) mustPoll() abi.CQE {
 	c.g.t.Helper()
 	e, ok := c.poll()
 	require.True(c.g.t, ok, "CQ %d empty", c.handle)
 	return e
 }
 
-func (c *gcq) arm(flag uint32) { c.g.doorbell(c.uar, UARCQOffset, c.handle|flag) }
+func (c *gcq) arm(flag uint32) { c.g.doorbell(c.uar, abi.UARCQOffset, c.handle|flag) }
 
 // gqp is a guest QP laid out as rdma-core/kernel do: one page directory,
 // page 0 ring states (SQ at 0, RQ at 8), SQ WQEs from page 1, RQ WQEs from
@@ -377,7 +381,7 @@ func (g *guest) tryCreateQP(s qpSpec) (*gqp, uint32) {
 	q.sstride, q.rstride = pow2Ceil(80+16*s.sendSGE), pow2Ceil(16+16*s.recvSGE)
 	q.sendChunks = int((uint64(s.sendWR)*uint64(q.sstride) + 4095) / 4096)
 	recvPages := 0
-	req := CreateQP{PDHandle: s.pd, SendCQHandle: s.scq.handle, RecvCQHandle: s.rcq.handle,
+	req := abi.CreateQP{PDHandle: s.pd, SendCQHandle: s.scq.handle, RecvCQHandle: s.rcq.handle,
 		MaxSendWR: s.sendWR, MaxRecvWR: s.recvWR, MaxSendSGE: s.sendSGE, MaxRecvSGE: s.recvSGE,
 		QPType: uint8(s.typ), AccessFlags: 1}
 	if s.srq != nil {
@@ -390,11 +394,11 @@ func (g *guest) tryCreateQP(s qpSpec) (*gqp, uint32) {
 	}
 	q.pages = g.pages(1 + q.sendChunks + recvPages)
 	req.PDirDMA, req.TotalChunks, req.SendChunks = g.pdir(q.pages), uint16(len(q.pages)), uint16(q.sendChunks)
-	errReg, rsp := g.cmd(CmdCreateQP, req)
+	errReg, rsp := g.cmd(abi.CmdCreateQP, req)
 	if errReg != 0 {
 		return nil, errReg
 	}
-	var r CreateQPResp
+	var r abi.CreateQPResp
 	r.Decode(rsp)
 	q.handle, q.qpn = r.QPHandle, r.QPN
 	return q, 0
@@ -415,37 +419,37 @@ func (q *gqp) rqWQE(idx uint32) uint64 {
 
 // writeSend writes a send WQE at the SQ's prod_tail and advances it,
 // without ringing the doorbell.
-func (q *gqp) writeSend(h SQWQEHdr, sges ...SGE) {
+func (q *gqp) writeSend(h abi.SQWQEHdr, sges ...abi.SGE) {
 	g := q.g
 	tail := g.u32(q.sqState())
 	gpa := q.sqWQE(tail)
 	h.NumSGE = uint32(len(sges))
 	h.Encode(g.raw[gpa:])
 	for i, s := range sges {
-		s.Encode(g.raw[gpa+SQWQEHdrSize+uint64(i)*SGESize:])
+		s.Encode(g.raw[gpa+abi.SQWQEHdrSize+uint64(i)*abi.SGESize:])
 	}
 	g.put32(q.sqState(), drvInc(tail, q.sendWR))
 }
 
-func (q *gqp) postSend(h SQWQEHdr, sges ...SGE) {
+func (q *gqp) postSend(h abi.SQWQEHdr, sges ...abi.SGE) {
 	q.writeSend(h, sges...)
-	q.g.doorbell(q.uar, UARQPOffset, UARQPSend|q.handle)
+	q.g.doorbell(q.uar, abi.UARQPOffset, abi.UARQPSend|q.handle)
 }
 
-func (q *gqp) writeRecv(wrid uint64, sges ...SGE) {
+func (q *gqp) writeRecv(wrid uint64, sges ...abi.SGE) {
 	g := q.g
 	tail := g.u32(q.rqState())
 	gpa := q.rqWQE(tail)
-	RQWQEHdr{WRID: wrid, NumSGE: uint32(len(sges))}.Encode(g.raw[gpa:])
+	abi.RQWQEHdr{WRID: wrid, NumSGE: uint32(len(sges))}.Encode(g.raw[gpa:])
 	for i, s := range sges {
-		s.Encode(g.raw[gpa+RQWQEHdrSize+uint64(i)*SGESize:])
+		s.Encode(g.raw[gpa+abi.RQWQEHdrSize+uint64(i)*abi.SGESize:])
 	}
 	g.put32(q.rqState(), drvInc(tail, q.recvWR))
 }
 
-func (q *gqp) postRecv(wrid uint64, sges ...SGE) {
+func (q *gqp) postRecv(wrid uint64, sges ...abi.SGE) {
 	q.writeRecv(wrid, sges...)
-	q.g.doorbell(q.uar, UARQPOffset, UARQPRecv|q.handle)
+	q.g.doorbell(q.uar, abi.UARQPOffset, abi.UARQPRecv|q.handle)
 }
 
 // providerWRID is the WRID the device posts the WQE at ring index idx of
@@ -463,14 +467,14 @@ func (q *gqp) providerWRID(recv bool, idx uint32) uint64 {
 func (q *gqp) sqConsumed() uint32 { return q.g.u32(q.sqState() + 4) }
 func (q *gqp) rqConsumed() uint32 { return q.g.u32(q.rqState() + 4) }
 
-func (q *gqp) modify(mask hostverbs.AttrMask, a QPAttr) (uint32, RespHdr) {
-	errReg, rsp := q.g.cmd(CmdModifyQP, ModifyQP{QPHandle: q.handle, AttrMask: uint32(mask), Attrs: a})
-	var h RespHdr
+func (q *gqp) modify(mask hostverbs.AttrMask, a abi.QPAttr) (uint32, abi.RespHdr) {
+	errReg, rsp := q.g.cmd(abi.CmdModifyQP, abi.ModifyQP{QPHandle: q.handle, AttrMask: uint32(mask), Attrs: a})
+	var h abi.RespHdr
 	h.Decode(rsp)
 	return errReg, h
 }
 
-func (q *gqp) mustModify(mask hostverbs.AttrMask, a QPAttr) {
+func (q *gqp) mustModify(mask hostverbs.AttrMask, a abi.QPAttr) {
 	q.g.t.Helper()
 	errReg, h := q.modify(mask, a)
 	require.Zero(q.g.t, errReg)
@@ -478,19 +482,19 @@ func (q *gqp) mustModify(mask hostverbs.AttrMask, a QPAttr) {
 }
 
 // toRTS takes an RC QP through INIT, RTR and RTS with the masks
-// ibv_rc_pingpong uses (OBSERVED.md), addressing the peer.
+// ibv_rc_pingpong uses (as seen from bookworm's), addressing the peer.
 func (q *gqp) toRTS(destQPN uint32, dgid hostverbs.GID, sgid uint8) {
-	q.mustModify(0x39, QPAttr{State: 1, PortNum: 1, AccessFlags: 0xf})
-	q.mustModify(0x129181, QPAttr{State: 2, PathMTU: 3, DestQPNum: destQPN, MaxDestRdAtomic: 1, MinRNRTimer: 12,
-		AH: AHAttr{DGID: dgid, SGIDIndex: sgid, HopLimit: 64, Flags: 1, PortNum: 1}})
-	q.mustModify(0x12e01, QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, MaxRdAtomic: 1})
+	q.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1, AccessFlags: 0xf})
+	q.mustModify(0x129181, abi.QPAttr{State: 2, PathMTU: 3, DestQPNum: destQPN, MaxDestRdAtomic: 1, MinRNRTimer: 12,
+		AH: abi.AHAttr{DGID: dgid, SGIDIndex: sgid, HopLimit: 64, Flags: 1, PortNum: 1}})
+	q.mustModify(0x12e01, abi.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, MaxRdAtomic: 1})
 }
 
 // udToRTS takes a UD (or GSI) QP to RTS.
 func (q *gqp) udToRTS(qkey uint32) {
-	q.mustModify(0x71, QPAttr{State: 1, PortNum: 1, QKey: qkey})
-	q.mustModify(0x1, QPAttr{State: 2})
-	q.mustModify(0x10001, QPAttr{State: 3})
+	q.mustModify(0x71, abi.QPAttr{State: 1, PortNum: 1, QKey: qkey})
+	q.mustModify(0x1, abi.QPAttr{State: 2})
+	q.mustModify(0x10001, abi.QPAttr{State: 3})
 }
 
 // gsrq is a guest SRQ: ring state page 0 (rx half), WQEs from page 1.
@@ -506,47 +510,47 @@ func (g *guest) createSRQ(pd, n, sge, limit, uar uint32) *gsrq {
 	g.t.Helper()
 	s := &gsrq{g: g, n: n, sge: sge, stride: pow2Ceil(16 + 16*sge), uar: uar}
 	s.pages = g.pages(1 + int((uint64(n)*uint64(s.stride)+4095)/4096))
-	var r CreateSRQResp
-	r.Decode(g.mustCmd(CmdCreateSRQ, CreateSRQ{PDirDMA: g.pdir(s.pages), PDHandle: pd, NChunks: uint32(len(s.pages)),
-		Attrs: SRQAttr{MaxWR: n, MaxSGE: sge, SRQLimit: limit}}))
+	var r abi.CreateSRQResp
+	r.Decode(g.mustCmd(abi.CmdCreateSRQ, abi.CreateSRQ{PDirDMA: g.pdir(s.pages), PDHandle: pd, NChunks: uint32(len(s.pages)),
+		Attrs: abi.SRQAttr{MaxWR: n, MaxSGE: sge, SRQLimit: limit}}))
 	s.handle = r.SRQN
 	return s
 }
 
-func (s *gsrq) postRecv(wrid uint64, sges ...SGE) {
+func (s *gsrq) postRecv(wrid uint64, sges ...abi.SGE) {
 	s.writeRecv(wrid, sges...)
-	s.g.doorbell(s.uar, UARSRQOffset, UARSRQRecv|s.handle)
+	s.g.doorbell(s.uar, abi.UARSRQOffset, abi.UARSRQRecv|s.handle)
 }
 
 // writeRecv writes a receive in the SRQ's ring without ringing its
 // doorbell.
-func (s *gsrq) writeRecv(wrid uint64, sges ...SGE) {
+func (s *gsrq) writeRecv(wrid uint64, sges ...abi.SGE) {
 	g := s.g
 	state := s.pages[0] + 8
 	tail := g.u32(state)
 	off := uint64(tail&(s.n-1)) * uint64(s.stride)
 	gpa := s.pages[1+off/4096] + off%4096
-	RQWQEHdr{WRID: wrid, NumSGE: uint32(len(sges))}.Encode(g.raw[gpa:])
+	abi.RQWQEHdr{WRID: wrid, NumSGE: uint32(len(sges))}.Encode(g.raw[gpa:])
 	for i, sg := range sges {
-		sg.Encode(g.raw[gpa+RQWQEHdrSize+uint64(i)*SGESize:])
+		sg.Encode(g.raw[gpa+abi.RQWQEHdrSize+uint64(i)*abi.SGESize:])
 	}
 	g.put32(state, drvInc(tail, s.n))
 }
 
 // events drains the async event ring with the driver's arithmetic
 // ((pages-1)*4096/8 slots, not a power of two).
-func (g *guest) events() []EQE {
-	slots := uint32((ringPages - 1) * 4096 / EQESize)
+func (g *guest) events() []abi.EQE {
+	slots := uint32((ringPages - 1) * 4096 / abi.EQESize)
 	state := g.async[0] + 8
-	var out []EQE
+	var out []abi.EQE
 	for {
 		tail, head := g.load32(state), g.load32(state+4)
 		require.True(g.t, drvValid(tail, slots) && drvValid(head, slots))
 		if tail == head {
 			return out
 		}
-		i := uint64(head&(slots-1)) * EQESize
-		var e EQE
+		i := uint64(head&(slots-1)) * abi.EQESize
+		var e abi.EQE
 		gpa := g.async[1+i/4096] + i%4096
 		e.Decode(g.raw[gpa:])
 		out = append(out, e)
@@ -556,7 +560,7 @@ func (g *guest) events() []EQE {
 
 // notifications drains the CQ-notification ring ((pages-1)*4096/4 slots).
 func (g *guest) notifications() []uint32 {
-	slots := uint32((ringPages - 1) * 4096 / CQNESize)
+	slots := uint32((ringPages - 1) * 4096 / abi.CQNESize)
 	state := g.cqn[0] + 8
 	var out []uint32
 	for {
@@ -565,7 +569,7 @@ func (g *guest) notifications() []uint32 {
 		if tail == head {
 			return out
 		}
-		i := uint64(head&(slots-1)) * CQNESize
+		i := uint64(head&(slots-1)) * abi.CQNESize
 		out = append(out, g.u32(g.cqn[1+i/4096]+i%4096))
 		g.store32(state+4, drvInc(head, slots))
 	}

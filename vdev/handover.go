@@ -65,6 +65,9 @@ type TransportReport struct {
 	// receives its provider holds are lost to the next process, and the
 	// connected RC QPs on it are in Failed.
 	FailedSRQs map[uint32]error
+	// SavedFastRegs counts the valid fast registrations the journal
+	// holds for the hand-over (the successor registers them again).
+	SavedFastRegs int
 }
 
 // SendsDrained reports whether no QP of the device has send work in its
@@ -171,6 +174,10 @@ func (d *Device) SaveTransportsFor(features []string) (TransportReport, error) {
 			q.sq.retireSilent(q)
 		}
 	})
+	if slices.Contains(features, featureFastReg) {
+		// After the QPs: frozen, they free no registration any more.
+		rep.SavedFastRegs = d.saveFastRegs()
+	}
 	return rep, nil
 }
 
@@ -251,6 +258,7 @@ func (d *Device) resumeTransportsLocked() {
 		}
 	})
 	d.resumeSRQs()
+	d.forgetFastRegs()
 	d.emit(make([]byte, recHdrSize), recHandoverAbort)
 }
 
@@ -296,10 +304,14 @@ func (rp *replayer) transportRecord(p []byte) error {
 
 // handoverRecord reports whether records of type typ are a hand-over's
 // saved state, which only other such records may follow.
-func handoverRecord(typ uint8) bool { return typ == recTransport || typ == recSRQRecvs }
+func handoverRecord(typ uint8) bool {
+	return typ == recTransport || typ == recSRQRecvs || typ == recFastReg
+}
 
 // handoverPending reports whether the replay keeps hand-over states.
-func (rp *replayer) handoverPending() bool { return len(rp.transport) > 0 || len(rp.srqRecvs) > 0 }
+func (rp *replayer) handoverPending() bool {
+	return len(rp.transport) > 0 || len(rp.srqRecvs) > 0 || len(rp.fastRegs) > 0
+}
 
 // voidTransports drops the transport states and SRQ receives kept so
 // far: record r follows them, so the device went on after they were
@@ -314,9 +326,13 @@ func (rp *replayer) voidTransports(r jrec) {
 		for _, h := range slices.Sorted(maps.Keys(rp.transport)) {
 			rp.note("transport state of QP %d ignored: record %d follows it", h, r.seq)
 		}
+		for _, h := range slices.Sorted(maps.Keys(rp.fastRegs)) {
+			rp.note("fast registration of MR %d ignored: record %d follows it", h, r.seq)
+		}
 	}
 	clear(rp.transport)
 	clear(rp.srqRecvs)
+	clear(rp.fastRegs)
 }
 
 // continueQP restores the transport state the journal ends with into a

@@ -7,6 +7,7 @@ import (
 	"slices"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // An SRQ's receives in a hand-over. Unlike a QP's queues, whose guest
@@ -110,16 +111,16 @@ func (d *Device) encodeSRQRecvs(h uint32, s *srq, wrs []hostverbs.RecvWR) ([][]b
 		recs = append(recs, rec)
 	}
 	rec, first := start(0), 0
-	var b [RQWQEHdrSize]byte
+	var b [abi.RQWQEHdrSize]byte
 	for i, wr := range wrs {
 		if len(wr.SGL) > int(s.maxSGE) {
 			return nil, fmt.Errorf("receive %d of %d SGEs (at most %d): %w", i, len(wr.SGL), s.maxSGE, hostverbs.ErrInvalid)
 		}
-		if len(rec)-recHdrSize+RQWQEHdrSize+SGESize*len(wr.SGL) > maxSRQRecPayload {
+		if len(rec)-recHdrSize+abi.RQWQEHdrSize+abi.SGESize*len(wr.SGL) > maxSRQRecPayload {
 			end(rec, first, i)
 			rec, first = start(i), i
 		}
-		RQWQEHdr{WRID: wr.WRID, NumSGE: uint32(len(wr.SGL))}.Encode(b[:])
+		abi.RQWQEHdr{WRID: wr.WRID, NumSGE: uint32(len(wr.SGL))}.Encode(b[:])
 		rec = append(rec, b[:]...)
 		for _, sg := range wr.SGL {
 			lkey, ok := d.guestLKey(s.pd, sg.LKey)
@@ -127,8 +128,8 @@ func (d *Device) encodeSRQRecvs(h uint32, s *srq, wrs []hostverbs.RecvWR) ([][]b
 				return nil, fmt.Errorf("receive %#x names lkey %#x, which no MR of the SRQ's PD has: %w",
 					wr.WRID, sg.LKey, hostverbs.ErrNotSupported)
 			}
-			var e [SGESize]byte
-			SGE{Addr: sg.Addr, Length: sg.Length, LKey: lkey}.Encode(e[:])
+			var e [abi.SGESize]byte
+			abi.SGE{Addr: sg.Addr, Length: sg.Length, LKey: lkey}.Encode(e[:])
 			rec = append(rec, e[:]...)
 		}
 	}
@@ -138,16 +139,13 @@ func (d *Device) encodeSRQRecvs(h uint32, s *srq, wrs []hostverbs.RecvWR) ([][]b
 }
 
 // guestLKey returns the key the guest uses for the provider lkey hv of an
-// MR of PD p: the same, but for a fast-reg MR (whose keys are the
-// device's).
+// MR of PD p: the same (a fast-reg MR's key is the provider's too).
 func (d *Device) guestLKey(p *pd, hv uint32) (uint32, bool) {
-	if m := d.keys[hv]; m != nil && m.pd == p && m.hvLKey == hv && !m.frmr {
+	if m := d.keys[hv]; m != nil && m.pd == p {
 		return hv, true
 	}
-	for _, m := range d.frmrs {
-		if m.pd == p && m.valid && m.hvLKey == hv {
-			return m.lkey, true
-		}
+	if m := d.frmrs[hv>>8]; m != nil && m.pd == p {
+		return hv, true
 	}
 	return 0, false
 }
@@ -178,7 +176,7 @@ type savedRecvs struct {
 // savedRecv is one receive an SRQ record holds.
 type savedRecv struct {
 	wrid uint64
-	sgl  []SGE
+	sgl  []abi.SGE
 }
 
 // srqRecord checks an SRQ receive record and keeps its receives for the
@@ -219,20 +217,20 @@ func (rp *replayer) srqRecord(p []byte) error {
 	}
 	b := p[srqRecHdr:]
 	for i := range n {
-		if len(b) < RQWQEHdrSize {
+		if len(b) < abi.RQWQEHdrSize {
 			return fmt.Errorf("SRQ %d: receive %d cut short: %w", h, first+i, ErrJournal)
 		}
-		var hdr RQWQEHdr
+		var hdr abi.RQWQEHdr
 		hdr.Decode(b)
-		if hdr.NumSGE > s.maxSGE || hdr.TotalLen != 0 || len(b)-RQWQEHdrSize < int(hdr.NumSGE)*SGESize {
+		if hdr.NumSGE > s.maxSGE || hdr.TotalLen != 0 || len(b)-abi.RQWQEHdrSize < int(hdr.NumSGE)*abi.SGESize {
 			return fmt.Errorf("SRQ %d: receive %d of %d SGEs (at most %d), %d bytes left: %w",
 				h, first+i, hdr.NumSGE, s.maxSGE, len(b), ErrJournal)
 		}
-		b = b[RQWQEHdrSize:]
-		r := savedRecv{wrid: hdr.WRID, sgl: make([]SGE, hdr.NumSGE)}
+		b = b[abi.RQWQEHdrSize:]
+		r := savedRecv{wrid: hdr.WRID, sgl: make([]abi.SGE, hdr.NumSGE)}
 		for j := range r.sgl {
 			r.sgl[j].Decode(b)
-			b = b[SGESize:]
+			b = b[abi.SGESize:]
 		}
 		sr.recvs = append(sr.recvs, r)
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // srqJournal is hoWorld's hand-over journal taken apart around its SRQ
@@ -64,7 +65,7 @@ func (j srqJournal) with(ps ...[]byte) []byte {
 
 // Offsets in hoWorld's SRQ record: three receives of one SGE.
 const (
-	srqRecvSize = RQWQEHdrSize + SGESize
+	srqRecvSize = abi.RQWQEHdrSize + abi.SGESize
 	srqRecv0    = srqRecHdr
 )
 
@@ -178,14 +179,14 @@ func TestHandoverSRQRecords(t *testing.T) {
 	}
 
 	t.Run("MR gone", func(t *testing.T) {
-		b := j.with(mutate(func(q []byte) { put32(q, srqRecv0+srqRecvSize+RQWQEHdrSize+12, 0xdead00) }))
+		b := j.with(mutate(func(q []byte) { put32(q, srqRecv0+srqRecvSize+abi.RQWQEHdrSize+12, 0xdead00) }))
 		fv, rep, err := restore(t, b)
 		require.NoError(t, err)
 		assert.Equal(t, 2, rep.Continued)
 		assert.Equal(t, 2, rep.SRQRecvs)
 		require.Len(t, rep.Notes, 1)
 		assert.Contains(t, rep.Notes[0], "not posted again")
-		assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventSRQErr), Info: h}}, w.g.events())
+		assert.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventSRQErr), Info: h}}, w.g.events())
 		want := []uint64{w.srqHeld[0], w.srqHeld[2], w.srqAfter[0]}
 		assert.Equal(t, want, recvIDs(fv.srqs[0].recvs))
 	})
@@ -214,14 +215,14 @@ func TestHandoverSRQMany(t *testing.T) {
 	s := g.createSRQ(pd, 4096, 2, 0, 1)
 	var want []uint64
 	for i := range uint64(4096) {
-		sges := []SGE{{Addr: mr.iova + i, Length: 1, LKey: mr.lkey}}
+		sges := []abi.SGE{{Addr: mr.iova + i, Length: 1, LKey: mr.lkey}}
 		if i%2 == 1 {
-			sges = append(sges, SGE{Addr: mr.iova + 8192, Length: 7, LKey: mr.lkey})
+			sges = append(sges, abi.SGE{Addr: mr.iova + 8192, Length: 7, LKey: mr.lkey})
 		}
 		s.writeRecv(i<<20, sges...)
 		want = append(want, i<<20)
 	}
-	g.doorbell(s.uar, UARSRQOffset, UARSRQRecv|s.handle)
+	g.doorbell(s.uar, abi.UARSRQOffset, abi.UARSRQRecv|s.handle)
 	require.Len(t, fv.srqs[0].recvs, 4096)
 	n := countRecords(j.bytes())
 	rep, err := g.dev.SaveTransports()

@@ -14,6 +14,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // hoWorld is a guest with an RC QP that has done some work and has work
@@ -55,7 +56,7 @@ func buildHandover(t testing.TB) *hoWorld {
 	w.ud.udToRTS(0x11)
 	w.idle = g.createQP(qpSpec{pd: pd, scq: w.cq, rcq: w.cq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
 
-	sge := SGE{Addr: w.mr.iova, Length: 64, LKey: w.mr.lkey}
+	sge := abi.SGE{Addr: w.mr.iova, Length: 64, LKey: w.mr.lkey}
 	fq := fakeQPOf(t, fv, w.rc.qpn)
 	for i := range uint64(3) {
 		w.rc.postRecv(1+i, sge)
@@ -76,7 +77,7 @@ func buildHandover(t testing.TB) *hoWorld {
 	fv.mu.Unlock()
 
 	for i := range uint64(4) {
-		w.srq.postRecv(30+i, SGE{Addr: w.mr.iova + 4096*(i+1), Length: 256, LKey: w.mr.lkey})
+		w.srq.postRecv(30+i, abi.SGE{Addr: w.mr.iova + 4096*(i+1), Length: 256, LKey: w.mr.lkey})
 	}
 	fs := fv.srqs[0]
 	require.Equal(t, []uint64{30}, fs.takeRecvs(1))
@@ -85,7 +86,7 @@ func buildHandover(t testing.TB) *hoWorld {
 	fv.mu.Lock()
 	fs.attr.Limit = 0 // fired as the receive was taken, and disarmed
 	fv.mu.Unlock()
-	w.srq.writeRecv(34, SGE{Addr: w.mr.iova + 4096*5, Length: 256, LKey: w.mr.lkey})
+	w.srq.writeRecv(34, abi.SGE{Addr: w.mr.iova + 4096*5, Length: 256, LKey: w.mr.lkey})
 	w.srqHeld, w.srqAfter = []uint64{31, 32, 33}, []uint64{34}
 	require.EqualValues(t, 1, w.rc.sqConsumed(), "the unsignaled send holds its slot")
 	g.events()
@@ -96,7 +97,7 @@ func buildHandover(t testing.TB) *hoWorld {
 func guestSendIDs(q *gqp, wrs []hostverbs.SendWR) []uint64 {
 	var ids []uint64
 	for _, wr := range wrs {
-		var h SQWQEHdr
+		var h abi.SQWQEHdr
 		h.Decode(q.g.raw[q.sqWQE(uint32(wr.WRID)):])
 		ids = append(ids, h.WRID)
 	}
@@ -189,7 +190,7 @@ func (w *hoWorld) checkContinued(t *testing.T, fv *fakeVerbs, rep RestoreReport)
 	e = w.cq.mustPoll()
 	assert.EqualValues(t, 12, e.WRID)
 	assert.EqualValues(t, hostverbs.WCSuccess, e.Status)
-	w.rc.postSend(wqe(hostverbs.WRRDMAWrite, 13, hostverbs.SendSignaled), SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey})
+	w.rc.postSend(wqe(hostverbs.WRRDMAWrite, 13, hostverbs.SendSignaled), abi.SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey})
 	s, _ = fq.take()
 	assert.Equal(t, []uint64{13}, guestSendIDs(w.rc, s))
 	cp := recordTypes(g.dev.Checkpoint())
@@ -258,11 +259,11 @@ func TestHandoverVoided(t *testing.T) {
 		note      string
 	}{
 		{"modify", func(t *testing.T, w *hoWorld) []byte {
-			w.rc.mustModify(hostverbs.AttrMinRNRTimer, QPAttr{MinRNRTimer: 3})
+			w.rc.mustModify(hostverbs.AttrMinRNRTimer, abi.QPAttr{MinRNRTimer: 3})
 			return w.j.bytes()
 		}, false, false, ""},
 		{"doorbell", func(t *testing.T, w *hoWorld) []byte {
-			w.rc.postRecv(5, SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey})
+			w.rc.postRecv(5, abi.SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey})
 			return w.j.bytes()
 		}, false, false, ""},
 		{"resumed", func(t *testing.T, w *hoWorld) []byte {
@@ -280,13 +281,13 @@ func TestHandoverVoided(t *testing.T) {
 		{"record after, no abort", func(t *testing.T, w *hoWorld) []byte {
 			b := w.j.bytes()
 			reg := make([]byte, 8)
-			put32(reg, 0, RegIMR)
+			put32(reg, 0, abi.RegIMR)
 			return appendRecord(b, recRegister, 0, uint64(countRecords(b)+1), reg)
 		}, false, true, "ignored"},
 		{"checkpoint, then a command", func(t *testing.T, w *hoWorld) []byte {
 			cp := w.g.dev.Checkpoint()
 			n := len(w.j.recs)
-			w.rc.mustModify(hostverbs.AttrMinRNRTimer, QPAttr{MinRNRTimer: 3})
+			w.rc.mustModify(hostverbs.AttrMinRNRTimer, abi.QPAttr{MinRNRTimer: 3})
 			w.j.mu.Lock()
 			defer w.j.mu.Unlock()
 			return append(cp, w.j.b[w.j.recs[n]:]...)
@@ -322,7 +323,7 @@ func TestHandoverVoided(t *testing.T) {
 			assert.Equal(t, 2, rep.Errored)
 			assert.Zero(t, rep.SRQRecvs, "the SRQ's saved receives are void too")
 			assert.Equal(t, hostverbs.QPStateErr, qpStates(w.g.dev)[w.rc.handle])
-			assert.Contains(t, w.g.events(), EQE{Type: uint32(hostverbs.EventQPFatal), Info: w.rc.handle})
+			assert.Contains(t, w.g.events(), abi.EQE{Type: uint32(hostverbs.EventQPFatal), Info: w.rc.handle})
 			if tc.note != "" {
 				require.Len(t, rep.Notes, 3, "the SRQ's receives and two transport states")
 				for _, n := range rep.Notes {
@@ -343,7 +344,7 @@ func TestHandoverVoided(t *testing.T) {
 func TestHandoverRefused(t *testing.T) {
 	w := buildHandover(t)
 	g := w.g
-	sge := SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey}
+	sge := abi.SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey}
 	w.rc.postSend(wqe(hostverbs.WRSend, 20, hostverbs.SendSignaled), sge) // posts 12 as well
 	assert.False(t, g.dev.SendsDrained())
 	rep, err := g.dev.SaveTransports()
@@ -558,19 +559,19 @@ func TestHandoverSoft(t *testing.T) {
 		data := randBytes(20<<10, int64(base))
 		from.mr.write(from.g, 32<<10, data)
 		h := wqe(hostverbs.WRRDMAWrite, base+20, hostverbs.SendSignaled)
-		WRRDMA{RemoteAddr: to.mr.iova + 100<<10, RKey: to.mr.rkey}.Encode(h.WR[:])
+		abi.WRRDMA{RemoteAddr: to.mr.iova + 100<<10, RKey: to.mr.rkey}.Encode(h.WR[:])
 		from.qp.postSend(h, from.sge(32<<10, 20<<10))
 		require.EqualValues(t, hostverbs.WCSuccess, waitCQE(t, from.scq).Status)
 		require.True(t, bytes.Equal(data, to.mr.read(to.g, 100<<10, 20<<10)))
 		h = wqe(hostverbs.WRRDMARead, base+21, hostverbs.SendSignaled)
-		WRRDMA{RemoteAddr: to.mr.iova + 100<<10, RKey: to.mr.rkey}.Encode(h.WR[:])
+		abi.WRRDMA{RemoteAddr: to.mr.iova + 100<<10, RKey: to.mr.rkey}.Encode(h.WR[:])
 		from.qp.postSend(h, from.sge(160<<10, 20<<10))
 		require.EqualValues(t, hostverbs.WCSuccess, waitCQE(t, from.scq).Status)
 		require.True(t, bytes.Equal(data, from.mr.read(from.g, 160<<10, 20<<10)))
 		const word = 0x2dd // 8-byte aligned in the MR's IOVA
 		to.mr.write(to.g, word, binary.LittleEndian.AppendUint64(nil, base))
 		h = wqe(hostverbs.WRAtomicFetchAndAdd, base+22, hostverbs.SendSignaled)
-		WRAtomic{RemoteAddr: to.mr.iova + word, CompareAdd: 1, RKey: to.mr.rkey}.Encode(h.WR[:])
+		abi.WRAtomic{RemoteAddr: to.mr.iova + word, CompareAdd: 1, RKey: to.mr.rkey}.Encode(h.WR[:])
 		from.qp.postSend(h, from.sge(16, 8))
 		require.EqualValues(t, hostverbs.WCSuccess, waitCQE(t, from.scq).Status)
 		require.EqualValues(t, base, binary.LittleEndian.Uint64(from.mr.read(from.g, 16, 8)))
@@ -662,7 +663,7 @@ func TestHandoverSoftSRQ(t *testing.T) {
 
 	// Receive k takes message k into its own 4 KiB of the MR.
 	const recvBase = 1000
-	recvSGE := func(k int) SGE { return SGE{Addr: mr.iova + uint64(k)*4096, Length: 4096, LKey: mr.lkey} }
+	recvSGE := func(k int) abi.SGE { return abi.SGE{Addr: mr.iova + uint64(k)*4096, Length: 4096, LKey: mr.lkey} }
 	msg := func(k int) []byte { return randBytes(100+k*251, int64(k)) }
 	sent := 0
 	send := func() {

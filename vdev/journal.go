@@ -6,6 +6,7 @@ import (
 	"hash/crc32"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // The journal: the device's state as the guest made it, as a stream of
@@ -66,6 +67,7 @@ const (
 	recTransport     = 4
 	recHandoverAbort = 5
 	recSRQRecvs      = 6
+	recFastReg       = 7
 
 	recFlagSnapshot = 1
 )
@@ -120,10 +122,10 @@ func appendRecord(dst []byte, typ uint8, flags uint16, seq uint64, payload ...[]
 // (the queries do not).
 func journaledCmd(code uint32) bool {
 	switch code {
-	case CmdQueryPort, CmdQueryPKey, CmdQueryQP, CmdQuerySRQ:
+	case abi.CmdQueryPort, abi.CmdQueryPKey, abi.CmdQueryQP, abi.CmdQuerySRQ:
 		return false
 	}
-	return code < NumCmds
+	return code < abi.NumCmds
 }
 
 // emit numbers, seals and hands a record to the journal sink. Nothing is
@@ -161,20 +163,20 @@ func (d *Device) journalCommand(code uint32, req, resp []byte, err error) {
 
 // goneAnyway reports whether a failed DESTROY removed its object anyway.
 func (d *Device) goneAnyway(code uint32, req []byte) bool {
-	var r handleReq
+	var r abi.HandleReq
 	r.Decode(req)
 	h := r.Handle
 	switch code {
-	case CmdDestroyPD:
+	case abi.CmdDestroyPD:
 		_, ok := d.pds.get(h)
 		return !ok
-	case CmdDestroyCQ:
+	case abi.CmdDestroyCQ:
 		_, ok := d.cqs.get(h)
 		return !ok
-	case CmdDestroyQP:
+	case abi.CmdDestroyQP:
 		_, ok := d.qps.get(h)
 		return !ok
-	case CmdDestroySRQ:
+	case abi.CmdDestroySRQ:
 		_, ok := d.srqs.get(h)
 		return !ok
 	}
@@ -192,10 +194,10 @@ func (d *Device) journalReg(reg uint64, v uint32) {
 // journalUnbind records that GID index i lost its binding to gid although
 // the command failed (CREATE_BIND could not put the old GID back).
 func (d *Device) journalUnbind(i uint32, gid hostverbs.GID) {
-	req := make([]byte, DestroyBindSize)
-	CmdHdr{Cmd: CmdDestroyBind}.Encode(req)
-	DestroyBind{Index: i, DestGID: gid}.Encode(req)
-	d.journalCommand(CmdDestroyBind, req, make([]byte, RespHdrSize), nil)
+	req := make([]byte, abi.DestroyBindSize)
+	abi.CmdHdr{Cmd: abi.CmdDestroyBind}.Encode(req)
+	abi.DestroyBind{Index: i, DestGID: gid}.Encode(req)
+	d.journalCommand(abi.CmdDestroyBind, req, make([]byte, abi.RespHdrSize), nil)
 }
 
 // keep attaches the payload of a successful command to the object it
@@ -205,44 +207,44 @@ func (d *Device) journalUnbind(i uint32, gid hostverbs.GID) {
 func (d *Device) keep(code uint32, payload []byte, reqSize int) {
 	req, resp := payload[:reqSize], payload[reqSize:]
 	switch code {
-	case CmdCreateMR:
-		var r CreateMRResp
+	case abi.CmdCreateMR:
+		var r abi.CreateMRResp
 		r.Decode(resp)
 		if m, ok := d.mrs.get(r.MRHandle); ok {
 			m.rec = payload
 		}
-	case CmdCreateCQ:
-		var r CreateCQResp
+	case abi.CmdCreateCQ:
+		var r abi.CreateCQResp
 		r.Decode(resp)
 		if cq, ok := d.cqs.get(r.CQHandle); ok {
 			cq.rec = payload
 		}
-	case CmdResizeCQ:
-		var r ResizeCQ
+	case abi.CmdResizeCQ:
+		var r abi.ResizeCQ
 		r.Decode(req)
 		if cq, ok := d.cqs.get(r.CQHandle); ok {
 			cq.resizeRec = payload
 		}
-	case CmdCreateQP:
-		var r CreateQPResp
+	case abi.CmdCreateQP:
+		var r abi.CreateQPResp
 		r.Decode(resp)
 		if q, ok := d.qps.get(r.QPHandle); ok {
 			q.rec = payload
 		}
-	case CmdModifyQP:
-		var r ModifyQP
+	case abi.CmdModifyQP:
+		var r abi.ModifyQP
 		r.Decode(req)
 		if q, ok := d.qps.get(r.QPHandle); ok {
 			q.keepModify(&r, payload)
 		}
-	case CmdCreateSRQ:
-		var r CreateSRQResp
+	case abi.CmdCreateSRQ:
+		var r abi.CreateSRQResp
 		r.Decode(resp)
 		if s, ok := d.srqs.get(r.SRQN); ok {
 			s.rec = payload
 		}
-	case CmdModifySRQ:
-		var r ModifySRQ
+	case abi.CmdModifySRQ:
+		var r abi.ModifySRQ
 		r.Decode(req)
 		if s, ok := d.srqs.get(r.SRQHandle); ok {
 			s.modRec = payload
@@ -268,7 +270,7 @@ const maxQPMods = 8
 // ERR replaces it (any state may go to ERR), and a modify to a state
 // already on the path (RTS->RTS, or RTS->SQD->RTS) is merged into that
 // state's entry, whose attributes it updates, and ends the path there.
-func (q *qp) keepModify(r *ModifyQP, payload []byte) {
+func (q *qp) keepModify(r *abi.ModifyQP, payload []byte) {
 	mask := hostverbs.AttrMask(r.AttrMask)
 	next := hostverbs.QPStateReset
 	if n := len(q.mods); n > 0 {
@@ -310,7 +312,7 @@ func (q *qp) keepModify(r *ModifyQP, payload []byte) {
 // state excepted), and whether the merged mask is still valid for dst's
 // transition.
 func mergeModify(t hostverbs.QPType, from hostverbs.QPState, dst, src []byte) ([]byte, bool) {
-	var a, b ModifyQP
+	var a, b abi.ModifyQP
 	a.Decode(dst)
 	b.Decode(src)
 	m := hostverbs.AttrMask(b.AttrMask) &^ (hostverbs.AttrState | hostverbs.AttrCurState)
@@ -397,19 +399,19 @@ func (d *Device) Checkpoint() []byte {
 		put(recRegister, b[:])
 	}
 	if d.dsr != nil {
-		reg(RegDSRLow, d.dsrLow)
-		reg(RegDSRHigh, d.dsrHigh)
+		reg(abi.RegDSRLow, d.dsrLow)
+		reg(abi.RegDSRHigh, d.dsrHigh)
 	}
-	reg(RegIMR, d.imr.Load())
-	reg(RegMACL, d.macl)
-	reg(RegMACH, d.mach)
+	reg(abi.RegIMR, d.imr.Load())
+	reg(abi.RegMACL, d.macl)
+	reg(abi.RegMACH, d.mach)
 	if d.active {
-		reg(RegCtl, CtlActivate)
+		reg(abi.RegCtl, abi.CtlActivate)
 	}
 	cmd := func(code uint32, req, resp abiEncoder) {
 		c := &commands[code]
 		b := make([]byte, c.reqSize+c.respSize)
-		CmdHdr{Cmd: code}.Encode(b)
+		abi.CmdHdr{Cmd: code}.Encode(b)
 		req.Encode(b[:c.reqSize])
 		if resp != nil {
 			resp.Encode(b[c.reqSize:])
@@ -418,16 +420,16 @@ func (d *Device) Checkpoint() []byte {
 	}
 	for i, g := range d.gids {
 		if g.bound {
-			cmd(CmdCreateBind, CreateBind{Index: uint32(i), NewGID: g.entry.GID, GIDType: uint8(g.entry.Type)}, nil)
+			cmd(abi.CmdCreateBind, abi.CreateBind{Index: uint32(i), NewGID: g.entry.GID, GIDType: uint8(g.entry.Type)}, nil)
 		}
 	}
 	if d.dsr != nil {
 		d.ucs.each(func(h uint32, _ *uctx) {
-			cmd(CmdCreateUC, CreateUC{PFN: d.dsr.uarPFN + uint64(h)}, CreateUCResp{CtxHandle: h})
+			cmd(abi.CmdCreateUC, abi.CreateUC{PFN: d.dsr.uarPFN + uint64(h)}, abi.CreateUCResp{CtxHandle: h})
 		})
 	}
 	d.pds.each(func(h uint32, p *pd) {
-		cmd(CmdCreatePD, CreatePD{CtxHandle: p.uar}, CreatePDResp{PDHandle: h})
+		cmd(abi.CmdCreatePD, abi.CreatePD{CtxHandle: p.uar}, abi.CreatePDResp{PDHandle: h})
 	})
 	d.cqs.each(func(_ uint32, c *cq) {
 		put(recCommand, c.rec)
@@ -449,8 +451,8 @@ func (d *Device) Checkpoint() []byte {
 		}
 		if q.State() == hostverbs.QPStateErr && (len(q.mods) == 0 || q.mods[len(q.mods)-1].next != hostverbs.QPStateErr) {
 			// In ERR by a completion error, a fatal event or Restore.
-			cmd(CmdModifyQP, ModifyQP{QPHandle: h, AttrMask: uint32(hostverbs.AttrState),
-				Attrs: QPAttr{State: uint32(hostverbs.QPStateErr)}}, nil)
+			cmd(abi.CmdModifyQP, abi.ModifyQP{QPHandle: h, AttrMask: uint32(hostverbs.AttrState),
+				Attrs: abi.QPAttr{State: uint32(hostverbs.QPStateErr)}}, nil)
 		}
 	})
 	if d.handover {
@@ -464,6 +466,11 @@ func (d *Device) Checkpoint() []byte {
 		d.qps.each(func(_ uint32, q *qp) {
 			if q.transport != nil {
 				put(recTransport, q.transport)
+			}
+		})
+		d.mrs.each(func(_ uint32, m *mr) {
+			if m.saved != nil {
+				put(recFastReg, m.saved)
 			}
 		})
 	}

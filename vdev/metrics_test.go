@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // measured returns a userRC whose device has its distributions on.
@@ -100,7 +101,7 @@ func TestSendLatencyObserved(t *testing.T) {
 	for i := range 3 {
 		q.writeSend(wqe(hostverbs.WRSend, uint64(i), hostverbs.SendSignaled), u.sge(0, 64))
 	}
-	q.g.doorbell(q.uar, UARQPOffset, UARQPSend|q.handle)
+	q.g.doorbell(q.uar, abi.UARQPOffset, abi.UARQPSend|q.handle)
 	assert.Equal(t, map[float64]uint64{4: 1}, depthCounts(u.depth()), "one doorbell, three WQEs outstanding")
 	assert.EqualValues(t, 3, u.depth().Sum)
 	assert.Zero(t, u.latency().Count(), "nothing completed")
@@ -133,7 +134,7 @@ func TestSendLatencyObserved(t *testing.T) {
 	assert.EqualValues(t, 3, u.depth().Count(), "nor are RECV doorbells")
 
 	// The device's own CQEs count too: a flush in ERR.
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateErr)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateErr)})
 	q.postSend(wqe(hostverbs.WRSend, 5, hostverbs.SendSignaled), u.sge(0, 64))
 	e := u.scq.mustPoll()
 	assert.EqualValues(t, hostverbs.WCWRFlushErr, e.Status)
@@ -149,7 +150,7 @@ func TestSendLatencyStall(t *testing.T) {
 	q := u.qp
 	q.writeSend(wqe(hostverbs.WRSend, 1, hostverbs.SendSignaled), u.sge(0, 64))
 	q.writeSend(wqe(hostverbs.WRSend, 2, hostverbs.SendSignaled), u.sge(0, 64))
-	q.g.doorbell(q.uar, UARQPOffset, UARQPSend|q.handle)
+	q.g.doorbell(q.uar, abi.UARQPOffset, abi.UARQPSend|q.handle)
 	dq, ok := u.g.dev.qps.get(q.handle)
 	require.True(t, ok)
 	require.True(t, dq.stalledSQ)
@@ -163,12 +164,12 @@ func TestSendLatencyStall(t *testing.T) {
 	// The fake's cap counts the sends not taken: one at a time.
 	u.fq.take()
 	u.fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
-	u.scq.arm(UARCQPoll) // the driver's poll doorbell resumes the queue
+	u.scq.arm(abi.UARCQPoll) // the driver's poll doorbell resumes the queue
 	require.Equal(t, first, dq.sq.slots[1].at, "timed from the doorbell that found it")
 	require.True(t, dq.stalledSQ, "one at a time")
 	u.fq.take()
 	u.fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
-	u.scq.arm(UARCQPoll)
+	u.scq.arm(abi.UARCQPoll)
 	require.Equal(t, first, dq.sq.slots[2].at, "posted during the stall: an upper bound")
 	require.False(t, dq.stalledSQ)
 	require.Zero(t, dq.sq.waiting)
@@ -183,7 +184,7 @@ func TestSendLatencyStall(t *testing.T) {
 	u.fv.queueCap = 0
 	q.writeSend(wqe(hostverbs.WRSend, 4, hostverbs.SendSignaled), u.sge(0, 64))
 	dq.sq.waiting = 12345
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateReset)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
 	assert.Zero(t, dq.sq.waiting)
 }
 

@@ -7,24 +7,32 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // mr is a memory region. Its lkey and rkey are the provider's, returned to
 // the guest verbatim, so rkeys that guests exchange resolve in the target
 // device's provider; the device keeps its own table by lkey to check
 // SGEs (PD, bounds, access) before they reach the provider.
+//
+// A fast-reg MR (FRMR) is the provider's too (hostverbs.FastRegMR): its
+// registration, key byte and state live there, where the responder
+// resolves incoming rkeys and SEND with invalidate frees it, so the
+// device keeps no copy that could go stale. The device's table holds it
+// by key index (frmrs) and checks only the PD of SGEs that use it; the
+// provider checks the rest.
 type mr struct {
 	handle     uint32
 	pd         *pd
-	lkey, rkey uint32 // as the guest knows them
+	lkey, rkey uint32 // as the guest knows them (an FRMR's: its base key)
 	hv         hostverbs.MR
-	hvLKey     uint32 // lkey to give the provider (== lkey except for FRMRs)
+	fr         hostverbs.FastRegMR // an FRMR's provider object (hv too); nil if lost
 	pages      guestmem.PageList
 	access     hostverbs.Access
 	dma        bool
 	frmr       bool
-	maxPages   int  // FRMR page list capacity
-	valid      bool // usable in SGEs (FRMR: registered and not invalidated)
+	maxPages   int    // FRMR page list capacity
+	saved      []byte // FRMR: its fast-reg record while a hand-over is pending
 	bytes      uint64
 	cost       uint64 // bytes charged to the VM's budget
 	// lost: Restore could not rebuild it (its handle stays reserved).
@@ -60,7 +68,7 @@ func validAccess(a uint32) (hostverbs.Access, error) {
 }
 
 func (d *Device) cmdCreateMR(req, resp []byte) error {
-	var r CreateMR
+	var r abi.CreateMR
 	r.Decode(req)
 	p, err := d.pd(r.PDHandle)
 	if err != nil {
@@ -70,9 +78,9 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 	if err != nil {
 		return err
 	}
-	m := &mr{pd: p, access: acc, valid: true}
+	m := &mr{pd: p, access: acc}
 	switch r.Flags {
-	case MRFlagDMA:
+	case abi.MRFlagDMA:
 		// All of guest-physical memory, for the kernel's own use (GSI
 		// MADs). Never for a user context and never remotely accessible:
 		// an rkey for it would expose the whole guest to the network.
@@ -81,11 +89,16 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 		}
 		m.dma = true
 		m.pages = guestmem.Identity()
-	case MRFlagFRMR:
-		if r.NChunks == 0 || r.NChunks > ringbuf.MaxFastRegPages {
-			return fmt.Errorf("fast-reg MR of %d pages (max %d): %w", r.NChunks, ringbuf.MaxFastRegPages, ringbuf.ErrPageCount)
+	case abi.MRFlagFRMR:
+		if err := d.canFastReg(p); err != nil {
+			d.stats.frmrRefused.Add(1)
+			d.lim.Warn("frmr-refused", "pvrdma: fast-reg MR refused", "pd", p.handle, "err", err)
+			return err
 		}
-		m.frmr, m.maxPages, m.valid = true, int(r.NChunks), false
+		if r.NChunks == 0 || r.NChunks > d.caps.MaxFastRegPageListLen {
+			return fmt.Errorf("fast-reg MR of %d pages (max %d): %w", r.NChunks, d.caps.MaxFastRegPageListLen, ringbuf.ErrPageCount)
+		}
+		m.frmr, m.maxPages = true, int(r.NChunks)
 	case 0:
 		if err := d.userMRPages(m, &r); err != nil {
 			return err
@@ -104,9 +117,20 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 	}
 	m.handle = h
 	if m.frmr {
-		m.lkey = d.frmrKey(h)
-		m.rkey, m.hvLKey = m.lkey, m.lkey
-		d.frmrs[m.lkey] = m
+		fr, err := d.allocFastReg(p, m.maxPages)
+		if err != nil {
+			d.mrs.free(h)
+			d.heap.Release(m.cost)
+			return fmt.Errorf("allocate fast-reg MR: %w", err)
+		}
+		m.hv, m.fr, m.lkey, m.rkey = fr, fr, fr.LKey(), fr.RKey()
+		if _, dup := d.frmrs[m.lkey>>8]; dup {
+			_ = fr.Dereg()
+			d.mrs.free(h)
+			d.heap.Release(m.cost)
+			return fmt.Errorf("provider fast-reg key %#x already in use: %w", m.lkey, syscall.EBUSY)
+		}
+		d.frmrs[m.lkey>>8] = m
 	} else {
 		hv, err := d.regMR(p, hostverbs.MRAttr{Pages: m.pages, Access: acc})
 		if err != nil {
@@ -114,25 +138,25 @@ func (d *Device) cmdCreateMR(req, resp []byte) error {
 			d.heap.Release(m.cost)
 			return fmt.Errorf("register MR: %w", err)
 		}
-		m.hv, m.lkey, m.rkey, m.hvLKey = hv, hv.LKey(), hv.RKey(), hv.LKey()
+		m.hv, m.lkey, m.rkey = hv, hv.LKey(), hv.RKey()
 		if _, dup := d.keys[m.lkey]; dup {
 			_ = hv.Dereg()
 			d.mrs.free(h)
 			d.heap.Release(m.cost)
 			return fmt.Errorf("provider lkey %#x already in use: %w", m.lkey, syscall.EBUSY)
 		}
+		d.keys[m.lkey] = m
 	}
-	d.keys[m.lkey] = m
 	d.mrBytes += m.bytes
 	p.refs++
-	CreateMRResp{MRHandle: h, LKey: m.lkey, RKey: m.rkey}.Encode(resp)
+	abi.CreateMRResp{MRHandle: h, LKey: m.lkey, RKey: m.rkey}.Encode(resp)
 	return nil
 }
 
 // userMRPages validates a user MR's range and page directory: nchunks
 // must be exactly the pages [start, start+length) spans (CVE-2021-3582),
 // within the MR size cap and the VM's registered-bytes quota.
-func (d *Device) userMRPages(m *mr, r *CreateMR) error {
+func (d *Device) userMRPages(m *mr, r *abi.CreateMR) error {
 	if r.Length == 0 || r.Length > d.caps.MaxMRSize {
 		return fmt.Errorf("MR length %#x (max %#x): %w", r.Length, d.caps.MaxMRSize, syscall.EINVAL)
 	}
@@ -159,26 +183,40 @@ func (d *Device) userMRPages(m *mr, r *CreateMR) error {
 	return nil
 }
 
-// frmrKey picks the key of a fast-reg MR: the consumer byte (bits 0-7,
-// which ib_update_fast_reg_key changes) is zero and the rest is unique
-// among the device's keys.
-func (d *Device) frmrKey(h uint32) uint32 {
+// canFastReg says whether PD p's provider can hold fast-reg MRs: the
+// device advertised fast registration (its provider offers it) and the PD
+// implements hostverbs.FastRegPD.
+func (d *Device) canFastReg(p *pd) error {
+	if d.caps.BMMEFlags&fastRegBMME != fastRegBMME {
+		return fmt.Errorf("fast registration is not offered by this device's provider: %w", syscall.EOPNOTSUPP)
+	}
+	if _, ok := p.hv.(hostverbs.FastRegPD); !ok {
+		return fmt.Errorf("PD %d's provider has no fast registration: %w", p.handle, syscall.EOPNOTSUPP)
+	}
+	return nil
+}
+
+// allocFastReg creates the provider's fast-reg MR, with the key a replay
+// forces.
+func (d *Device) allocFastReg(p *pd, maxPages int) (hostverbs.FastRegMR, error) {
+	attr := hostverbs.FastRegAttr{MaxPages: maxPages}
 	if d.rp != nil {
-		return d.rp.force.lkey // checked by the replay
+		attr.Key = d.rp.force.lkey
 	}
-	k := 0x80000000 | h<<8
-	for {
-		_, taken := d.keys[k]
-		_, takenFR := d.frmrs[k]
-		if !taken && !takenFR {
-			return k
-		}
-		k = (k + 1<<8) | 0x80000000
+	fr, err := p.hv.(hostverbs.FastRegPD).AllocFastRegMR(attr)
+	if err != nil {
+		return nil, err
 	}
+	if attr.Key != 0 && (fr.LKey() != attr.Key || fr.RKey() != d.rp.force.rkey) {
+		_ = fr.Dereg()
+		return nil, fmt.Errorf("the provider gave keys %#x/%#x for %#x/%#x: %w", fr.LKey(), fr.RKey(),
+			attr.Key, d.rp.force.rkey, hostverbs.ErrNotSupported)
+	}
+	return fr, nil
 }
 
 func (d *Device) cmdDestroyMR(req, resp []byte) error {
-	var r DestroyMR
+	var r abi.DestroyMR
 	r.Decode(req)
 	m, ok := d.mrs.get(r.MRHandle)
 	if !ok {
@@ -196,8 +234,8 @@ func (d *Device) destroyMR(m *mr) error {
 	if d.keys[m.lkey] == m {
 		delete(d.keys, m.lkey)
 	}
-	if m.frmr {
-		delete(d.frmrs, m.lkey&^0xff)
+	if m.frmr && d.frmrs[m.lkey>>8] == m {
+		delete(d.frmrs, m.lkey>>8)
 	}
 	d.mrBytes -= m.bytes
 	d.heap.Release(m.cost)
@@ -207,88 +245,116 @@ func (d *Device) destroyMR(m *mr) error {
 }
 
 // checkSGE validates one guest SGE of a WQE on a QP in PD p: the lkey
-// must name a valid MR of the same PD whose range holds the SGE, with
-// local write access if the device writes there (receives, READ and atomic
-// results). It returns the lkey to hand the provider.
-func (d *Device) checkSGE(s *SGE, p *pd, write bool) (uint32, hostverbs.WCStatus) {
+// must name an MR of the same PD whose range holds the SGE, with local
+// write access if the device writes there (receives, READ and atomic
+// results). A fast-reg MR's key is checked here for its PD only: its
+// registration, state and key byte are the provider's, which refuses the
+// SGE with a local protection error (the QP's, in order) if they do not
+// fit. It returns the lkey to hand the provider.
+func (d *Device) checkSGE(s *abi.SGE, p *pd, write bool) (uint32, hostverbs.WCStatus) {
 	m := d.keys[s.LKey]
+	if m == nil {
+		if f := d.frmrs[s.LKey>>8]; f != nil && f.pd == p && f.fr != nil {
+			return s.LKey, hostverbs.WCSuccess
+		}
+		return 0, hostverbs.WCLocProtErr
+	}
 	switch {
-	case m == nil || !m.valid || m.pd != p:
+	case m.pd != p:
 		return 0, hostverbs.WCLocProtErr
 	case write && m.access&hostverbs.AccessLocalWrite == 0:
 		return 0, hostverbs.WCLocProtErr
 	case !m.pages.Contains(s.Addr, uint64(s.Length)):
 		return 0, hostverbs.WCLocProtErr
 	}
-	return m.hvLKey, hostverbs.WCSuccess
+	return m.lkey, hostverbs.WCSuccess
 }
 
+// fastRegBMME is what the device advertises when its provider offers fast
+// registration: all three bits, which together make the driver set
+// IB_DEVICE_MEM_MGT_EXTENSIONS.
+const fastRegBMME = abi.BMMEFlagLocalInv | abi.BMMEFlagRemoteInv | abi.BMMEFlagFastRegWR
+
 // fastReg executes a REG_MR work request of a kernel QP: the fast-reg MR
-// named by the key (consumer byte masked) takes the page list at
-// pl_pdir_dma, the new key and the access flags. The pages are registered
-// with the provider; local SGEs using the new key are translated to the
-// provider's lkey.
-func (d *Device) fastReg(q *qp, fr *WRFastReg) hostverbs.WCStatus {
-	m := d.frmrs[fr.RKey&^0xff]
-	if m == nil || m.pd != q.pd {
-		return hostverbs.WCLocProtErr
-	}
-	acc, err := validAccess(fr.AccessFlags)
-	if err != nil || fr.PageShift != guestmem.PageShift || fr.PageListLen == 0 || int(fr.PageListLen) > m.maxPages {
-		return hostverbs.WCLocQPOpErr
-	}
-	end := fr.IOVAStart + uint64(fr.Length)
-	if fr.Length == 0 || end < fr.IOVAStart {
-		return hostverbs.WCLocLenErr
-	}
-	span := (end-1)>>guestmem.PageShift - fr.IOVAStart>>guestmem.PageShift + 1
-	if span > uint64(fr.PageListLen) {
-		return hostverbs.WCLocLenErr
-	}
-	pages, err := ringbuf.ReadPageDir(d.mem, guestmem.GPA(fr.PLPDirDMA), int(fr.PageListLen), m.maxPages)
+// whose key index the new key has takes the page list at pl_pdir_dma (4
+// KiB pages), the IOVA range, the access flags and the key, in the
+// provider (the guest's key, base key and consumer byte, is the
+// provider's). A refusal is logged with its reason and counted; the WQE
+// completes in error and the QP moves to ERR.
+func (d *Device) fastReg(q *qp, fr *abi.WRFastReg) hostverbs.WCStatus {
+	st, err := d.fastRegMR(q, fr)
 	if err != nil {
-		return hostverbs.WCLocProtErr
+		d.stats.fastRegRefused.Add(1)
+		d.lim.Warn("fastreg-refused", "pvrdma: REG_MR refused", "qp", q.handle, "key", fmt.Sprintf("%#x", fr.RKey),
+			"iova", fmt.Sprintf("%#x", fr.IOVAStart), "length", fr.Length, "pages", fr.PageListLen, "err", err)
+		return st
 	}
-	pl, err := guestmem.NewPageList(fr.IOVAStart, uint64(fr.Length), pages[:span])
-	if err != nil {
-		return hostverbs.WCLocLenErr
-	}
-	if other, taken := d.keys[fr.RKey]; taken && other != m {
-		return hostverbs.WCLocQPOpErr
-	}
-	if m.hv != nil {
-		if err := m.hv.Dereg(); err != nil {
-			return hostverbs.WCLocQPOpErr
-		}
-		m.hv = nil
-	}
-	hv, err := q.pd.hv.RegMR(hostverbs.MRAttr{Pages: pl, Access: acc})
-	if err != nil {
-		m.valid = false
-		return hostverbs.WCLocQPOpErr
-	}
-	if d.keys[m.lkey] == m {
-		delete(d.keys, m.lkey)
-	}
-	m.lkey, m.rkey, m.hv, m.hvLKey = fr.RKey, fr.RKey, hv, hv.LKey()
-	m.pages, m.access, m.valid = pl, acc, true
-	d.keys[m.lkey] = m
+	d.stats.fastRegs.Add(1)
 	return hostverbs.WCSuccess
 }
 
+func (d *Device) fastRegMR(q *qp, fr *abi.WRFastReg) (hostverbs.WCStatus, error) {
+	m := d.frmrs[fr.RKey>>8]
+	switch {
+	case m == nil || !m.frmr:
+		return hostverbs.WCLocQPOpErr, fmt.Errorf("no fast-reg MR has key index %#x", fr.RKey>>8)
+	case m.pd != q.pd:
+		return hostverbs.WCLocProtErr, fmt.Errorf("MR %d is in PD %d, the QP in PD %d", m.handle, m.pd.handle, q.pd.handle)
+	case m.fr == nil:
+		return hostverbs.WCLocQPOpErr, fmt.Errorf("MR %d was lost in a restore", m.handle)
+	}
+	acc, err := validAccess(fr.AccessFlags)
+	if err != nil {
+		return hostverbs.WCLocQPOpErr, err
+	}
+	if fr.PageShift != guestmem.PageShift {
+		return hostverbs.WCLocQPOpErr, fmt.Errorf("page shift %d (the device takes %d)", fr.PageShift, guestmem.PageShift)
+	}
+	if fr.PageListLen == 0 || int(fr.PageListLen) > m.maxPages {
+		return hostverbs.WCLocQPOpErr, fmt.Errorf("%d pages in a fast-reg MR of %d", fr.PageListLen, m.maxPages)
+	}
+	end := fr.IOVAStart + uint64(fr.Length)
+	if fr.Length == 0 || end < fr.IOVAStart {
+		return hostverbs.WCLocLenErr, fmt.Errorf("range %#x+%#x", fr.IOVAStart, fr.Length)
+	}
+	span := (end-1)>>guestmem.PageShift - fr.IOVAStart>>guestmem.PageShift + 1
+	if span > uint64(fr.PageListLen) {
+		return hostverbs.WCLocLenErr, fmt.Errorf("range %#x+%#x spans %d pages, the list has %d", fr.IOVAStart, fr.Length, span, fr.PageListLen)
+	}
+	pages, err := ringbuf.ReadPageDir(d.mem, guestmem.GPA(fr.PLPDirDMA), int(fr.PageListLen), m.maxPages)
+	if err != nil {
+		return hostverbs.WCLocProtErr, fmt.Errorf("page list: %w", err)
+	}
+	pl, err := guestmem.NewPageList(fr.IOVAStart, uint64(fr.Length), pages[:span])
+	if err != nil {
+		return hostverbs.WCLocLenErr, err
+	}
+	if err := m.fr.Register(hostverbs.FastReg{Pages: pl, Access: acc, Key: fr.RKey}); err != nil {
+		return hostverbs.WCLocQPOpErr, err
+	}
+	return hostverbs.WCSuccess, nil
+}
+
 // localInv executes a LOCAL_INV work request: the fast-reg MR with that
-// key stops being usable until the next REG_MR.
+// key stops being usable (locally and remotely) until the next REG_MR.
 func (d *Device) localInv(q *qp, key uint32) hostverbs.WCStatus {
-	m := d.keys[key]
-	if m == nil || !m.frmr || m.pd != q.pd {
+	m := d.frmrs[key>>8]
+	var err error
+	switch {
+	case m == nil:
+		err = fmt.Errorf("no fast-reg MR has key index %#x", key>>8)
+	case m.pd != q.pd:
+		err = fmt.Errorf("MR %d is in PD %d, the QP in PD %d", m.handle, m.pd.handle, q.pd.handle)
+	case m.fr == nil:
+		err = fmt.Errorf("MR %d was lost in a restore", m.handle)
+	default:
+		err = m.fr.Invalidate(key)
+	}
+	if err != nil {
+		d.stats.localInvRefused.Add(1)
+		d.lim.Warn("localinv-refused", "pvrdma: LOCAL_INV refused", "qp", q.handle, "key", fmt.Sprintf("%#x", key), "err", err)
 		return hostverbs.WCLocQPOpErr
 	}
-	if m.hv != nil {
-		if err := m.hv.Dereg(); err != nil {
-			return hostverbs.WCLocQPOpErr
-		}
-		m.hv = nil
-	}
-	m.valid = false
+	d.stats.localInvs.Add(1)
 	return hostverbs.WCSuccess
 }

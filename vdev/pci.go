@@ -1,32 +1,16 @@
 package vdev
 
-// PCI identity of the PVRDMA function (pvrdma.h, pvrdma_dev_api.h, and what
-// QEMU 11 and the 6.1 driver accepted, OBSERVED.md section "Device model the
-// server presented").
-const (
-	PCIVendorID    = 0x15ad   // VMware
-	PCIDeviceID    = 0x0820   // PVRDMA
-	PCIClassCode   = 0x028000 // network controller, other
-	PCIRevision    = 0
-	PCIIntPin      = 1 // INTA#
-	PCIFunction    = 1 // function 1 of the slot whose function 0 is vmxnet3
-	PairedVendorID = 0x15ad
-	PairedDeviceID = 0x07b0 // vmxnet3: the driver refuses to bind without it at function 0
-)
+import "github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 
-// BAR sizes.
+// BAR sizes and the MSI-X layout: the device's choices (the driver reads
+// them from the BARs and the MSI-X capability).
 const (
-	BAR0Size    = 16 << 10 // MSI-X table and PBA
-	BAR1Size    = 4 << 10  // registers (the ABI uses the first 0x28 bytes)
-	UARPages    = 512      // BAR2 pages: caps.max_uar, a power of two
-	BAR2Size    = UARPages * UARPageSize
-	MSIXTable   = 0x0000 // offset of the MSI-X table in BAR0
-	MSIXPBA     = 0x2000 // offset of the MSI-X pending-bit array in BAR0
-	MSIXBAR     = 0
-	RegsBAR     = 1
-	UARBAR      = 2
-	NumBARs     = 3
-	UARPageSize = 4096
+	BAR0Size  = 16 << 10 // MSI-X table and PBA
+	BAR1Size  = 4 << 10  // registers (the ABI uses the first 0x28 bytes)
+	UARPages  = 512      // BAR2 pages: caps.max_uar, a power of two
+	BAR2Size  = UARPages * abi.UARPageSize
+	MSIXTable = 0x0000 // offset of the MSI-X table in BAR0
+	MSIXPBA   = 0x2000 // offset of the MSI-X pending-bit array in BAR0
 )
 
 // BARInfo describes one memory BAR.
@@ -55,23 +39,23 @@ type PCIInfo struct {
 	ClassCode                uint32
 	IntPin                   uint8
 	// Function is the PCI function number the device must sit at; function 0
-	// of the same slot must be a vmxnet3 (PairedVendorID:PairedDeviceID).
+	// of the same slot must be a vmxnet3 (abi.PairedVendorID:abi.PairedDeviceID).
 	Function int
-	BARs     [NumBARs]BARInfo
+	BARs     [abi.NumBARs]BARInfo
 	MSIX     MSIXInfo
 }
 
 // PCI returns the PCI description of the PVRDMA function.
 func PCI() PCIInfo {
 	return PCIInfo{
-		VendorID: PCIVendorID, DeviceID: PCIDeviceID,
-		SubVendorID: PCIVendorID, SubDeviceID: PCIDeviceID,
-		Revision: PCIRevision, ClassCode: PCIClassCode, IntPin: PCIIntPin, Function: PCIFunction,
-		BARs: [NumBARs]BARInfo{
+		VendorID: abi.PCIVendorID, DeviceID: abi.PCIDeviceID,
+		SubVendorID: abi.PCIVendorID, SubDeviceID: abi.PCIDeviceID,
+		Revision: abi.PCIRevision, ClassCode: abi.PCIClassCode, IntPin: abi.PCIIntPin, Function: abi.PCIFunction,
+		BARs: [abi.NumBARs]BARInfo{
 			{Size: BAR0Size},
 			{Size: BAR1Size},
 			{Size: BAR2Size, Is64Bit: true},
 		},
-		MSIX: MSIXInfo{Vectors: NumVectors, BAR: MSIXBAR, TableOffset: MSIXTable, PBAOffset: MSIXPBA},
+		MSIX: MSIXInfo{Vectors: abi.NumVectors, BAR: abi.MSIXBAR, TableOffset: MSIXTable, PBAOffset: MSIXPBA},
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // qp is a queue pair: guest SQ and RQ rings in one page directory (page 0
@@ -65,9 +66,10 @@ func (d *Device) liveQP(ctx uint64) *qp {
 }
 
 // WQE strides: the header plus max_sge SGEs, rounded up to a power of two,
-// with the SGE count exactly as CREATE_QP carries it (OBSERVED.md pitfall 4).
-func sqStride(sge uint32) uint32 { return pow2Ceil(SQWQEHdrSize + SGESize*sge) }
-func rqStride(sge uint32) uint32 { return pow2Ceil(RQWQEHdrSize + SGESize*sge) }
+// with the SGE count exactly as CREATE_QP carries it: rdma-core 44 and later
+// do not round it, and the stride must match theirs.
+func sqStride(sge uint32) uint32 { return pow2Ceil(abi.SQWQEHdrSize + abi.SGESize*sge) }
+func rqStride(sge uint32) uint32 { return pow2Ceil(abi.RQWQEHdrSize + abi.SGESize*sge) }
 
 func pow2Ceil(v uint32) uint32 {
 	p := uint32(1)
@@ -82,7 +84,7 @@ func queuePages(wr, stride uint32) uint64 {
 }
 
 func (d *Device) cmdCreateQP(req, resp []byte) error {
-	var r CreateQP
+	var r abi.CreateQP
 	r.Decode(req)
 	typ := hostverbs.QPType(r.QPType)
 	switch typ {
@@ -189,7 +191,7 @@ func (d *Device) cmdCreateQP(req, resp []byte) error {
 	q.state.Store(uint32(hostverbs.QPStateReset))
 	d.attachQP(q, p, scq, rcq, s)
 	created = true
-	CreateQPResp{QPN: q.hv.QPN(), QPHandle: h, MaxSendWR: r.MaxSendWR, MaxRecvWR: recvWR,
+	abi.CreateQPResp{QPN: q.hv.QPN(), QPHandle: h, MaxSendWR: r.MaxSendWR, MaxRecvWR: recvWR,
 		MaxSendSGE: r.MaxSendSGE, MaxRecvSGE: recvSGE}.Encode(resp)
 	return nil
 }
@@ -238,7 +240,7 @@ func (d *Device) qp(h uint32) (*qp, error) {
 }
 
 func (d *Device) cmdModifyQP(req, resp []byte) error {
-	var r ModifyQP
+	var r abi.ModifyQP
 	r.Decode(req)
 	q, err := d.qp(r.QPHandle)
 	if err != nil {
@@ -310,7 +312,7 @@ const ControlledQKey = 0x80000000
 // checkQPAttr validates what the device must understand itself: the port
 // and the source GID index of the address vector, which must name a GID
 // the guest bound (its type comes from that binding).
-func (d *Device) checkQPAttr(a *QPAttr, mask hostverbs.AttrMask) error {
+func (d *Device) checkQPAttr(a *abi.QPAttr, mask hostverbs.AttrMask) error {
 	if mask&hostverbs.AttrPort != 0 && a.PortNum != portNum {
 		return fmt.Errorf("port %d: %w", a.PortNum, syscall.EINVAL)
 	}
@@ -337,7 +339,7 @@ func (d *Device) checkSGID(i uint8) error {
 
 // hostQPAttr converts the ABI's QP attributes to the provider's (the enums
 // are numerically equal).
-func hostQPAttr(a *QPAttr) hostverbs.QPAttr {
+func hostQPAttr(a *abi.QPAttr) hostverbs.QPAttr {
 	return hostverbs.QPAttr{
 		State: hostverbs.QPState(a.State), CurState: hostverbs.QPState(a.CurState),
 		PathMTU: hostverbs.MTU(a.PathMTU), PathMigState: uint8(a.PathMigState),
@@ -353,7 +355,7 @@ func hostQPAttr(a *QPAttr) hostverbs.QPAttr {
 	}
 }
 
-func hostAV(ah *AHAttr) hostverbs.AddressVector {
+func hostAV(ah *abi.AHAttr) hostverbs.AddressVector {
 	return hostverbs.AddressVector{
 		DGID: hostverbs.GID(ah.DGID), SGIDIndex: ah.SGIDIndex, HopLimit: ah.HopLimit,
 		TrafficClass: ah.TrafficClass, FlowLabel: ah.FlowLabel & 0xFFFFF, SL: ah.SL,
@@ -362,7 +364,7 @@ func hostAV(ah *AHAttr) hostverbs.AddressVector {
 }
 
 func (d *Device) cmdQueryQP(req, resp []byte) error {
-	var r QueryQP
+	var r abi.QueryQP
 	r.Decode(req)
 	q, err := d.qp(r.QPHandle)
 	if err != nil {
@@ -372,14 +374,14 @@ func (d *Device) cmdQueryQP(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("query QP %d: %w", q.handle, err)
 	}
-	a := QPAttr{
+	a := abi.QPAttr{
 		State: uint32(qa.State), CurState: uint32(qa.State), PathMTU: uint32(qa.PathMTU),
 		PathMigState: uint32(qa.PathMigState), QKey: qa.QKey, RQPSN: qa.RQPSN, SQPSN: qa.SQPSN,
 		DestQPNum: qa.DestQPN, AccessFlags: uint32(qa.AccessFlags), PKeyIndex: qa.PKeyIndex,
 		AltPKeyIndex: qa.AltPKeyIndex, MaxRdAtomic: qa.MaxRdAtomic, MaxDestRdAtomic: qa.MaxDestRdAtomic,
 		MinRNRTimer: qa.MinRNRTimer, PortNum: max(qa.Port, portNum), Timeout: qa.Timeout, RetryCnt: qa.RetryCnt,
 		RNRRetry: qa.RNRRetry, AltPortNum: qa.AltPort, AltTimeout: qa.AltTimeout,
-		Cap: QPCap{MaxSendWR: q.sendWR, MaxRecvWR: q.recvWR, MaxSendSGE: q.sendSGE, MaxRecvSGE: q.recvSGE},
+		Cap: abi.QPCap{MaxSendWR: q.sendWR, MaxRecvWR: q.recvWR, MaxSendSGE: q.sendSGE, MaxRecvSGE: q.recvSGE},
 		AH:  abiAH(&qa.AV), AltAH: abiAH(&qa.AltAV),
 	}
 	if qa.EnSQDAsyncNotify {
@@ -389,24 +391,24 @@ func (d *Device) cmdQueryQP(req, resp []byte) error {
 		a.SQDraining = 1
 	}
 	q.state.Store(uint32(qa.State))
-	QueryQPResp{Attrs: a}.Encode(resp)
+	abi.QueryQPResp{Attrs: a}.Encode(resp)
 	return nil
 }
 
-func abiAH(av *hostverbs.AddressVector) AHAttr {
-	ah := AHAttr{
+func abiAH(av *hostverbs.AddressVector) abi.AHAttr {
+	ah := abi.AHAttr{
 		DGID: av.DGID, FlowLabel: av.FlowLabel, SGIDIndex: av.SGIDIndex, HopLimit: av.HopLimit,
 		TrafficClass: av.TrafficClass, VLANID: av.VLANID, SL: av.SL, StaticRate: av.StaticRate,
 		PortNum: av.Port, DMAC: av.DMAC,
 	}
 	if !av.DGID.IsZero() {
-		ah.Flags = AHFlagGRH // RoCE always carries a GRH
+		ah.Flags = abi.AHFlagGRH // RoCE always carries a GRH
 	}
 	return ah
 }
 
 func (d *Device) cmdDestroyQP(req, resp []byte) error {
-	var r DestroyQP
+	var r abi.DestroyQP
 	r.Decode(req)
 	q, err := d.qp(r.QPHandle)
 	if err != nil {
@@ -415,7 +417,7 @@ func (d *Device) cmdDestroyQP(req, resp []byte) error {
 	if err := d.destroyQP(q); err != nil {
 		return err
 	}
-	DestroyQPResp{}.Encode(resp)
+	abi.DestroyQPResp{}.Encode(resp)
 	return nil
 }
 

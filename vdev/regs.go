@@ -4,6 +4,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"syscall"
+
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // ReadBAR answers a guest read of len(p) bytes at offset off of BAR bar.
@@ -17,13 +19,13 @@ func (d *Device) ReadBAR(bar int, off uint64, p []byte) error {
 		return err
 	}
 	switch bar {
-	case MSIXBAR:
+	case abi.MSIXBAR:
 		clear(p)
-	case UARBAR:
+	case abi.UARBAR:
 		for i := range p {
 			p[i] = 0xff
 		}
-	case RegsBAR:
+	case abi.RegsBAR:
 		d.mu.Lock()
 		defer d.mu.Unlock()
 		if d.closed {
@@ -49,24 +51,24 @@ func (d *Device) ReadBAR(bar int, off uint64, p []byte) error {
 // readReg returns register reg (4-aligned). ICR is read-to-clear.
 func (d *Device) readReg(reg uint64) uint32 {
 	switch reg {
-	case RegVersion:
-		return DeviceVersion
-	case RegErr:
+	case abi.RegVersion:
+		return abi.DeviceVersion
+	case abi.RegErr:
 		return d.errReg
-	case RegICR:
+	case abi.RegICR:
 		// The driver's INTx handler completes a command only if ICR reads
 		// exactly RESPONSE; in that mode it ignores the async and CQ causes
 		// anyway, so a pending response hides them rather than being hidden.
 		v := d.icr.Swap(0)
-		if v&(1<<VectorResponse) != 0 {
-			return 1 << VectorResponse
+		if v&(1<<abi.VectorResponse) != 0 {
+			return 1 << abi.VectorResponse
 		}
 		return v
-	case RegIMR:
+	case abi.RegIMR:
 		return d.imr.Load()
-	case RegMACL:
+	case abi.RegMACL:
 		return d.macl
-	case RegMACH:
+	case abi.RegMACH:
 		return d.mach
 	}
 	return 0
@@ -81,7 +83,7 @@ func (d *Device) WriteBAR(bar int, off uint64, p []byte) error {
 		d.stats.badBARAccesses.Add(1)
 		return err
 	}
-	if bar == MSIXBAR {
+	if bar == abi.MSIXBAR {
 		return nil // table and PBA belong to the PCI framework
 	}
 	if len(p) != 4 || off&3 != 0 {
@@ -97,7 +99,7 @@ func (d *Device) WriteBAR(bar int, off uint64, p []byte) error {
 	// The guest goes on: a hand-over in progress is abandoned before
 	// anything it does changes the device.
 	d.resumeTransportsLocked()
-	if bar == UARBAR {
+	if bar == abi.UARBAR {
 		d.doorbell(off, v)
 		return nil
 	}
@@ -107,7 +109,7 @@ func (d *Device) WriteBAR(bar int, off uint64, p []byte) error {
 
 func (d *Device) writeReg(reg uint64, v uint32) {
 	switch reg {
-	case RegDSRLow, RegDSRHigh:
+	case abi.RegDSRLow, abi.RegDSRHigh:
 		if d.active {
 			// The driver writes the DSR at probe and after a RESET,
 			// never while the device runs: replacing it under live
@@ -117,7 +119,7 @@ func (d *Device) writeReg(reg uint64, v uint32) {
 			d.lim.Warn("dsr-active", "pvrdma: DSR write while the device is active refused; RESET first", "reg", reg)
 			return
 		}
-		if reg == RegDSRLow {
+		if reg == abi.RegDSRLow {
 			d.dsrLow = v
 			d.journalReg(reg, v)
 			return
@@ -125,17 +127,17 @@ func (d *Device) writeReg(reg uint64, v uint32) {
 		d.dsrHigh = v
 		d.loadDSR()
 		d.journalReg(reg, v)
-	case RegCtl:
+	case abi.RegCtl:
 		d.control(v)
-	case RegRequest:
+	case abi.RegRequest:
 		d.execCommand()
-	case RegIMR:
+	case abi.RegIMR:
 		d.imr.Store(v)
 		d.journalReg(reg, v)
-	case RegMACL:
+	case abi.RegMACL:
 		d.macl = v
 		d.journalReg(reg, v)
-	case RegMACH:
+	case abi.RegMACH:
 		d.mach = v & 0xffff
 		d.journalReg(reg, v)
 	default:
@@ -146,7 +148,7 @@ func (d *Device) writeReg(reg uint64, v uint32) {
 // control runs a CTL write.
 func (d *Device) control(v uint32) {
 	switch v {
-	case CtlActivate:
+	case abi.CtlActivate:
 		if d.dsr == nil {
 			d.errReg = errnoNoDSR
 			return
@@ -154,7 +156,7 @@ func (d *Device) control(v uint32) {
 		d.errReg = 0
 		if !d.active {
 			d.active = true
-			d.journalReg(RegCtl, v)
+			d.journalReg(abi.RegCtl, v)
 			if d.rp != nil {
 				break // a restore: the guest saw the event long ago
 			}
@@ -162,15 +164,15 @@ func (d *Device) control(v uint32) {
 				d.pushEvent(uint32(eventPortActive), 1)
 			}
 		}
-	case CtlUnquiesce:
+	case abi.CtlUnquiesce:
 		if d.dsr == nil {
 			d.errReg = errnoNoDSR
 			return
 		}
 		d.errReg = 0
-	case CtlReset:
+	case abi.CtlReset:
 		d.resetLocked()
-		d.journalReg(RegCtl, v)
+		d.journalReg(abi.RegCtl, v)
 	default:
 		d.errReg = errnoInval
 	}
@@ -179,11 +181,11 @@ func (d *Device) control(v uint32) {
 func checkAccess(bar int, off uint64, n int) error {
 	var size uint64
 	switch bar {
-	case MSIXBAR:
+	case abi.MSIXBAR:
 		size = BAR0Size
-	case RegsBAR:
+	case abi.RegsBAR:
 		size = BAR1Size
-	case UARBAR:
+	case abi.UARBAR:
 		size = BAR2Size
 	default:
 		return fmt.Errorf("BAR%d: %w", bar, ErrAccess)

@@ -13,6 +13,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // journalBuf is a journal file in memory: the sink appends records.
@@ -78,7 +79,7 @@ type world struct {
 	pd0, pd1             uint32
 	kcq, cq1, cq2, rsz   *gcq
 	mr                   *gmr
-	dma, frmr            CreateMRResp
+	dma, frmr            abi.CreateMRResp
 	srq                  *gsrq
 	rc, rcSRQ, ud, gsi   *gqp
 	idle                 *gqp
@@ -87,7 +88,7 @@ type world struct {
 	udRecvs, gsiRecvs    []uint64          // outstanding WRIDs: posted by the restore
 	srqRecvs             []uint64
 	unpolled             []uint64 // CQEs of rsz the guest has not read
-	caps                 Caps
+	caps                 abi.Caps
 	qpns                 map[uint32]uint32    // QP handle -> QPN
 	keys                 map[uint32][2]uint32 // MR handle -> lkey, rkey
 	gids                 []hostverbs.GIDEntry
@@ -95,7 +96,7 @@ type world struct {
 	pdHandles, cqHandles []uint32
 }
 
-func udAV(pd uint32) AV { return AV{PortPD: 1<<24 | pd, DGID: gidB, HopLimit: 64} }
+func udAV(pd uint32) abi.AV { return abi.AV{PortPD: 1<<24 | pd, DGID: gidB, HopLimit: 64} }
 
 func buildWorld(t testing.TB, size uint64) *world {
 	fv := newFakeVerbs()
@@ -106,12 +107,12 @@ func buildWorld(t testing.TB, size uint64) *world {
 	g.bindGID(0, gidA)
 	g.bindGID(1, gidC)
 	g.bindGID(2, gidB)
-	g.mustCmd(CmdDestroyBind, DestroyBind{Index: 2, DestGID: gidB})
+	g.mustCmd(abi.CmdDestroyBind, abi.DestroyBind{Index: 2, DestGID: gidB})
 
 	w.uc1 = g.createUC(1)
 	ucX := g.createUC(3)
 	w.uc2 = g.createUC(2)
-	g.mustCmd(CmdDestroyUC, DestroyUC{CtxHandle: ucX})
+	g.mustCmd(abi.CmdDestroyUC, abi.DestroyUC{CtxHandle: ucX})
 
 	w.holes["pd"] = g.createPD(0)
 	w.pd0, w.pd1 = g.createPD(0), g.createPD(w.uc1)
@@ -122,21 +123,21 @@ func buildWorld(t testing.TB, size uint64) *world {
 	// A CQ created with 64 CQEs in the pages of 256, then resized: its
 	// prod_tail ends past what 64 CQEs allow.
 	w.rsz = &gcq{g: g, n: 64, uar: w.uc1, pages: g.pages(int(cqRingPages(256)))}
-	var cr CreateCQResp
-	cr.Decode(g.mustCmd(CmdCreateCQ, CreateCQ{PDirDMA: g.pdir(w.rsz.pages), CtxHandle: w.uc1, CQE: 64, NChunks: uint32(len(w.rsz.pages))}))
+	var cr abi.CreateCQResp
+	cr.Decode(g.mustCmd(abi.CmdCreateCQ, abi.CreateCQ{PDirDMA: g.pdir(w.rsz.pages), CtxHandle: w.uc1, CQE: 64, NChunks: uint32(len(w.rsz.pages))}))
 	w.rsz.handle = cr.CQHandle
-	g.mustCmd(CmdResizeCQ, ResizeCQ{CQHandle: w.rsz.handle, CQE: 256})
+	g.mustCmd(abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: w.rsz.handle, CQE: 256})
 	w.rsz.n = 256
 
 	mrX := g.regMR(w.pd1, 0x10000, 8192, 1)
 	w.holes["mr"] = mrX.handle
 	w.mr = g.regMR(w.pd1, 0x7f0000000123, 64<<10, 0xf)
-	w.dma.Decode(g.mustCmd(CmdCreateMR, CreateMR{PDHandle: w.pd0, AccessFlags: 1, Flags: MRFlagDMA}))
-	w.frmr.Decode(g.mustCmd(CmdCreateMR, CreateMR{PDHandle: w.pd0, AccessFlags: 1, Flags: MRFlagFRMR, NChunks: 16}))
-	g.mustCmd(CmdDestroyMR, DestroyMR{MRHandle: mrX.handle})
+	w.dma.Decode(g.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: w.pd0, AccessFlags: 1, Flags: abi.MRFlagDMA}))
+	w.frmr.Decode(g.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: w.pd0, AccessFlags: 1, Flags: abi.MRFlagFRMR, NChunks: 16}))
+	g.mustCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: mrX.handle})
 
 	w.srq = g.createSRQ(w.pd1, 64, 2, 8, 1)
-	g.mustCmd(CmdModifySRQ, ModifySRQ{SRQHandle: w.srq.handle, AttrMask: srqAttrLimit, Attrs: SRQAttr{SRQLimit: 16}})
+	g.mustCmd(abi.CmdModifySRQ, abi.ModifySRQ{SRQHandle: w.srq.handle, AttrMask: srqAttrLimit, Attrs: abi.SRQAttr{SRQLimit: 16}})
 
 	qpX := g.createQP(qpSpec{pd: w.pd0, scq: w.kcq, rcq: w.kcq, typ: hostverbs.QPTypeUD, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1})
 	w.holes["qp"] = qpX.handle
@@ -146,23 +147,23 @@ func buildWorld(t testing.TB, size uint64) *world {
 	w.rcSRQ.toRTS(0x9a, gidB, 1)
 	w.ud = g.createQP(qpSpec{pd: w.pd1, scq: w.rsz, rcq: w.cq2, typ: hostverbs.QPTypeUD, sendWR: 16, recvWR: 16, sendSGE: 1, recvSGE: 1, uar: 1})
 	w.ud.udToRTS(0x1234)
-	w.ud.mustModify(hostverbs.AttrQKey, QPAttr{QKey: 0x5678}) // RTS -> RTS
+	w.ud.mustModify(hostverbs.AttrQKey, abi.QPAttr{QKey: 0x5678}) // RTS -> RTS
 	w.gsi = g.createQP(qpSpec{pd: w.pd0, scq: w.kcq, rcq: w.kcq, typ: hostverbs.QPTypeGSI, sendWR: 16, recvWR: 16, sendSGE: 2, recvSGE: 1, sigAll: true})
-	w.gsi.mustModify(0x51, QPAttr{State: 1, QKey: 0x80010000})
-	w.gsi.mustModify(0x1, QPAttr{State: 2})
-	w.gsi.mustModify(0x10001, QPAttr{State: 3})
+	w.gsi.mustModify(0x51, abi.QPAttr{State: 1, QKey: 0x80010000})
+	w.gsi.mustModify(0x1, abi.QPAttr{State: 2})
+	w.gsi.mustModify(0x10001, abi.QPAttr{State: 3})
 	w.idle = g.createQP(qpSpec{pd: w.pd1, scq: w.cq1, rcq: w.cq1, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
-	g.mustCmd(CmdDestroyQP, DestroyQP{QPHandle: qpX.handle})
-	g.mustCmd(CmdDestroyCQ, DestroyCQ{CQHandle: cqX.handle})
-	g.mustCmd(CmdDestroyPD, DestroyPD{PDHandle: w.holes["pd"]})
+	g.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: qpX.handle})
+	g.mustCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: cqX.handle})
+	g.mustCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: w.holes["pd"]})
 
 	// Traffic: 150 UD sends complete on the resized CQ; the guest reads
 	// all but the last 3.
 	fq := fakeQPOf(t, fv, w.ud.qpn)
 	for i := range 150 {
 		h := wqe(hostverbs.WRSend, uint64(1000+i), hostverbs.SendSignaled)
-		WRUD{RemoteQPN: 7, RemoteQKey: 0x5678, AV: udAV(w.pd1)}.Encode(h.WR[:])
-		w.ud.postSend(h, SGE{Addr: w.mr.iova, Length: 64, LKey: w.mr.lkey})
+		abi.WRUD{RemoteQPN: 7, RemoteQKey: 0x5678, AV: udAV(w.pd1)}.Encode(h.WR[:])
+		w.ud.postSend(h, abi.SGE{Addr: w.mr.iova, Length: 64, LKey: w.mr.lkey})
 		fq.take()
 		fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
 		if i < 147 {
@@ -175,7 +176,7 @@ func buildWorld(t testing.TB, size uint64) *world {
 
 	// The RC QP: receives in flight in the provider, one completed; then
 	// sends and receives written but not rung.
-	sge := SGE{Addr: w.mr.iova, Length: 128, LKey: w.mr.lkey}
+	sge := abi.SGE{Addr: w.mr.iova, Length: 128, LKey: w.mr.lkey}
 	for i := range 3 {
 		w.rc.postRecv(uint64(200+i), sge)
 	}
@@ -195,7 +196,7 @@ func buildWorld(t testing.TB, size uint64) *world {
 		w.ud.writeRecv(uint64(500+i), sge)
 		w.udRecvs = append(w.udRecvs, uint64(500+i))
 	}
-	ksge := SGE{Addr: 0x200000, Length: 256, LKey: w.dma.LKey}
+	ksge := abi.SGE{Addr: 0x200000, Length: 256, LKey: w.dma.LKey}
 	for i := range 4 {
 		w.gsi.postRecv(uint64(600+i), ksge)
 		w.gsiRecvs = append(w.gsiRecvs, uint64(600+i)) // in the dead provider: posted again
@@ -300,7 +301,7 @@ func (w *world) checkRestored(t *testing.T, fv *fakeVerbs, rep RestoreReport) {
 	fv.mu.Unlock()
 
 	// QP_FATAL for the RC QPs, nothing else.
-	assert.ElementsMatch(t, []EQE{{Type: uint32(hostverbs.EventQPFatal), Info: w.rc.handle},
+	assert.ElementsMatch(t, []abi.EQE{{Type: uint32(hostverbs.EventQPFatal), Info: w.rc.handle},
 		{Type: uint32(hostverbs.EventQPFatal), Info: w.rcSRQ.handle}}, g.events())
 	// The RC QP's outstanding work flushed; what was in flight in the
 	// dead provider is gone.
@@ -329,8 +330,8 @@ func (w *world) checkRestored(t *testing.T, fv *fakeVerbs, rep RestoreReport) {
 		assert.EqualValues(t, id, w.rsz.mustPoll().WRID)
 	}
 	h := wqe(hostverbs.WRSend, 2000, hostverbs.SendSignaled)
-	WRUD{RemoteQPN: 7, RemoteQKey: 0x5678, AV: udAV(w.pd1)}.Encode(h.WR[:])
-	w.ud.postSend(h, SGE{Addr: w.mr.iova, Length: 64, LKey: w.mr.lkey})
+	abi.WRUD{RemoteQPN: 7, RemoteQKey: 0x5678, AV: udAV(w.pd1)}.Encode(h.WR[:])
+	w.ud.postSend(h, abi.SGE{Addr: w.mr.iova, Length: 64, LKey: w.mr.lkey})
 	uq := fakeQPOf(t, fv, w.ud.qpn)
 	s, _ := uq.take()
 	require.Len(t, s, 1)
@@ -345,22 +346,22 @@ func (w *world) checkRestored(t *testing.T, fv *fakeVerbs, rep RestoreReport) {
 func (w *world) destroyAll(t *testing.T, fv *fakeVerbs) {
 	g := w.g
 	for _, q := range []*gqp{w.rc, w.rcSRQ, w.ud, w.gsi, w.idle} {
-		g.mustCmd(CmdDestroyQP, DestroyQP{QPHandle: q.handle})
+		g.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: q.handle})
 	}
-	g.mustCmd(CmdDestroySRQ, DestroySRQ{SRQHandle: w.srq.handle})
+	g.mustCmd(abi.CmdDestroySRQ, abi.DestroySRQ{SRQHandle: w.srq.handle})
 	for h := range w.keys {
-		g.mustCmd(CmdDestroyMR, DestroyMR{MRHandle: h})
+		g.mustCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: h})
 	}
 	for _, h := range w.cqHandles {
-		g.mustCmd(CmdDestroyCQ, DestroyCQ{CQHandle: h})
+		g.mustCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: h})
 	}
 	for _, h := range w.pdHandles {
-		g.mustCmd(CmdDestroyPD, DestroyPD{PDHandle: h})
+		g.mustCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: h})
 	}
-	g.mustCmd(CmdDestroyUC, DestroyUC{CtxHandle: w.uc1})
-	g.mustCmd(CmdDestroyUC, DestroyUC{CtxHandle: w.uc2})
-	g.mustCmd(CmdDestroyBind, DestroyBind{Index: 0, DestGID: gidA})
-	g.mustCmd(CmdDestroyBind, DestroyBind{Index: 1, DestGID: gidC})
+	g.mustCmd(abi.CmdDestroyUC, abi.DestroyUC{CtxHandle: w.uc1})
+	g.mustCmd(abi.CmdDestroyUC, abi.DestroyUC{CtxHandle: w.uc2})
+	g.mustCmd(abi.CmdDestroyBind, abi.DestroyBind{Index: 0, DestGID: gidA})
+	g.mustCmd(abi.CmdDestroyBind, abi.DestroyBind{Index: 1, DestGID: gidC})
 	for _, k := range []string{"pd", "mr", "cq", "qp", "srq"} {
 		assert.Zero(t, fv.count(k), "provider %ss left", k)
 	}
@@ -409,9 +410,9 @@ func TestRestoreRoundTrip(t *testing.T) {
 			// The restored device journals on, numbered after the journal.
 			seq := binary.LittleEndian.Uint64(j2.b[8:])
 			assert.Greater(t, seq, uint64(1))
-			w.g.mustCmd(CmdDestroyMR, DestroyMR{MRHandle: m.handle})
-			w.g.mustCmd(CmdDestroyQP, DestroyQP{QPHandle: q.handle})
-			w.g.mustCmd(CmdDestroyPD, DestroyPD{PDHandle: w.holes["pd"]})
+			w.g.mustCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: m.handle})
+			w.g.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: q.handle})
+			w.g.mustCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: w.holes["pd"]})
 			w.destroyAll(t, fv)
 		})
 	}
@@ -440,8 +441,8 @@ func TestRestoreJournalContinues(t *testing.T) {
 	w.g.bindGID(2, gidB)
 	cp := w.g.dev.Checkpoint()
 	pd := w.g.createPD(w.uc2)
-	w.ud.mustModify(hostverbs.AttrQKey, QPAttr{QKey: 0x7777})
-	w.rc.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateReset)})
+	w.ud.mustModify(hostverbs.AttrQKey, abi.QPAttr{QKey: 0x7777})
+	w.rc.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
 	j2.mu.Lock()
 	last := j2.recs[len(j2.recs)-4] // the bind, which the checkpoint holds
 	file := append(slices.Clone(cp), j2.b[last:]...)
@@ -549,7 +550,7 @@ func TestRestoreTornAndCorrupt(t *testing.T) {
 		"unknown type": func(b []byte) []byte { b[mid+5] = 9; reseal(b, mid); return b },
 		"duplicate handle": func(b []byte) []byte {
 			// Replay the PD create that follows again, renumbered.
-			i := findCmd(t, b, CmdCreatePD, 1)
+			i := findCmd(t, b, abi.CmdCreatePD, 1)
 			off, l := recordAt(b, i)
 			rec := slices.Clone(b[off : off+l])
 			binary.LittleEndian.PutUint64(rec[8:], uint64(countRecords(b)+1))
@@ -557,40 +558,40 @@ func TestRestoreTornAndCorrupt(t *testing.T) {
 			return append(b, rec...)
 		},
 		"handle out of range": func(b []byte) []byte {
-			i := findCmd(t, b, CmdCreatePD, 0)
+			i := findCmd(t, b, abi.CmdCreatePD, 0)
 			off, _ := recordAt(b, i)
-			put32(b[off+recHdrSize+CreatePDSize:], RespHdrSize, 1<<20)
+			put32(b[off+recHdrSize+abi.CreatePDSize:], abi.RespHdrSize, 1<<20)
 			reseal(b, off)
 			return b
 		},
 		"QP names a missing CQ": func(b []byte) []byte {
-			i := findCmd(t, b, CmdCreateQP, 1)
+			i := findCmd(t, b, abi.CmdCreateQP, 1)
 			off, _ := recordAt(b, i)
-			put32(b[off+recHdrSize:], cqpSendCQHandle, 77)
+			put32(b[off+recHdrSize:], abi.CreateQPSendCQOffset, 77)
 			reseal(b, off)
 			return b
 		},
 		"response differs": func(b []byte) []byte {
-			i := findCmd(t, b, CmdCreateQP, 1)
+			i := findCmd(t, b, abi.CmdCreateQP, 1)
 			off, _ := recordAt(b, i)
-			put32(b[off+recHdrSize+CreateQPSize:], 24, 7) // max_send_wr
+			put32(b[off+recHdrSize+abi.CreateQPSize:], 24, 7) // max_send_wr
 			reseal(b, off)
 			return b
 		},
 		"destroy of a PD in use": func(b []byte) []byte {
-			req := make([]byte, DestroyPDSize+RespHdrSize)
-			CmdHdr{Cmd: CmdDestroyPD}.Encode(req)
-			DestroyPD{PDHandle: w.pd1}.Encode(req)
+			req := make([]byte, abi.DestroyPDSize+abi.RespHdrSize)
+			abi.CmdHdr{Cmd: abi.CmdDestroyPD}.Encode(req)
+			abi.DestroyPD{PDHandle: w.pd1}.Encode(req)
 			return appendRecord(b, recCommand, 0, uint64(countRecords(b)+1), req)
 		},
 		"query in the journal": func(b []byte) []byte {
-			req := make([]byte, QueryPKeySize+QueryPKeyRespSize)
-			CmdHdr{Cmd: CmdQueryPKey}.Encode(req)
+			req := make([]byte, abi.QueryPKeySize+abi.QueryPKeyRespSize)
+			abi.CmdHdr{Cmd: abi.CmdQueryPKey}.Encode(req)
 			return appendRecord(b, recCommand, 0, uint64(countRecords(b)+1), req)
 		},
 		"request register": func(b []byte) []byte {
 			reg := make([]byte, 8)
-			put32(reg, 0, RegRequest)
+			put32(reg, 0, abi.RegRequest)
 			return appendRecord(b, recRegister, 0, uint64(countRecords(b)+1), reg)
 		},
 		"no start": func(b []byte) []byte { off, l := recordAt(b, 0); return b[off+l:] },
@@ -631,7 +632,7 @@ func TestRestoreTornAndCorrupt(t *testing.T) {
 func findCmd(t *testing.T, b []byte, c uint32, k int) int {
 	for i, off := 0, 0; off < len(b); i++ {
 		n := int(binary.LittleEndian.Uint32(b[off+16:]))
-		if b[off+5] == recCommand && binary.LittleEndian.Uint32(b[off+recHdrSize+cmdHdrCmd:]) == c {
+		if b[off+5] == recCommand && binary.LittleEndian.Uint32(b[off+recHdrSize+abi.CmdHdrCmdOffset:]) == c {
 			if k == 0 {
 				return i
 			}
@@ -658,7 +659,7 @@ func TestRestoreLostObjects(t *testing.T) {
 		d := w.g.dev
 		d.mu.Lock()
 		m, _ := d.mrs.get(w.mr.handle)
-		var r CreateMR
+		var r abi.CreateMR
 		r.Decode(m.rec)
 		d.mu.Unlock()
 		w.g.put64(r.PDirDMA, 0xdead0000000)
@@ -670,9 +671,9 @@ func TestRestoreLostObjects(t *testing.T) {
 		assert.Equal(t, ObjectCounts{MR: 1, CQ: 1, QP: 2}, rep.Lost, "the QPs on the lost CQ go with it: %q", rep.Notes)
 		assert.Len(t, rep.Notes, 4, "why each was lost")
 		ev := w.g.events()
-		assert.Contains(t, ev, EQE{Type: uint32(hostverbs.EventCQErr), Info: w.cq2.handle})
-		assert.Contains(t, ev, EQE{Type: uint32(hostverbs.EventQPFatal), Info: w.ud.handle})
-		assert.Contains(t, ev, EQE{Type: uint32(hostverbs.EventQPFatal), Info: w.rcSRQ.handle})
+		assert.Contains(t, ev, abi.EQE{Type: uint32(hostverbs.EventCQErr), Info: w.cq2.handle})
+		assert.Contains(t, ev, abi.EQE{Type: uint32(hostverbs.EventQPFatal), Info: w.ud.handle})
+		assert.Contains(t, ev, abi.EQE{Type: uint32(hostverbs.EventQPFatal), Info: w.rcSRQ.handle})
 		// The lost MR's key no longer works: a receive using it fails.
 		// Its completion comes after those of the receives the restore
 		// posted again (a queue completes in order): the provider
@@ -681,18 +682,18 @@ func TestRestoreLostObjects(t *testing.T) {
 		for gq.outstanding(true) > 0 {
 			gq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv})
 		}
-		w.gsi.postRecv(1, SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey})
+		w.gsi.postRecv(1, abi.SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey})
 		for range w.gsiRecvs {
 			assert.EqualValues(t, hostverbs.WCSuccess, w.kcq.mustPoll().Status)
 		}
 		// (a kernel QP in another PD: LOC_PROT_ERR either way)
 		e := w.kcq.mustPoll()
 		assert.EqualValues(t, hostverbs.WCLocProtErr, e.Status)
-		errReg, _ := w.g.cmd(CmdModifyQP, ModifyQP{QPHandle: w.ud.handle, AttrMask: uint32(hostverbs.AttrQKey), Attrs: QPAttr{QKey: 1}})
+		errReg, _ := w.g.cmd(abi.CmdModifyQP, abi.ModifyQP{QPHandle: w.ud.handle, AttrMask: uint32(hostverbs.AttrQKey), Attrs: abi.QPAttr{QKey: 1}})
 		assert.NotZero(t, errReg, "commands on a lost QP fail")
-		errReg, _ = w.g.cmd(CmdResizeCQ, ResizeCQ{CQHandle: w.cq2.handle, CQE: 32})
+		errReg, _ = w.g.cmd(abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: w.cq2.handle, CQE: 32})
 		assert.NotZero(t, errReg)
-		w.ud.postRecv(9, SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey}) // a doorbell of a lost QP: flushed to its (lost) CQ: nothing
+		w.ud.postRecv(9, abi.SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey}) // a doorbell of a lost QP: flushed to its (lost) CQ: nothing
 		w.destroyAll(t, fv)
 	})
 
@@ -702,9 +703,10 @@ func TestRestoreLostObjects(t *testing.T) {
 		fv.noForce = true
 		rep, err := w.g.restart(fv, journal, nil)
 		require.NoError(t, err)
-		assert.Equal(t, ObjectCounts{MR: 2, QP: 5}, rep.Lost, "%q", rep.Notes)
-		assert.Equal(t, ObjectCounts{UC: 2, PD: 2, MR: 1, CQ: 4, SRQ: 1, GID: 2}, rep.Rebuilt, "the fast-reg MR's key is the device's")
-		assert.EqualValues(t, 7, w.g.dev.Stats().RestoreLostObjects)
+		assert.Equal(t, ObjectCounts{MR: 3, QP: 5}, rep.Lost, "%q", rep.Notes)
+		assert.Equal(t, ObjectCounts{UC: 2, PD: 2, CQ: 4, SRQ: 1, GID: 2}, rep.Rebuilt,
+			"the fast-reg MR's key is the provider's: it cannot be taken back either")
+		assert.EqualValues(t, 8, w.g.dev.Stats().RestoreLostObjects)
 		var fatal []uint32
 		for _, e := range w.g.events() {
 			if e.Type == uint32(hostverbs.EventSRQErr) {
@@ -728,21 +730,21 @@ func TestRestoreLostObjects(t *testing.T) {
 			flushed = append(flushed, e.WRID)
 		}
 		assert.ElementsMatch(t, append(slices.Clone(w.rcSends), w.rcRecvs...), flushed)
-		w.rc.postSend(wqe(hostverbs.WRSend, 77, hostverbs.SendSignaled), SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey})
+		w.rc.postSend(wqe(hostverbs.WRSend, 77, hostverbs.SendSignaled), abi.SGE{Addr: w.mr.iova, Length: 8, LKey: w.mr.lkey})
 		e := w.cq1.mustPoll()
 		assert.EqualValues(t, 77, e.WRID)
 		assert.EqualValues(t, hostverbs.WCWRFlushErr, e.Status)
 		// ib_drain_qp's move to ERR works; anything else fails.
-		w.rc.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateErr)})
-		errReg, _ := w.rc.modify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateReset)})
+		w.rc.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateErr)})
+		errReg, _ := w.rc.modify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
 		assert.NotZero(t, errReg)
-		errReg, _ = w.g.cmd(CmdQueryQP, QueryQP{QPHandle: w.rc.handle})
+		errReg, _ = w.g.cmd(abi.CmdQueryQP, abi.QueryQP{QPHandle: w.rc.handle})
 		assert.NotZero(t, errReg)
 		// New QPs cannot be created on this provider with given numbers,
 		// but with its own they can.
 		q := w.g.createQP(qpSpec{pd: w.pd1, scq: w.cq1, rcq: w.cq1, typ: hostverbs.QPTypeUD, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: 1})
 		assert.Equal(t, w.holes["qp"], q.handle)
-		w.g.mustCmd(CmdDestroyQP, DestroyQP{QPHandle: q.handle})
+		w.g.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: q.handle})
 		// A checkpoint of the degraded device keeps the lost objects: a
 		// provider that can take them back rebuilds them (the QPs in ERR,
 		// as the guest knows them).
@@ -763,9 +765,9 @@ func TestRestoreLostObjects(t *testing.T) {
 		// would have answered its create.
 		copy(w.g.raw, mem)
 		b := slices.Clone(journal)
-		i := findCmd(t, b, CmdCreateMR, 1)
+		i := findCmd(t, b, abi.CmdCreateMR, 1)
 		off, _ := recordAt(b, i)
-		copy(b[off+recHdrSize+CreateMRSize:], "garbage!")
+		copy(b[off+recHdrSize+abi.CreateMRSize:], "garbage!")
 		reseal(b, off)
 		fv := newFakeVerbs()
 		fv.noForce = true
@@ -783,12 +785,12 @@ func TestRestoreLostObjects(t *testing.T) {
 // guest never probed give a fresh device.
 func TestRestoreEmptyAndUnprobed(t *testing.T) {
 	g, j := newJournaledGuest(t, newFakeVerbs(), 4<<20)
-	require.NoError(t, g.writeReg(RegIMR, 0))
+	require.NoError(t, g.writeReg(abi.RegIMR, 0))
 	for _, b := range [][]byte{nil, j.bytes(), g.dev.Checkpoint()} {
 		rep, err := g.restart(newFakeVerbs(), b, nil)
 		require.NoError(t, err)
 		assert.Equal(t, ObjectCounts{}, rep.Rebuilt)
-		assert.EqualValues(t, 0xFFFF, g.readReg(RegErr))
+		assert.EqualValues(t, 0xFFFF, g.readReg(abi.RegErr))
 		g.probe()
 	}
 }
@@ -806,25 +808,25 @@ func TestCheckpointCompacts(t *testing.T) {
 	q.toRTS(9, gidB, 0)
 	base := len(g.dev.Checkpoint())
 	for i := range 100 {
-		q.mustModify(hostverbs.AttrMinRNRTimer, QPAttr{MinRNRTimer: uint8(i % 31)})
-		g.mustCmd(CmdDestroyPD, DestroyPD{PDHandle: g.createPD(0)})
+		q.mustModify(hostverbs.AttrMinRNRTimer, abi.QPAttr{MinRNRTimer: uint8(i % 31)})
+		g.mustCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: g.createPD(0)})
 	}
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateSQD)})
-	q.mustModify(hostverbs.AttrState|hostverbs.AttrTimeout, QPAttr{State: uint32(hostverbs.QPStateSQD), Timeout: 3})
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateRTS)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateSQD)})
+	q.mustModify(hostverbs.AttrState|hostverbs.AttrTimeout, abi.QPAttr{State: uint32(hostverbs.QPStateSQD), Timeout: 3})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateRTS)})
 	assert.Equal(t, base, len(g.dev.Checkpoint()), "RTS->RTS and RTS->SQD->RTS merge into the RTR->RTS entry")
 	d := g.dev
 	d.mu.Lock()
 	qq, _ := d.qps.get(q.handle)
 	require.Len(t, qq.mods, 3)
-	var m ModifyQP
+	var m abi.ModifyQP
 	m.Decode(qq.mods[2].rec)
 	d.mu.Unlock()
 	assert.EqualValues(t, 99%31, m.Attrs.MinRNRTimer, "the last one set")
 	assert.EqualValues(t, hostverbs.AttrState|hostverbs.AttrTimeout|hostverbs.AttrRetryCnt|hostverbs.AttrRNRRetry|
 		hostverbs.AttrSQPSN|hostverbs.AttrMaxQPRdAtomic|hostverbs.AttrMinRNRTimer, m.AttrMask)
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateErr)})
-	q.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateReset)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateErr)})
+	q.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
 	d.mu.Lock()
 	assert.Empty(t, qq.mods)
 	d.mu.Unlock()
@@ -841,7 +843,7 @@ func TestJournalRecordOrder(t *testing.T) {
 		}
 		// The response slot still holds what the guest's driver put
 		// there before the command (0xEE): not answered yet.
-		seen = append(seen, binary.LittleEndian.Uint32(rec[recHdrSize+cmdHdrCmd:]))
+		seen = append(seen, binary.LittleEndian.Uint32(rec[recHdrSize+abi.CmdHdrCmdOffset:]))
 		require.Equal(t, byte(0xEE), g.raw[g.rspGPA])
 	}
 	fv := newFakeVerbs()
@@ -853,13 +855,13 @@ func TestJournalRecordOrder(t *testing.T) {
 	t.Cleanup(func() { _ = d.Close() })
 	g.probe()
 	pd := g.createPD(0)
-	errReg, _ := g.cmd(CmdDestroyPD, DestroyPD{PDHandle: pd + 1})
+	errReg, _ := g.cmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: pd + 1})
 	require.NotZero(t, errReg)
-	g.cmd(CmdQueryPKey, QueryPKey{PortNum: 1})
+	g.cmd(abi.CmdQueryPKey, abi.QueryPKey{PortNum: 1})
 	fv.failNext("AllocPD", hostverbs.ErrNoResources)
-	errReg, _ = g.cmd(CmdCreatePD, CreatePD{})
+	errReg, _ = g.cmd(abi.CmdCreatePD, abi.CreatePD{})
 	require.NotZero(t, errReg)
-	assert.Equal(t, []uint32{CmdCreatePD}, seen)
+	assert.Equal(t, []uint32{abi.CmdCreatePD}, seen)
 	assert.EqualValues(t, 1+4, d.Stats().JournalRecords, "DSRLOW, DSRHIGH, IMR, ACTIVATE and the PD")
 }
 
@@ -902,7 +904,7 @@ func TestRestoreSoft(t *testing.T) {
 	qb.udToRTS(0x1111)
 	g.events()
 	// A receive in the ring the dead device never saw.
-	ud.writeRecv(42, SGE{Addr: mr.iova, Length: 40 + 512, LKey: mr.lkey})
+	ud.writeRecv(42, abi.SGE{Addr: mr.iova, Length: 40 + 512, LKey: mr.lkey})
 
 	// kill -9: the provider device goes with the daemon (its GIDs are
 	// released); the guest memory stays.
@@ -915,7 +917,7 @@ func TestRestoreSoft(t *testing.T) {
 	dev2.Store(g.dev)
 	assert.Equal(t, ObjectCounts{UC: 1, PD: 1, MR: 1, CQ: 2, QP: 2, GID: 1}, rep.Rebuilt, "%q", rep.Notes)
 	assert.Equal(t, 1, rep.Errored)
-	assert.Equal(t, []EQE{{Type: uint32(hostverbs.EventQPFatal), Info: rc.handle}}, g.events())
+	assert.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventQPFatal), Info: rc.handle}}, g.events())
 	d := g.dev
 	d.mu.Lock()
 	m, _ := d.mrs.get(mr.handle)
@@ -929,7 +931,7 @@ func TestRestoreSoft(t *testing.T) {
 	payload := randBytes(512, 5)
 	peer.mr.write(peer.g, 0, payload)
 	h := wqe(hostverbs.WRSend, 6, hostverbs.SendSignaled)
-	WRUD{RemoteQPN: ud.qpn, RemoteQKey: 0x1111, AV: AV{PortPD: 1<<24 | peer.pd, DGID: gidA, HopLimit: 1}}.Encode(h.WR[:])
+	abi.WRUD{RemoteQPN: ud.qpn, RemoteQKey: 0x1111, AV: abi.AV{PortPD: 1<<24 | peer.pd, DGID: gidA, HopLimit: 1}}.Encode(h.WR[:])
 	qb.postSend(h, peer.sge(0, 512))
 	r := waitCQE(t, rcq)
 	require.EqualValues(t, hostverbs.WCSuccess, r.Status)
@@ -939,12 +941,12 @@ func TestRestoreSoft(t *testing.T) {
 	// And back, with the restored MR's key.
 	qb.postRecv(7, peer.sge(4096, 40+512))
 	h = wqe(hostverbs.WRSend, 8, hostverbs.SendSignaled)
-	WRUD{RemoteQPN: qb.qpn, RemoteQKey: 0x1111, AV: AV{PortPD: 1<<24 | pd, DGID: gidB, HopLimit: 1}}.Encode(h.WR[:])
-	ud.postSend(h, SGE{Addr: mr.iova + 40, Length: 512, LKey: mr.lkey})
+	abi.WRUD{RemoteQPN: qb.qpn, RemoteQKey: 0x1111, AV: abi.AV{PortPD: 1<<24 | pd, DGID: gidB, HopLimit: 1}}.Encode(h.WR[:])
+	ud.postSend(h, abi.SGE{Addr: mr.iova + 40, Length: 512, LKey: mr.lkey})
 	assert.EqualValues(t, hostverbs.WCSuccess, waitCQE(t, peer.rcq).Status)
 	assert.Equal(t, payload, peer.mr.read(peer.g, 4096+40, 512))
 	// The RC QP is usable again after the guest resets it.
-	rc.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateReset)})
+	rc.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateReset)})
 	rc.toRTS(peer.qp.qpn, gidB, 0)
 }
 
@@ -970,7 +972,7 @@ func (a *atomicDevice) Store(d *Device) {
 func guestRecvIDs(q *gqp, wrs []hostverbs.RecvWR) []uint64 {
 	var ids []uint64
 	for _, wr := range wrs {
-		var h RQWQEHdr
+		var h abi.RQWQEHdr
 		h.Decode(q.g.raw[q.rqWQE(uint32(wr.WRID)):])
 		ids = append(ids, h.WRID)
 	}

@@ -6,6 +6,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // postRecvs drains the QP's receive queue (a RECV doorbell) into the
@@ -74,22 +75,22 @@ var errUnreadableWQE = errors.New("receive WQE not readable")
 // buildRecv reads and validates the receive WQE at gpa into d.rwr: at most
 // maxSGE SGEs, each in an MR of PD p with local write access.
 func (d *Device) buildRecv(ring *ringbuf.Consumer, gpa guestmem.GPA, p *pd, maxSGE uint32) (uint64, hostverbs.WCStatus) {
-	hb := d.wqe[:RQWQEHdrSize]
+	hb := d.wqe[:abi.RQWQEHdrSize]
 	if err := d.mem.ReadAt(hb, gpa); err != nil {
 		return 0, statusUnreadable
 	}
-	var h RQWQEHdr
+	var h abi.RQWQEHdr
 	h.Decode(hb)
 	if h.NumSGE > maxSGE {
 		return h.WRID, hostverbs.WCLocLenErr
 	}
-	sges := d.wqe[RQWQEHdrSize : RQWQEHdrSize+SGESize*h.NumSGE]
-	if err := d.mem.ReadAt(sges, gpa+RQWQEHdrSize); err != nil {
+	sges := d.wqe[abi.RQWQEHdrSize : abi.RQWQEHdrSize+abi.SGESize*h.NumSGE]
+	if err := d.mem.ReadAt(sges, gpa+abi.RQWQEHdrSize); err != nil {
 		return h.WRID, hostverbs.WCLocProtErr
 	}
 	for i := uint32(0); i < h.NumSGE; i++ {
-		var s SGE
-		s.Decode(sges[i*SGESize:])
+		var s abi.SGE
+		s.Decode(sges[i*abi.SGESize:])
 		lkey, st := d.checkSGE(&s, p, true)
 		if st != hostverbs.WCSuccess {
 			return h.WRID, st

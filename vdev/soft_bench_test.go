@@ -7,6 +7,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // countCQ is a completion handler that only counts (the reference path).
@@ -98,17 +99,17 @@ func BenchmarkSoftSendRecv(b *testing.B) {
 	f := newSoftFabric(b)
 	a, c := newSoftSide(b, f, "vm-a", gidA), newSoftSide(b, f, "vm-b", gidB)
 	connect(a, c)
-	var sw [SQWQEHdrSize + SGESize]byte
+	var sw [abi.SQWQEHdrSize + abi.SGESize]byte
 	h := wqe(hostverbs.WRSend, 0, hostverbs.SendSignaled)
 	h.NumSGE = 1
 	h.Encode(sw[:])
-	a.sge(0, 64).Encode(sw[SQWQEHdrSize:])
-	var rw [RQWQEHdrSize + SGESize]byte
-	RQWQEHdr{NumSGE: 1}.Encode(rw[:])
-	c.sge(0, 64).Encode(rw[RQWQEHdrSize:])
+	a.sge(0, 64).Encode(sw[abi.SQWQEHdrSize:])
+	var rw [abi.RQWQEHdrSize + abi.SGESize]byte
+	abi.RQWQEHdr{NumSGE: 1}.Encode(rw[:])
+	c.sge(0, 64).Encode(rw[abi.RQWQEHdrSize:])
 	var sdb, rdb [4]byte
-	putLE32(sdb[:], UARQPSend|a.qp.handle)
-	putLE32(rdb[:], UARQPRecv|c.qp.handle)
+	putLE32(sdb[:], abi.UARQPSend|a.qp.handle)
+	putLE32(rdb[:], abi.UARQPRecv|c.qp.handle)
 	poll := func(s *softSide, cq *gcq) {
 		st := cq.pages[0] + 8
 		for {
@@ -128,14 +129,14 @@ func BenchmarkSoftSendRecv(b *testing.B) {
 		tail := c.g.u32(rq)
 		copy(c.g.raw[c.qp.rqWQE(tail):], rw[:])
 		c.g.put32(rq, drvInc(tail, c.qp.recvWR))
-		if err := c.g.dev.WriteBAR(UARBAR, UARPageSize+UARQPOffset, rdb[:]); err != nil {
+		if err := c.g.dev.WriteBAR(abi.UARBAR, abi.UARPageSize+abi.UARQPOffset, rdb[:]); err != nil {
 			b.Fatal(err)
 		}
 		sq := a.qp.sqState()
 		tail = a.g.u32(sq)
 		copy(a.g.raw[a.qp.sqWQE(tail):], sw[:])
 		a.g.put32(sq, drvInc(tail, a.qp.sendWR))
-		if err := a.g.dev.WriteBAR(UARBAR, UARPageSize+UARQPOffset, sdb[:]); err != nil {
+		if err := a.g.dev.WriteBAR(abi.UARBAR, abi.UARPageSize+abi.UARQPOffset, sdb[:]); err != nil {
 			b.Fatal(err)
 		}
 		poll(c, c.rcq)

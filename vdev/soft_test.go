@@ -14,6 +14,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // Data-path tests on the real provider: two guests, each with its own
@@ -81,13 +82,13 @@ func connect(a, b *softSide) {
 	b.qp.toRTS(a.qp.qpn, a.gid, 0)
 }
 
-func (s *softSide) sge(off uint64, n uint32) SGE {
-	return SGE{Addr: s.mr.iova + off, Length: n, LKey: s.mr.lkey}
+func (s *softSide) sge(off uint64, n uint32) abi.SGE {
+	return abi.SGE{Addr: s.mr.iova + off, Length: n, LKey: s.mr.lkey}
 }
 
 // waitCQE polls c until a CQE arrives (completions come from the
 // provider's goroutines).
-func waitCQE(t testing.TB, c *gcq) CQE {
+func waitCQE(t testing.TB, c *gcq) abi.CQE {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
@@ -97,7 +98,7 @@ func waitCQE(t testing.TB, c *gcq) CQE {
 		if time.Now().After(deadline) {
 			t.Fatalf("no CQE on CQ %d", c.handle)
 		}
-		c.g.doorbell(c.uar, UARCQOffset, UARCQPoll|c.handle) // as the provider does on an empty poll
+		c.g.doorbell(c.uar, abi.UARCQOffset, abi.UARCQPoll|c.handle) // as the provider does on an empty poll
 		time.Sleep(50 * time.Microsecond)
 	}
 }
@@ -147,7 +148,7 @@ func TestSoftRCWriteReadAtomics(t *testing.T) {
 	data := randBytes(100<<10, 1)
 	a.mr.write(a.g, 0, data)
 	h := wqe(hostverbs.WRRDMAWrite, 1, hostverbs.SendSignaled)
-	WRRDMA{RemoteAddr: b.mr.iova + 5000, RKey: b.mr.rkey}.Encode(h.WR[:])
+	abi.WRRDMA{RemoteAddr: b.mr.iova + 5000, RKey: b.mr.rkey}.Encode(h.WR[:])
 	a.qp.postSend(h, a.sge(0, uint32(len(data))))
 	e := waitCQE(t, a.scq)
 	require.EqualValues(t, hostverbs.WCSuccess, e.Status)
@@ -158,7 +159,7 @@ func TestSoftRCWriteReadAtomics(t *testing.T) {
 	b.qp.postRecv(77)
 	h = wqe(hostverbs.WRRDMAWriteWithImm, 2, hostverbs.SendSignaled)
 	h.Ex = 0x11223344
-	WRRDMA{RemoteAddr: b.mr.iova, RKey: b.mr.rkey}.Encode(h.WR[:])
+	abi.WRRDMA{RemoteAddr: b.mr.iova, RKey: b.mr.rkey}.Encode(h.WR[:])
 	a.qp.postSend(h, a.sge(0, 64))
 	r := waitCQE(t, b.rcq)
 	assert.EqualValues(t, hostverbs.WCRecvRDMAWithImm, r.Opcode)
@@ -169,7 +170,7 @@ func TestSoftRCWriteReadAtomics(t *testing.T) {
 
 	// RDMA READ back into a different place of a's MR.
 	h = wqe(hostverbs.WRRDMARead, 3, hostverbs.SendSignaled)
-	WRRDMA{RemoteAddr: b.mr.iova + 5000, RKey: b.mr.rkey}.Encode(h.WR[:])
+	abi.WRRDMA{RemoteAddr: b.mr.iova + 5000, RKey: b.mr.rkey}.Encode(h.WR[:])
 	a.qp.postSend(h, a.sge(128<<10, 60<<10), a.sge(200<<10, 40<<10))
 	e = waitCQE(t, a.scq)
 	require.EqualValues(t, hostverbs.WCSuccess, e.Status)
@@ -182,13 +183,13 @@ func TestSoftRCWriteReadAtomics(t *testing.T) {
 	const word = 0x2dd
 	b.mr.write(b.g, word, binary.LittleEndian.AppendUint64(nil, 40))
 	h = wqe(hostverbs.WRAtomicFetchAndAdd, 4, hostverbs.SendSignaled)
-	WRAtomic{RemoteAddr: b.mr.iova + word, CompareAdd: 2, RKey: b.mr.rkey}.Encode(h.WR[:])
+	abi.WRAtomic{RemoteAddr: b.mr.iova + word, CompareAdd: 2, RKey: b.mr.rkey}.Encode(h.WR[:])
 	a.qp.postSend(h, a.sge(16, 8))
 	require.EqualValues(t, hostverbs.WCSuccess, waitCQE(t, a.scq).Status)
 	assert.EqualValues(t, 40, binary.LittleEndian.Uint64(a.mr.read(a.g, 16, 8)), "original value returned")
 	assert.EqualValues(t, 42, binary.LittleEndian.Uint64(b.mr.read(b.g, word, 8)))
 	h = wqe(hostverbs.WRAtomicCmpAndSwp, 5, hostverbs.SendSignaled)
-	WRAtomic{RemoteAddr: b.mr.iova + word, CompareAdd: 42, Swap: 7, RKey: b.mr.rkey}.Encode(h.WR[:])
+	abi.WRAtomic{RemoteAddr: b.mr.iova + word, CompareAdd: 42, Swap: 7, RKey: b.mr.rkey}.Encode(h.WR[:])
 	a.qp.postSend(h, a.sge(24, 8))
 	e = waitCQE(t, a.scq)
 	assert.EqualValues(t, hostverbs.WCCompSwap, e.Opcode)
@@ -202,7 +203,7 @@ func TestSoftRemoteAccessErrorAndFlush(t *testing.T) {
 	connect(a, b)
 	ro := b.g.regMR(b.pd, 0x5000, 4096, uint32(hostverbs.AccessLocalWrite)) // no remote access
 	h := wqe(hostverbs.WRRDMAWrite, 1, hostverbs.SendSignaled)
-	WRRDMA{RemoteAddr: 0x5000, RKey: ro.rkey}.Encode(h.WR[:])
+	abi.WRRDMA{RemoteAddr: 0x5000, RKey: ro.rkey}.Encode(h.WR[:])
 	a.qp.postSend(h, a.sge(0, 8))
 	e := waitCQE(t, a.scq)
 	assert.EqualValues(t, hostverbs.WCRemAccessErr, e.Status, "the rkey is checked in the target device")
@@ -213,7 +214,7 @@ func TestSoftRemoteAccessErrorAndFlush(t *testing.T) {
 	// provider flush with WR_FLUSH_ERR, opcode RECV.
 	b.qp.postRecv(10, b.sge(0, 64))
 	b.qp.postRecv(11, b.sge(0, 64))
-	b.qp.mustModify(hostverbs.AttrState, QPAttr{State: uint32(hostverbs.QPStateErr)})
+	b.qp.mustModify(hostverbs.AttrState, abi.QPAttr{State: uint32(hostverbs.QPStateErr)})
 	for _, want := range []uint64{10, 11} {
 		r := waitCQE(t, b.rcq)
 		assert.EqualValues(t, want, r.WRID)
@@ -229,14 +230,14 @@ func TestSoftEventMode(t *testing.T) {
 	b.g.notifications()
 	for i := 0; i < 20; i++ {
 		b.qp.postRecv(uint64(i), b.sge(0, 64))
-		b.rcq.arm(UARCQArm)
-		before := b.g.irq.count(VectorCQ)
+		b.rcq.arm(abi.UARCQArm)
+		before := b.g.irq.count(abi.VectorCQ)
 		a.qp.postSend(wqe(hostverbs.WRSend, uint64(i), 0), a.sge(0, 64))
 		deadline := time.Now().Add(5 * time.Second)
-		for b.g.irq.count(VectorCQ) == before && time.Now().Before(deadline) {
+		for b.g.irq.count(abi.VectorCQ) == before && time.Now().Before(deadline) {
 			time.Sleep(20 * time.Microsecond)
 		}
-		require.Equal(t, before+1, b.g.irq.count(VectorCQ), "vector 2 for an armed CQ")
+		require.Equal(t, before+1, b.g.irq.count(abi.VectorCQ), "vector 2 for an armed CQ")
 		require.Equal(t, []uint32{b.rcq.handle}, b.g.notifications())
 		assert.EqualValues(t, i, waitCQE(t, b.rcq).WRID)
 	}
@@ -244,14 +245,14 @@ func TestSoftEventMode(t *testing.T) {
 
 // TestSoftUDAndGSI runs UD and the kernel's GSI QP (QPN 1) between the two
 // guests: the receiver gets a 40-byte GRH before the payload, with an IPv4
-// header for v4-mapped GIDs (OBSERVED.md "Delivery that the guest CM
-// accepted").
+// header for v4-mapped GIDs (the delivery the guest's rdma_cm was seen to
+// accept).
 func TestSoftUDAndGSI(t *testing.T) {
 	f := newSoftFabric(t)
 	ga, gb := newSoftGuest(t, f, "vm-a", gidA), newSoftGuest(t, f, "vm-b", gidB)
 	type kside struct {
 		g   *guest
-		mr  CreateMRResp
+		mr  abi.CreateMRResp
 		cq  *gcq
 		gsi *gqp
 		buf uint64
@@ -260,26 +261,26 @@ func TestSoftUDAndGSI(t *testing.T) {
 	}
 	mk := func(g *guest, gid hostverbs.GID) *kside {
 		k := &kside{g: g, gid: gid, pd: g.createPD(0)}
-		k.mr.Decode(g.mustCmd(CmdCreateMR, CreateMR{PDHandle: k.pd, AccessFlags: 1, Flags: MRFlagDMA}))
+		k.mr.Decode(g.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: k.pd, AccessFlags: 1, Flags: abi.MRFlagDMA}))
 		k.cq = g.createCQ(0, 1024)
 		k.gsi = g.createQP(qpSpec{pd: k.pd, scq: k.cq, rcq: k.cq, typ: hostverbs.QPTypeGSI, sendWR: 128, recvWR: 512, sendSGE: 2, recvSGE: 1, sigAll: true})
 		require.EqualValues(t, 1, k.gsi.qpn)
-		k.gsi.mustModify(0x51, QPAttr{State: 1, QKey: 0x80010000})
-		k.gsi.mustModify(0x1, QPAttr{State: 2})
-		k.gsi.mustModify(0x10001, QPAttr{State: 3})
+		k.gsi.mustModify(0x51, abi.QPAttr{State: 1, QKey: 0x80010000})
+		k.gsi.mustModify(0x1, abi.QPAttr{State: 2})
+		k.gsi.mustModify(0x10001, abi.QPAttr{State: 3})
 		k.buf = g.page(4)
 		return k
 	}
 	a, b := mk(ga, gidA), mk(gb, gidB)
 	for i := 0; i < 4; i++ {
-		b.gsi.postRecv(uint64(i), SGE{Addr: b.buf + uint64(i)*512, Length: 296, LKey: b.mr.LKey})
+		b.gsi.postRecv(uint64(i), abi.SGE{Addr: b.buf + uint64(i)*512, Length: 296, LKey: b.mr.LKey})
 	}
 	mad := randBytes(256, 9)
 	copy(ga.raw[a.buf:], mad)
 	h := wqe(hostverbs.WRSend, 0xffff888000001234, hostverbs.SendSignaled)
-	WRUD{RemoteQPN: 1, RemoteQKey: 0x80010000, AV: AV{PortPD: 1<<24 | a.pd, DGID: gidB, GIDIndex: 0, HopLimit: 64,
+	abi.WRUD{RemoteQPN: 1, RemoteQKey: 0x80010000, AV: abi.AV{PortPD: 1<<24 | a.pd, DGID: gidB, GIDIndex: 0, HopLimit: 64,
 		SrcPathBits: 0x80}}.Encode(h.WR[:])
-	a.gsi.postSend(h, SGE{Addr: a.buf, Length: 24, LKey: a.mr.LKey}, SGE{Addr: a.buf + 24, Length: 232, LKey: a.mr.LKey})
+	a.gsi.postSend(h, abi.SGE{Addr: a.buf, Length: 24, LKey: a.mr.LKey}, abi.SGE{Addr: a.buf + 24, Length: 232, LKey: a.mr.LKey})
 	s := waitCQE(t, a.cq)
 	assert.EqualValues(t, hostverbs.WCSuccess, s.Status)
 	assert.Equal(t, uint64(0xffff888000001234), s.WRID)
@@ -306,7 +307,7 @@ func TestSoftUDAndGSI(t *testing.T) {
 	ua.mr.write(ua.g, 0, payload)
 	h = wqe(hostverbs.WRSendWithImm, 6, hostverbs.SendSignaled)
 	h.Ex = qa.qpn
-	WRUD{RemoteQPN: qb.qpn, RemoteQKey: 0x11111111, AV: AV{PortPD: 1<<24 | ua.pd, DGID: ub.gid, HopLimit: 1}}.Encode(h.WR[:])
+	abi.WRUD{RemoteQPN: qb.qpn, RemoteQKey: 0x11111111, AV: abi.AV{PortPD: 1<<24 | ua.pd, DGID: ub.gid, HopLimit: 1}}.Encode(h.WR[:])
 	qa.postSend(h, ua.sge(0, 512))
 	r = waitCQE(t, ub.rcq)
 	require.EqualValues(t, hostverbs.WCSuccess, r.Status)

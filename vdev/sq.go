@@ -5,6 +5,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // opInfo describes what a send opcode needs, per the driver's opcode table
@@ -98,12 +99,12 @@ func (d *Device) postSends(q *qp, doorbell bool) {
 func (d *Device) sendOne(q *qp, last bool) bool {
 	w := q.sq
 	gpa := w.next()
-	hb := d.wqe[:SQWQEHdrSize]
+	hb := d.wqe[:abi.SQWQEHdrSize]
 	if err := d.mem.ReadAt(hb, gpa); err != nil {
 		d.qpFatal(q, err)
 		return false
 	}
-	var h SQWQEHdr
+	var h abi.SQWQEHdr
 	h.Decode(hb)
 	info := sendOp(h.Opcode)
 	signaled := q.sigAll || h.SendFlags&uint32(hostverbs.SendSignaled) != 0
@@ -168,7 +169,7 @@ func (d *Device) sendOne(q *qp, last bool) bool {
 // cursor (already in the ring) is a local operation, or cannot be read.
 func (d *Device) nextIsLocal(q *qp) bool {
 	ring := q.sq.ring
-	op, err := d.mem.Uint32(ring.Elem(ring.Geometry().Inc(ring.NextIndex())) + sqOpcode)
+	op, err := d.mem.Uint32(ring.Elem(ring.Geometry().Inc(ring.NextIndex())) + abi.SQWQEOpcodeOffset)
 	return err != nil || sendOp(op).local
 }
 
@@ -184,7 +185,7 @@ func postStatus(err error) hostverbs.WCStatus {
 }
 
 // buildSend validates a send WQE and translates it into d.swr.
-func (d *Device) buildSend(q *qp, h *SQWQEHdr, info opInfo, gpa guestmem.GPA) hostverbs.WCStatus {
+func (d *Device) buildSend(q *qp, h *abi.SQWQEHdr, info opInfo, gpa guestmem.GPA) hostverbs.WCStatus {
 	isRC := q.typ == hostverbs.QPTypeRC
 	switch {
 	case !info.valid, isRC && !info.rc, !isRC && !info.ud:
@@ -197,14 +198,14 @@ func (d *Device) buildSend(q *qp, h *SQWQEHdr, info opInfo, gpa guestmem.GPA) ho
 		return hostverbs.WCLocLenErr
 	}
 	n := h.NumSGE
-	sges := d.wqe[SQWQEHdrSize : SQWQEHdrSize+SGESize*n]
-	if err := d.mem.ReadAt(sges, gpa+SQWQEHdrSize); err != nil {
+	sges := d.wqe[abi.SQWQEHdrSize : abi.SQWQEHdrSize+abi.SGESize*n]
+	if err := d.mem.ReadAt(sges, gpa+abi.SQWQEHdrSize); err != nil {
 		return hostverbs.WCLocProtErr
 	}
 	total := uint64(0)
 	for i := uint32(0); i < n; i++ {
-		var s SGE
-		s.Decode(sges[i*SGESize:])
+		var s abi.SGE
+		s.Decode(sges[i*abi.SGESize:])
 		lkey, st := d.checkSGE(&s, q.pd, info.writeLocal)
 		if st != hostverbs.WCSuccess {
 			return st
@@ -226,7 +227,7 @@ func (d *Device) buildSend(q *qp, h *SQWQEHdr, info opInfo, gpa guestmem.GPA) ho
 		d.swr.ImmData = h.Ex
 	}
 	if !isRC {
-		var ud WRUD
+		var ud abi.WRUD
 		ud.Decode(h.WR[:])
 		if ud.AV.Port() != portNum || d.checkSGID(ud.AV.GIDIndex) != nil {
 			return hostverbs.WCLocQPOpErr
@@ -242,12 +243,12 @@ func (d *Device) buildSend(q *qp, h *SQWQEHdr, info opInfo, gpa guestmem.GPA) ho
 	}
 	switch {
 	case info.atomic:
-		var a WRAtomic
+		var a abi.WRAtomic
 		a.Decode(h.WR[:])
 		d.swr.RemoteAddr, d.swr.RKey, d.swr.CompareAdd, d.swr.Swap = a.RemoteAddr, a.RKey, a.CompareAdd, a.Swap
 	case h.Opcode == uint32(hostverbs.WRRDMAWrite), h.Opcode == uint32(hostverbs.WRRDMAWriteWithImm),
 		h.Opcode == uint32(hostverbs.WRRDMARead):
-		var r WRRDMA
+		var r abi.WRRDMA
 		r.Decode(h.WR[:])
 		d.swr.RemoteAddr, d.swr.RKey = r.RemoteAddr, r.RKey
 	}
@@ -255,11 +256,11 @@ func (d *Device) buildSend(q *qp, h *SQWQEHdr, info opInfo, gpa guestmem.GPA) ho
 }
 
 // execLocal runs the work requests the device executes itself.
-func (d *Device) execLocal(q *qp, h *SQWQEHdr) hostverbs.WCStatus {
+func (d *Device) execLocal(q *qp, h *abi.SQWQEHdr) hostverbs.WCStatus {
 	if hostverbs.WROpcode(h.Opcode) == hostverbs.WRLocalInv {
 		return d.localInv(q, h.Ex)
 	}
-	var fr WRFastReg
+	var fr abi.WRFastReg
 	fr.Decode(h.WR[:])
 	return d.fastReg(q, &fr)
 }

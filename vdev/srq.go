@@ -7,6 +7,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // srq is a shared receive queue: a guest ring (page 0 ring state, rx half;
@@ -41,7 +42,7 @@ const (
 )
 
 func (d *Device) cmdCreateSRQ(req, resp []byte) error {
-	var r CreateSRQ
+	var r abi.CreateSRQ
 	r.Decode(req)
 	if d.caps.MaxSRQ == 0 {
 		return fmt.Errorf("SRQs not supported: %w", syscall.EOPNOTSUPP)
@@ -92,7 +93,7 @@ func (d *Device) cmdCreateSRQ(req, resp []byte) error {
 		return fmt.Errorf("create SRQ: %w", err)
 	}
 	p.refs++
-	CreateSRQResp{SRQN: h}.Encode(resp)
+	abi.CreateSRQResp{SRQN: h}.Encode(resp)
 	return nil
 }
 
@@ -105,7 +106,7 @@ func (d *Device) srq(h uint32) (*srq, error) {
 }
 
 func (d *Device) cmdModifySRQ(req, resp []byte) error {
-	var r ModifySRQ
+	var r abi.ModifySRQ
 	r.Decode(req)
 	s, err := d.srq(r.SRQHandle)
 	if err != nil {
@@ -122,7 +123,7 @@ func (d *Device) cmdModifySRQ(req, resp []byte) error {
 }
 
 func (d *Device) cmdQuerySRQ(req, resp []byte) error {
-	var r QuerySRQ
+	var r abi.QuerySRQ
 	r.Decode(req)
 	s, err := d.srq(r.SRQHandle)
 	if err != nil {
@@ -132,12 +133,12 @@ func (d *Device) cmdQuerySRQ(req, resp []byte) error {
 	if err != nil {
 		return fmt.Errorf("query SRQ %d: %w", s.handle, err)
 	}
-	QuerySRQResp{Attrs: SRQAttr{MaxWR: s.maxWR, MaxSGE: s.maxSGE, SRQLimit: a.Limit}}.Encode(resp)
+	abi.QuerySRQResp{Attrs: abi.SRQAttr{MaxWR: s.maxWR, MaxSGE: s.maxSGE, SRQLimit: a.Limit}}.Encode(resp)
 	return nil
 }
 
 func (d *Device) cmdDestroySRQ(req, resp []byte) error {
-	var r DestroySRQ
+	var r abi.DestroySRQ
 	r.Decode(req)
 	s, err := d.srq(r.SRQHandle)
 	if err != nil {

@@ -1,5 +1,7 @@
 package vdev
 
+import "github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
+
 // doorbell decodes a UAR write (BAR2): the register is the offset within
 // its page (0 QP, 4 CQ, 8 SRQ) and the low 24 bits of the value name the
 // object. An object may only be rung from the UAR page of the context
@@ -12,23 +14,23 @@ func (d *Device) doorbell(off uint64, v uint32) {
 		d.stats.badDoorbells.Add(1)
 		return
 	}
-	page := uint32(off / UARPageSize)
-	h := v & UARHandleMask
-	switch off % UARPageSize {
-	case UARQPOffset:
+	page := uint32(off / abi.UARPageSize)
+	h := v & abi.UARHandleMask
+	switch off % abi.UARPageSize {
+	case abi.UARQPOffset:
 		q, ok := d.qps.get(h)
 		if !ok || q.uar != page || q.sq == nil { // no rings: lost in a restore
 			d.stats.badDoorbells.Add(1)
 			return
 		}
-		if v&UARQPRecv != 0 {
+		if v&abi.UARQPRecv != 0 {
 			d.postRecvs(q)
 		}
-		if v&UARQPSend != 0 {
+		if v&abi.UARQPSend != 0 {
 			d.postSends(q, true)
 		}
-	case UARCQOffset:
-		if v&UARCQPoll != 0 {
+	case abi.UARCQOffset:
+		if v&abi.UARCQPoll != 0 {
 			d.stats.pollDoorbells.Add(1)
 		}
 		c, ok := d.cqs.get(h)
@@ -37,21 +39,21 @@ func (d *Device) doorbell(off uint64, v uint32) {
 			return
 		}
 		switch {
-		case v&UARCQArm != 0:
+		case v&abi.UARCQArm != 0:
 			c.arm(armNext)
-		case v&UARCQArmSol != 0:
+		case v&abi.UARCQArmSol != 0:
 			c.arm(armSolicited)
 		}
 		if d.stalled > 0 {
 			d.resumeStalled()
 		}
-	case UARSRQOffset:
+	case abi.UARSRQOffset:
 		s, ok := d.srqs.get(h)
 		if !ok || s.uar != page || s.ring == nil {
 			d.stats.badDoorbells.Add(1)
 			return
 		}
-		if v&UARSRQRecv != 0 {
+		if v&abi.UARSRQRecv != 0 {
 			d.postSRQ(s)
 		}
 	default:

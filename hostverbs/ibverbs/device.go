@@ -132,17 +132,21 @@ func (d *Device) Attr() hostverbs.DeviceAttr {
 		return int(host)
 	}
 	return hostverbs.DeviceAttr{
-		FWVersion:       0,
-		NodeGUID:        d.cfg.NodeGUID,
-		SysImageGUID:    d.cfg.NodeGUID,
-		MaxMRSize:       uint64(a.max_mr_size),
-		PageSizeCap:     uint64(a.page_size_cap),
-		VendorID:        uint32(a.vendor_id),
-		VendorPartID:    uint32(a.vendor_part_id),
-		HWVersion:       uint32(a.hw_ver),
-		MaxQP:           capTo(a.max_qp, lim.MaxQP),
-		MaxQPWR:         int(a.max_qp_wr),
-		DeviceCapFlags:  uint64(a.device_cap_flags),
+		FWVersion:    0,
+		NodeGUID:     d.cfg.NodeGUID,
+		SysImageGUID: d.cfg.NodeGUID,
+		MaxMRSize:    uint64(a.max_mr_size),
+		PageSizeCap:  uint64(a.page_size_cap),
+		VendorID:     uint32(a.vendor_id),
+		VendorPartID: uint32(a.vendor_part_id),
+		HWVersion:    uint32(a.hw_ver),
+		MaxQP:        capTo(a.max_qp, lim.MaxQP),
+		MaxQPWR:      int(a.max_qp_wr),
+		// The host device's fast registration is out of reach: user-space
+		// verbs cannot register memory under a key the guest chose, nor
+		// execute REG_MR or LOCAL_INV, so the relay offers none
+		// (docs/ARCHITECTURE.md, "Fast registration").
+		DeviceCapFlags:  uint64(a.device_cap_flags) &^ hostverbs.DeviceCapMemMgtExtensions,
 		MaxSGE:          int(a.max_sge),
 		MaxSGERd:        int(a.max_sge_rd),
 		MaxCQ:           capTo(a.max_cq, lim.MaxCQ),

@@ -111,7 +111,8 @@ func newDevice(f *Fabric, cfg hostverbs.DeviceConfig) *device {
 		MaxPKeys:              1,
 		GIDTableLen:           gidTableLen,
 		PhysPortCnt:           1,
-		MaxFastRegPageListLen: 0,
+		MaxFastRegPageListLen: maxFastRegPages,
+		DeviceCapFlags:        hostverbs.DeviceCapMemMgtExtensions,
 	}
 	d.attr.GIDType = hostverbs.GIDTypeRoCEv2
 	if d.v1 {

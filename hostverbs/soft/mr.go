@@ -30,6 +30,11 @@ type mr struct {
 	access hostverbs.Access
 	pages  guestmem.PageList
 	mem    *guestmem.Memory
+	// fr is set on the registrations of a fast-registration MR (frmr.go):
+	// each REG_MR publishes a new, immutable mr in the key's slot, and an
+	// invalidation publishes one with free set, which no lookup returns.
+	fr   *frmr
+	free bool
 }
 
 func (m *mr) LKey() uint32 { return m.key }
@@ -143,10 +148,25 @@ func (t *keyTable) lookup(key uint32) *mr {
 		return nil
 	}
 	m := t.slots[idx].Load()
-	if m == nil || m.key != key {
+	if m == nil || m.key != key || m.free {
 		return nil
 	}
 	return m
+}
+
+// slot returns whatever holds key's index, a free fast-registration MR
+// included, whatever its key byte.
+func (t *keyTable) slot(key uint32) *mr {
+	idx := key >> 8
+	if idx == 0 || int(idx) >= len(t.slots) {
+		return nil
+	}
+	return t.slots[idx].Load()
+}
+
+// replace publishes next in place of cur (the same index).
+func (t *keyTable) replace(cur, next *mr) bool {
+	return t.slots[cur.key>>8].CompareAndSwap(cur, next)
 }
 
 func (t *keyTable) remove(key uint32, m *mr) bool {

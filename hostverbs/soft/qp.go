@@ -534,7 +534,7 @@ func (q *qp) checkSendWR(wr *hostverbs.SendWR) error {
 	}
 	switch wr.Opcode {
 	case hostverbs.WRSend, hostverbs.WRSendWithImm, hostverbs.WRRDMAWrite,
-		hostverbs.WRRDMAWriteWithImm, hostverbs.WRRDMARead:
+		hostverbs.WRRDMAWriteWithImm, hostverbs.WRRDMARead, hostverbs.WRSendWithInv:
 	case hostverbs.WRAtomicCmpAndSwp, hostverbs.WRAtomicFetchAndAdd:
 		if total < 8 {
 			return fmt.Errorf("atomic with a %d-byte local buffer: %w", total, hostverbs.ErrInvalid)
@@ -610,6 +610,10 @@ func (q *qp) completeRecv(w *recvWQE, st hostverbs.WCStatus, p *packet, n uint32
 		}
 		if p.info.Has(roce.MaskWrite) {
 			wc.Opcode = hostverbs.WCRecvRDMAWithImm
+		}
+		if p.info.Has(roce.MaskIETH) {
+			wc.Flags |= hostverbs.WCFlagWithInvalidate
+			wc.ImmData = p.iethKey
 		}
 		if q.isUD() {
 			wc.SrcQP = p.srcQP

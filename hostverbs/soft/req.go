@@ -247,6 +247,13 @@ func (q *qp) reqPacket(tx *txBatch, w *sendWQE, i uint32) {
 		}
 		p.se = last && wr.Flags&hostverbs.SendSolicited != 0
 		p.segs, p.dataOff, p.n = w.segs, off, uint32(n)
+	case hostverbs.WRSendWithInv:
+		p.op = pick(first, last, roce.RCSendFirst, roce.RCSendMiddle, roce.RCSendLastInvalidate, roce.RCSendOnlyInvalidate)
+		if last {
+			p.iethKey = wr.ImmData // the rkey the responder invalidates
+		}
+		p.se = last && wr.Flags&hostverbs.SendSolicited != 0
+		p.segs, p.dataOff, p.n = w.segs, off, uint32(n)
 	case hostverbs.WRRDMAWrite, hostverbs.WRRDMAWriteWithImm:
 		p.op = pick(first, last, roce.RCWriteFirst, roce.RCWriteMiddle, roce.RCWriteLast, roce.RCWriteOnly)
 		if last && wr.Opcode == hostverbs.WRRDMAWriteWithImm {

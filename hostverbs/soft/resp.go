@@ -1,6 +1,7 @@
 package soft
 
 import (
+	"fmt"
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
@@ -234,10 +235,16 @@ func (q *qp) respSend(tx *txBatch, p *packet) {
 	r.inMsg = msgNone
 	r.msn++
 	if p.info.Has(roce.MaskIETH) {
-		// No memory windows or fast-registered MRs: nothing a SEND with
-		// invalidate may invalidate (IBA 10.6.7.2.4).
-		q.respError(tx, p, roce.NAKInvalidRequest, hostverbs.WCRemInvReqErr, hostverbs.EventQPReqErr)
-		return
+		// SEND with invalidate (IBA 10.6.7.2.4): the key must be a
+		// fast-reg MR's of this QP's PD; it is free before the receive
+		// completes (with the key in the completion).
+		if err := q.dev.remoteInvalidate(q.pd, p.iethKey); err != nil {
+			q.dev.ctrs.inc(cntRemoteInvalidateRefused)
+			q.dev.lim.Warn("remote-invalidate", "SEND with invalidate refused", "qpn", q.qpn, "key", fmt.Sprintf("%#x", p.iethKey), "err", err)
+			q.respError(tx, p, roce.NAKInvalidRequest, hostverbs.WCRemInvReqErr, hostverbs.EventQPReqErr)
+			return
+		}
+		q.dev.ctrs.inc(cntRemoteInvalidations)
 	}
 	r.haveWQE = false
 	q.completeRecv(&r.wqe, hostverbs.WCSuccess, p, uint32(r.recvd))
@@ -327,9 +334,35 @@ func (q *qp) sourceFault(p *packet, err error) bool {
 func (q *qp) checkRKey(rkey uint32, va, n uint64, want hostverbs.Access) *mr {
 	m := q.dev.keys.lookup(rkey)
 	if m == nil || m.pd != q.pd || m.check(va, n, want) != nil {
+		q.rejectRKey(rkey, va, n, want, m)
 		return nil
 	}
 	return m
+}
+
+// rejectRKey counts and logs (rate-limited) why an incoming rkey was
+// refused: the operator's trace of a remote access error.
+func (q *qp) rejectRKey(rkey uint32, va, n uint64, want hostverbs.Access, m *mr) {
+	q.dev.ctrs.inc(cntRKeyRejected)
+	var why string
+	switch {
+	case m == nil:
+		why = "no MR has this key"
+		if s := q.dev.keys.slot(rkey); s != nil && s.fr != nil {
+			switch {
+			case s.free:
+				why = "fast-reg MR invalidated (free)"
+			case s.key != rkey:
+				why = fmt.Sprintf("fast-reg MR registered under key %#x (another consumer byte)", s.key)
+			}
+		}
+	case m.pd != q.pd:
+		why = "MR of another PD"
+	default:
+		why = m.check(va, n, want).Error()
+	}
+	q.dev.lim.Warn("rkey-rejected", "remote access refused", "qpn", q.qpn, "rkey", fmt.Sprintf("%#x", rkey),
+		"va", fmt.Sprintf("%#x", va), "len", n, "access", fmt.Sprintf("%#x", uint32(want)), "why", why)
 }
 
 // newRes takes the next resource slot (the requester is responsible for

@@ -11,11 +11,12 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
-// One test per CVE class of QEMU's former pvrdma device (REFERENCE.md
-// 1.6), each played by a malicious driver through vfio-user against the
+// One test per CVE class published against QEMU's former pvrdma device,
+// each played by a malicious driver through vfio-user against the
 // whole stack, each ending with the daemon serving a fresh pair of VMs
 // and the process's goroutines, descriptors and locked memory back to
 // their baseline (env.healthy).
@@ -31,14 +32,14 @@ const (
 // refusedDSR checks what a driver sees after a DSR the device refused:
 // ERR holds errno, no capabilities were written, ACTIVATE fails, and a
 // command finds no slots (CVE-2022-1050's guard).
-func refusedDSR(t *testing.T, v *vm, errReg uint32, caps vdev.Caps, errno syscall.Errno) {
+func refusedDSR(t *testing.T, v *vm, errReg uint32, caps abi.Caps, errno syscall.Errno) {
 	t.Helper()
 	require.EqualValues(t, errno, errReg, "ERR after DSRHIGH")
-	require.Equal(t, vdev.Caps{}, caps, "no capabilities written for a refused DSR")
-	v.setReg(vdev.RegIMR, 0)
-	v.setReg(vdev.RegCtl, vdev.CtlActivate)
-	require.EqualValues(t, eFault, v.reg(vdev.RegErr), "ACTIVATE without a DSR")
-	r := v.request(vdev.CmdQueryPort)
+	require.Equal(t, abi.Caps{}, caps, "no capabilities written for a refused DSR")
+	v.setReg(abi.RegIMR, 0)
+	v.setReg(abi.RegCtl, abi.CtlActivate)
+	require.EqualValues(t, eFault, v.reg(abi.RegErr), "ACTIVATE without a DSR")
+	r := v.request(abi.CmdQueryPort)
 	require.EqualValues(t, eFault, r.err, "command without a DSR")
 }
 
@@ -70,7 +71,7 @@ func TestCVE_2018_20123_LeakAfterInitError(t *testing.T) {
 
 	for i := 0; i < 20; i++ {
 		v := e.connect(vmEvil)
-		errReg, caps := v.loadDSR(func(d *vdev.DSR) { d.CQRing.PDirDMA = outsideRAM })
+		errReg, caps := v.loadDSR(func(d *abi.DSR) { d.CQRing.PDirDMA = outsideRAM })
 		refusedDSR(t, v, errReg, caps, eFault)
 		v.Close()
 		e.idle()
@@ -109,9 +110,9 @@ func TestCVE_2018_20124_NumSGE(t *testing.T) {
 	// QPs asking for more SGEs than the caps offer are refused outright.
 	_, req := v.layoutQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeRC,
 		sendWR: 4, recvWR: 4, sendSGE: v.caps.MaxSGE + 1, recvSGE: 1, uar: p.uc})
-	v.failCmd(vdev.CmdCreateQP, req, eInval)
+	v.failCmd(abi.CmdCreateQP, req, eInval)
 	req.MaxSendSGE, req.MaxRecvSGE = 1, 0xffffffff
-	v.failCmd(vdev.CmdCreateQP, req, eInval)
+	v.failCmd(abi.CmdCreateQP, req, eInval)
 	e.healthy()
 }
 
@@ -127,7 +128,7 @@ func TestCVE_2018_20125_PageCounts(t *testing.T) {
 	var before runtime.MemStats
 	runtime.ReadMemStats(&before)
 	start := time.Now()
-	for _, r := range []vdev.CreateCQ{
+	for _, r := range []abi.CreateCQ{
 		{CQE: 16, NChunks: 0},
 		{CQE: 16, NChunks: 1},
 		{CQE: 16, NChunks: 0xffffffff},
@@ -138,14 +139,14 @@ func TestCVE_2018_20125_PageCounts(t *testing.T) {
 		{CQE: 17, NChunks: 2},
 	} {
 		r.PDirDMA = dir
-		v.failCmd(vdev.CmdCreateCQ, r, eInval)
+		v.failCmd(abi.CmdCreateCQ, r, eInval)
 	}
 	// More pages than the CQEs need are allowed, but each must be RAM.
-	v.failCmd(vdev.CmdCreateCQ, vdev.CreateCQ{CQE: 16, NChunks: 3,
+	v.failCmd(abi.CmdCreateCQ, abi.CreateCQ{CQE: 16, NChunks: 3,
 		PDirDMA: v.pdir([]uint64{v.page(), v.page(), outsideRAM})}, eFault)
 	cq := v.createCQ(0, 16)
 	require.Zero(t, cq.handle, "no CQ handle consumed by the refused ones")
-	for _, r := range []vdev.CreateQP{
+	for _, r := range []abi.CreateQP{
 		{TotalChunks: 0, SendChunks: 0},
 		{TotalChunks: 0xffff, SendChunks: 0xfffe},
 		{TotalChunks: 2, SendChunks: 5},
@@ -162,12 +163,12 @@ func TestCVE_2018_20125_PageCounts(t *testing.T) {
 		if r.MaxRecvSGE == 0 {
 			r.MaxRecvWR, r.MaxRecvSGE = 4, 1
 		}
-		v.failCmd(vdev.CmdCreateQP, r, eInval)
+		v.failCmd(abi.CmdCreateQP, r, eInval)
 	}
-	v.failCmd(vdev.CmdCreateSRQ, vdev.CreateSRQ{PDirDMA: dir, PDHandle: pd, NChunks: 0xffffffff,
-		Attrs: vdev.SRQAttr{MaxWR: 4, MaxSGE: 1}}, eInval)
-	v.failCmd(vdev.CmdCreateSRQ, vdev.CreateSRQ{PDirDMA: dir, PDHandle: pd, NChunks: 0,
-		Attrs: vdev.SRQAttr{MaxWR: 4, MaxSGE: 1}}, eInval)
+	v.failCmd(abi.CmdCreateSRQ, abi.CreateSRQ{PDirDMA: dir, PDHandle: pd, NChunks: 0xffffffff,
+		Attrs: abi.SRQAttr{MaxWR: 4, MaxSGE: 1}}, eInval)
+	v.failCmd(abi.CmdCreateSRQ, abi.CreateSRQ{PDirDMA: dir, PDHandle: pd, NChunks: 0,
+		Attrs: abi.SRQAttr{MaxWR: 4, MaxSGE: 1}}, eInval)
 	t.Logf("refused up front in %v (logged, not judged: it measures the machine)", time.Since(start))
 	var after runtime.MemStats
 	runtime.ReadMemStats(&after)
@@ -191,17 +192,17 @@ func TestCVE_2018_20126_ErrorPathLeaks(t *testing.T) {
 	qpPages[2] = outsideRAM
 	badQP := v.pdir(qpPages)
 	for i := 0; i < 500; i++ {
-		v.failCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: badCQ, CQE: 16, NChunks: 2}, eFault)
-		v.failCmd(vdev.CmdCreateQP, vdev.CreateQP{PDirDMA: badQP, PDHandle: pd, SendCQHandle: cq.handle,
+		v.failCmd(abi.CmdCreateCQ, abi.CreateCQ{PDirDMA: badCQ, CQE: 16, NChunks: 2}, eFault)
+		v.failCmd(abi.CmdCreateQP, abi.CreateQP{PDirDMA: badQP, PDHandle: pd, SendCQHandle: cq.handle,
 			RecvCQHandle: cq.handle, MaxSendWR: 4, MaxRecvWR: 4, MaxSendSGE: 1, MaxRecvSGE: 1,
 			QPType: uint8(hostverbs.QPTypeRC), TotalChunks: 3, SendChunks: 1}, eFault)
 	}
 	require.EqualValues(t, 1000, e.counter(vmEvil, "command_errors"))
 	cq2 := v.createCQ(0, 16)
 	require.EqualValues(t, 1, cq2.handle)
-	v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: cq.handle})
-	v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: cq2.handle})
-	v.mustCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: pd})
+	v.mustCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: cq.handle})
+	v.mustCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: cq2.handle})
+	v.mustCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: pd})
 	e.healthy()
 }
 
@@ -225,15 +226,15 @@ func TestCVE_2018_20191_UARRead(t *testing.T) {
 		}
 		return true
 	}
-	for off := uint64(0); off < 2*vdev.UARPageSize; off += 4 {
+	for off := uint64(0); off < 2*abi.UARPageSize; off += 4 {
 		require.True(t, ones(read(bar2, off, 4)), "UAR %#x", off)
 	}
 	for pg := uint64(0); pg < vdev.UARPages; pg++ {
 		for _, n := range []uint32{1, 2, 4, 8} {
-			off := pg*vdev.UARPageSize + uint64(vdev.UARPageSize) - uint64(n)
+			off := pg*abi.UARPageSize + uint64(abi.UARPageSize) - uint64(n)
 			require.True(t, ones(read(bar2, off, n)), "UAR %#x+%d", off, n)
 		}
-		require.True(t, ones(read(bar2, pg*vdev.UARPageSize+3, 4)), "unaligned UAR read in page %d", pg)
+		require.True(t, ones(read(bar2, pg*abi.UARPageSize+3, 4)), "unaligned UAR read in page %d", pg)
 	}
 	for off := uint64(0); off < vdev.BAR0Size; off += 64 {
 		require.Equal(t, make([]byte, 8), read(0, off, 8), "BAR0 %#x", off)
@@ -241,7 +242,7 @@ func TestCVE_2018_20191_UARRead(t *testing.T) {
 	for off := uint64(0x28); off < vdev.BAR1Size; off += 4 {
 		require.Equal(t, make([]byte, 4), read(bar1, off, 4), "unimplemented register %#x", off)
 	}
-	require.EqualValues(t, vdev.DeviceVersion, read(bar1, 0, 1)[0])
+	require.EqualValues(t, abi.DeviceVersion, read(bar1, 0, 1)[0])
 	e.healthy()
 }
 
@@ -256,9 +257,9 @@ func TestCVE_2018_20216_RingIndices(t *testing.T) {
 	v := p.v
 	fatal := func(q *gqp) {
 		t.Helper()
-		_, err := v.waitIRQ(vdev.VectorAsync, irqTimeout)
+		_, err := v.waitIRQ(abi.VectorAsync, irqTimeout)
 		require.NoError(t, err)
-		require.Equal(t, []vdev.EQE{{Type: uint32(hostverbs.EventQPFatal), Info: q.handle}}, v.events())
+		require.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventQPFatal), Info: q.handle}}, v.events())
 		require.Equal(t, hostverbs.QPStateErr, q.state())
 	}
 	for _, bad := range []uint32{0xffffffff, 2 * qpDepth, qpDepth + 1} {
@@ -284,9 +285,9 @@ func TestCVE_2018_20216_RingIndices(t *testing.T) {
 	peer.postRecv(1, p.mr.sge(0, 64))
 	q.postSend(sendWQE(2), p.mr.sge(0, 64))
 	requireCQE(t, p.scq.wait(), q, 2, hostverbs.WCSend, hostverbs.WCSuccess)
-	_, err := v.waitIRQ(vdev.VectorAsync, irqTimeout)
+	_, err := v.waitIRQ(abi.VectorAsync, irqTimeout)
 	require.NoError(t, err)
-	require.Equal(t, []vdev.EQE{{Type: uint32(hostverbs.EventCQErr), Info: p.rcq.handle}}, v.events())
+	require.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventCQErr), Info: p.rcq.handle}}, v.events())
 	require.EqualValues(t, 1, e.counter(vmEvil, "cq_overflows"))
 
 	// The guest scribbles over the SQ's cons_head, which the device owns.
@@ -307,7 +308,7 @@ func TestCVE_2021_3582_MRLengthVsNChunks(t *testing.T) {
 	v := e.boot(vmEvil)
 	pd := v.createPD(0)
 	dir := v.pdir(v.pages(4))
-	for _, r := range []vdev.CreateMR{
+	for _, r := range []abi.CreateMR{
 		{Start: 0x1000, Length: 3 * 4096, NChunks: 2},
 		{Start: 0x1000, Length: 3 * 4096, NChunks: 4},
 		{Start: 0x1010, Length: 3 * 4096, NChunks: 3}, // unaligned: spans 4 pages
@@ -319,15 +320,15 @@ func TestCVE_2021_3582_MRLengthVsNChunks(t *testing.T) {
 		{Start: 0, Length: 0x1000, NChunks: 0xffffffff},
 	} {
 		r.PDHandle, r.AccessFlags, r.PDirDMA = pd, accLocalWrite, dir
-		v.failCmd(vdev.CmdCreateMR, r, eInval)
+		v.failCmd(abi.CmdCreateMR, r, eInval)
 	}
 	bad := v.pages(2)
 	bad[1] = outsideRAM
-	v.failCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: 0x1000, Length: 0x2000, NChunks: 2, PDHandle: pd,
+	v.failCmd(abi.CmdCreateMR, abi.CreateMR{Start: 0x1000, Length: 0x2000, NChunks: 2, PDHandle: pd,
 		AccessFlags: accLocalWrite, PDirDMA: v.pdir(bad)}, eFault)
-	r := v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: 0x1010, Length: 3 * 4096, NChunks: 4, PDHandle: pd,
+	r := v.mustCmd(abi.CmdCreateMR, abi.CreateMR{Start: 0x1010, Length: 3 * 4096, NChunks: 4, PDHandle: pd,
 		AccessFlags: accLocalWrite, PDirDMA: dir})
-	var mr vdev.CreateMRResp
+	var mr abi.CreateMRResp
 	mr.Decode(r)
 	require.Zero(t, mr.MRHandle)
 	e.healthy()
@@ -341,7 +342,7 @@ func TestCVE_2021_3607_RingPageCount(t *testing.T) {
 	for _, n := range []uint32{0, 1, 513, 1 << 20, 0x80000000, 0xffffffff} {
 		for _, ring := range []string{"async", "cq"} {
 			v := e.connect(vmEvil)
-			errReg, caps := v.loadDSR(func(d *vdev.DSR) {
+			errReg, caps := v.loadDSR(func(d *abi.DSR) {
 				if ring == "async" {
 					d.AsyncRing.NumPages = n
 				} else {
@@ -362,13 +363,13 @@ func TestCVE_2021_3608_RingInitFailure(t *testing.T) {
 	e := newEnv(t)
 	v := e.connect(vmEvil)
 	for i := 0; i < 3; i++ {
-		errReg, caps := v.loadDSR(func(d *vdev.DSR) {
+		errReg, caps := v.loadDSR(func(d *abi.DSR) {
 			pages := v.pages(ringPages)
 			pages[i+1] = outsideRAM
 			d.CQRing.PDirDMA = v.pdir(pages)
 		})
 		refusedDSR(t, v, errReg, caps, eFault)
-		errReg, caps = v.loadDSR(func(d *vdev.DSR) {
+		errReg, caps = v.loadDSR(func(d *abi.DSR) {
 			pages := v.pages(ringPages)
 			pages[i+1] = 0x1234 // not page-aligned
 			d.AsyncRing.PDirDMA = v.pdir(pages)
@@ -390,25 +391,25 @@ func TestCVE_2022_1050_CommandBeforeDSR(t *testing.T) {
 	v := e.connect(vmEvil)
 	beforeDSR := func(what string) {
 		t.Helper()
-		v.setReg(vdev.RegIMR, 0)
+		v.setReg(abi.RegIMR, 0)
 		bad := e.counter(vmEvil, "bad_doorbells")
 		for i := 0; i < 3; i++ {
-			r := v.request(vdev.CmdCreatePD)
+			r := v.request(abi.CmdCreatePD)
 			require.EqualValues(t, eFault, r.err, "%s: REQUEST", what)
-			v.doorbell(0, vdev.UARQPOffset, vdev.UARQPSend|uint32(i))
-			v.doorbell(1, vdev.UARCQOffset, vdev.UARCQArm|uint32(i))
+			v.doorbell(0, abi.UARQPOffset, abi.UARQPSend|uint32(i))
+			v.doorbell(1, abi.UARCQOffset, abi.UARCQArm|uint32(i))
 		}
 		require.Equal(t, bad+6, e.counter(vmEvil, "bad_doorbells"), "%s: doorbells", what)
-		v.setReg(vdev.RegCtl, vdev.CtlActivate)
-		require.EqualValues(t, eFault, v.reg(vdev.RegErr), "%s: ACTIVATE", what)
-		v.setReg(vdev.RegCtl, vdev.CtlUnquiesce)
-		require.EqualValues(t, eFault, v.reg(vdev.RegErr), "%s: UNQUIESCE", what)
+		v.setReg(abi.RegCtl, abi.CtlActivate)
+		require.EqualValues(t, eFault, v.reg(abi.RegErr), "%s: ACTIVATE", what)
+		v.setReg(abi.RegCtl, abi.CtlUnquiesce)
+		require.EqualValues(t, eFault, v.reg(abi.RegErr), "%s: UNQUIESCE", what)
 	}
 	beforeDSR("fresh device")
 
 	v.probe()
 	v.createPD(0)
-	v.setReg(vdev.RegCtl, vdev.CtlReset)
+	v.setReg(abi.RegCtl, abi.CtlReset)
 	beforeDSR("after CTL RESET")
 
 	v.probe()
@@ -416,7 +417,7 @@ func TestCVE_2022_1050_CommandBeforeDSR(t *testing.T) {
 	require.NoError(t, v.c.Reset())
 	// A reset function has decode, bus mastering and MSI-X off: BAR
 	// accesses are dropped until the driver sets it up again.
-	x, err := v.c.Read32(bar1, vdev.RegErr)
+	x, err := v.c.Read32(bar1, abi.RegErr)
 	require.NoError(t, err)
 	require.EqualValues(t, 0xffffffff, x, "decode off after DEVICE_RESET")
 	v.pciSetup()
@@ -433,8 +434,8 @@ func TestCVE_2023_1544_RingBeyondOnePageTable(t *testing.T) {
 	e := newEnv(t)
 	for _, ring := range []string{"async", "cq"} {
 		v := e.connect(vmEvil)
-		errReg, caps := v.loadDSR(func(d *vdev.DSR) {
-			info := vdev.RingPageInfo{NumPages: 513, PDirDMA: v.pdir(v.pages(513))}
+		errReg, caps := v.loadDSR(func(d *abi.DSR) {
+			info := abi.RingPageInfo{NumPages: 513, PDirDMA: v.pdir(v.pages(513))}
 			if ring == "async" {
 				d.AsyncRing = info
 			} else {
@@ -442,8 +443,8 @@ func TestCVE_2023_1544_RingBeyondOnePageTable(t *testing.T) {
 			}
 		})
 		refusedDSR(t, v, errReg, caps, eInval)
-		errReg, caps = v.loadDSR(func(d *vdev.DSR) {
-			info := vdev.RingPageInfo{NumPages: 512, PDirDMA: v.pdir(v.pages(512))}
+		errReg, caps = v.loadDSR(func(d *abi.DSR) {
+			info := abi.RingPageInfo{NumPages: 512, PDirDMA: v.pdir(v.pages(512))}
 			if ring == "async" {
 				d.AsyncRing = info
 			} else {
@@ -451,9 +452,9 @@ func TestCVE_2023_1544_RingBeyondOnePageTable(t *testing.T) {
 			}
 		})
 		_ = errReg // still the refusal's: a good DSR leaves ERR to ACTIVATE
-		require.EqualValues(t, vdev.GIDTypeFlagRoCEv2, caps.GIDTypes, "%s ring of one full page table", ring)
-		v.setReg(vdev.RegCtl, vdev.CtlActivate)
-		require.Zero(t, v.reg(vdev.RegErr))
+		require.EqualValues(t, abi.GIDTypeFlagRoCEv2, caps.GIDTypes, "%s ring of one full page table", ring)
+		v.setReg(abi.RegCtl, abi.CtlActivate)
+		require.Zero(t, v.reg(abi.RegErr))
 		v.Close()
 	}
 	e.healthy()

@@ -12,7 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
-	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // Guests that disappear mid-transfer: two VMs stream SENDs, RDMA WRITEs
@@ -83,7 +83,7 @@ func (s *stream) run() error {
 	for i := 0; i < qpDepth; i++ {
 		q.writeRecv(uint64(1<<32+i), s.p.mr.sge(0, streamBytes))
 	}
-	if err := v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPRecv|q.handle); err != nil {
+	if err := v.tryDoorbell(q.uar, abi.UARQPOffset, abi.UARQPRecv|q.handle); err != nil {
 		return err
 	}
 	s.recvOut = qpDepth
@@ -110,7 +110,7 @@ func (s *stream) run() error {
 			next++
 			s.sendOut++
 			busy = true
-			if err := v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle); err != nil {
+			if err := v.tryDoorbell(q.uar, abi.UARQPOffset, abi.UARQPSend|q.handle); err != nil {
 				return err
 			}
 		}
@@ -151,7 +151,7 @@ func (s *stream) run() error {
 		}
 		if repost > 0 {
 			s.recvOut += repost
-			if err := v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPRecv|q.handle); err != nil {
+			if err := v.tryDoorbell(q.uar, abi.UARQPOffset, abi.UARQPRecv|q.handle); err != nil {
 				return err
 			}
 		}
@@ -165,7 +165,7 @@ func (s *stream) run() error {
 		if !busy {
 			if time.Since(lastPoll) > 5*time.Millisecond { // rdma-core's POLL on an empty CQ
 				lastPoll = time.Now()
-				if err := v.tryDoorbell(s.p.uc, vdev.UARCQOffset, vdev.UARCQPoll|s.p.scq.handle); err != nil {
+				if err := v.tryDoorbell(s.p.uc, abi.UARCQOffset, abi.UARCQPoll|s.p.scq.handle); err != nil {
 					return err
 				}
 			}
@@ -213,7 +213,7 @@ var vanishing = []struct {
 	{"connection closed", nil},
 	{"memory unmapped", func(v *vm) error { return v.c.DMAUnmap(0, ramSize, 0) }},
 	{"device reset", func(v *vm) error { return v.c.Reset() }},
-	{"CTL reset", func(v *vm) error { return v.c.Write32(bar1, vdev.RegCtl, vdev.CtlReset) }},
+	{"CTL reset", func(v *vm) error { return v.c.Write32(bar1, abi.RegCtl, abi.CtlReset) }},
 }
 
 func TestGuestDisappearsMidTransfer(t *testing.T) {
@@ -265,9 +265,9 @@ func TestGuestDisappearsMidTransfer(t *testing.T) {
 				// The victim's device is still there and answers.
 				switch way.name {
 				case "memory unmapped":
-					require.EqualValues(t, vdev.DeviceVersion, victim.v.reg(vdev.RegVersion))
-					victim.v.setReg(vdev.RegRequest, 0)
-					require.EqualValues(t, eFault, victim.v.reg(vdev.RegErr), "the command slot is gone")
+					require.EqualValues(t, abi.DeviceVersion, victim.v.reg(abi.RegVersion))
+					victim.v.setReg(abi.RegRequest, 0)
+					require.EqualValues(t, eFault, victim.v.reg(abi.RegErr), "the command slot is gone")
 				case "device reset":
 					victim.v.pciSetup()
 					victim.v.probe()

@@ -15,20 +15,21 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser/vfiousertest"
 )
 
 // This file is the "QEMU + vmw_pvrdma probe" half of the harness: a VM is
 // one vfio-user connection to the daemon with a memfd as its RAM, and the
-// driver's probe sequence of OBSERVED.md section 2 (config space, MSI-X
-// eventfds, DSR, DSRLOW/DSRHIGH, IMR, CTL ACTIVATE, ERR) and command
-// protocol of REFERENCE.md 2.4 (slot, REQUEST, ERR, vector 0, response).
+// driver's probe sequence as the 6.1 driver was seen to run it (config
+// space, MSI-X eventfds, DSR, DSRLOW/DSRHIGH, IMR, CTL ACTIVATE, ERR) and the
+// device's command protocol (slot, REQUEST, ERR, vector 0, response).
 
 const (
 	ramSize   = 16 << 20
 	firstPage = 1 << 20 // the page allocator starts above the first MiB
-	uarPFN    = 0xfe800 // BAR2 where the firmware placed it (OBSERVED.md)
+	uarPFN    = 0xfe800 // BAR2 where the firmware was seen to place it
 	ringPages = 4       // PVRDMA_NUM_RING_PAGES
 	// irqTimeout bounds every wait for an interrupt or a completion.
 	irqTimeout = 10 * time.Second
@@ -43,8 +44,8 @@ const (
 	capIDMSIX     = 0x11
 	msixCtrlOn    = 1 << 15
 	msixCtrlMask  = 1 << 14
-	bar1          = vdev.RegsBAR
-	bar2          = vdev.UARBAR
+	bar1          = abi.RegsBAR
+	bar2          = abi.UARBAR
 	msixTrigger   = vfiouser.IRQSetDataEventfd | vfiouser.IRQSetActionTrigger
 	memDecodeBits = cmdMemory | cmdBusMaster
 )
@@ -59,13 +60,13 @@ type vm struct {
 	c     *vfiousertest.Client
 	ram   []byte
 	ramFD int
-	irqs  [vdev.NumVectors]int
+	irqs  [abi.NumVectors]int
 	msix  uint64 // config offset of the MSI-X capability
 
 	next                   uint64 // page allocator
 	dsr, cmdSlot, respSlot uint64
 	async, cqn             []uint64
-	caps                   vdev.Caps
+	caps                   abi.Caps
 	key                    uint64
 
 	served    bool // the daemon made a device for this connection
@@ -175,7 +176,7 @@ func (v *vm) pciSetup() {
 	require.NoError(v.t, err)
 	require.EqualValues(v.t, vfiouser.NumPCIRegions, info.NumRegions)
 	id := v.cfg32(0)
-	require.Equal(v.t, uint32(vdev.PCIDeviceID)<<16|vdev.PCIVendorID, id)
+	require.Equal(v.t, uint32(abi.PCIDeviceID)<<16|abi.PCIVendorID, id)
 	require.NoError(v.t, v.c.Write32(vfiouser.RegionConfig, cfgCommand, memDecodeBits))
 	for p := uint64(v.cfg32(cfgCapPtr) & 0xff); p != 0; {
 		hdr := v.cfg32(p)
@@ -187,7 +188,7 @@ func (v *vm) pciSetup() {
 	}
 	require.NotZero(v.t, v.msix, "no MSI-X capability")
 	ctrl := uint16(v.cfg32(v.msix) >> 16)
-	require.EqualValues(v.t, vdev.NumVectors-1, ctrl&0x7ff, "MSI-X table size")
+	require.EqualValues(v.t, abi.NumVectors-1, ctrl&0x7ff, "MSI-X table size")
 	var b [2]byte
 	binary.LittleEndian.PutUint16(b[:], (ctrl|msixCtrlOn)&^msixCtrlMask)
 	require.NoError(v.t, v.c.RegionWrite(vfiouser.RegionConfig, v.msix+2, b[:], false))
@@ -199,7 +200,7 @@ func (v *vm) pciSetup() {
 		require.NoError(v.t, err)
 		v.irqs[i] = fd
 	}
-	require.NoError(v.t, v.c.SetIRQs(vfiouser.IRQMSIX, msixTrigger, 0, vdev.NumVectors, nil, v.irqs[:]...))
+	require.NoError(v.t, v.c.SetIRQs(vfiouser.IRQMSIX, msixTrigger, 0, abi.NumVectors, nil, v.irqs[:]...))
 }
 
 func (v *vm) cfg32(off uint64) uint32 {
@@ -260,7 +261,7 @@ func (v *vm) doorbell(uar uint32, off uint64, x uint32) {
 }
 
 func (v *vm) tryDoorbell(uar uint32, off uint64, x uint32) error {
-	return v.c.Write32(bar2, uint64(uar)*vdev.UARPageSize+off, x)
+	return v.c.Write32(bar2, uint64(uar)*abi.UARPageSize+off, x)
 }
 
 // Guest memory.
@@ -344,14 +345,14 @@ func (v *vm) waitIRQ(n int, timeout time.Duration) (uint64, error) {
 // layoutDSR writes the DSR as pvrdma_pci_probe does: command and response
 // slot pages, async-event and CQ-notification rings of 4 pages each behind
 // page directories, the UAR's page frame.
-func (v *vm) layoutDSR() vdev.DSR {
+func (v *vm) layoutDSR() abi.DSR {
 	v.dsr = v.page()
 	v.cmdSlot, v.respSlot = v.page(), v.page()
 	v.async, v.cqn = v.pages(ringPages), v.pages(ringPages)
-	return vdev.DSR{
-		DriverVersion: vdev.DeviceVersion, GOSInfo: 0x46, CmdSlot: v.cmdSlot, RespSlot: v.respSlot,
-		AsyncRing: vdev.RingPageInfo{NumPages: ringPages, PDirDMA: v.pdir(v.async)},
-		CQRing:    vdev.RingPageInfo{NumPages: ringPages, PDirDMA: v.pdir(v.cqn)},
+	return abi.DSR{
+		DriverVersion: abi.DeviceVersion, GOSInfo: 0x46, CmdSlot: v.cmdSlot, RespSlot: v.respSlot,
+		AsyncRing: abi.RingPageInfo{NumPages: ringPages, PDirDMA: v.pdir(v.async)},
+		CQRing:    abi.RingPageInfo{NumPages: ringPages, PDirDMA: v.pdir(v.cqn)},
 		UARPFN:    uarPFN,
 	}
 }
@@ -359,36 +360,36 @@ func (v *vm) layoutDSR() vdev.DSR {
 // loadDSR lays out a DSR, lets mutate spoil it, writes it at v.dsr and
 // hands it to the device (DSRLOW, then DSRHIGH). It returns ERR as it
 // reads afterwards and the caps the device wrote (zero if none).
-func (v *vm) loadDSR(mutate func(*vdev.DSR)) (uint32, vdev.Caps) {
+func (v *vm) loadDSR(mutate func(*abi.DSR)) (uint32, abi.Caps) {
 	v.t.Helper()
 	d := v.layoutDSR()
 	if mutate != nil {
 		mutate(&d)
 	}
 	d.Encode(v.ram[v.dsr:])
-	v.setReg(vdev.RegDSRLow, uint32(v.dsr))
-	v.setReg(vdev.RegDSRHigh, uint32(v.dsr>>32))
-	var caps vdev.Caps
-	caps.Decode(v.ram[v.dsr+vdev.DSRCapsOffset:])
-	return v.reg(vdev.RegErr), caps
+	v.setReg(abi.RegDSRLow, uint32(v.dsr))
+	v.setReg(abi.RegDSRHigh, uint32(v.dsr>>32))
+	var caps abi.Caps
+	caps.Decode(v.ram[v.dsr+abi.DSRCapsOffset:])
+	return v.reg(abi.RegErr), caps
 }
 
 // probe is pvrdma_pci_probe: VERSION, DSR, caps check, IMR, ACTIVATE,
 // ERR must read 0.
 func (v *vm) probe() {
 	v.t.Helper()
-	require.EqualValues(v.t, vdev.DeviceVersion, v.reg(vdev.RegVersion))
+	require.EqualValues(v.t, abi.DeviceVersion, v.reg(abi.RegVersion))
 	_, caps := v.loadDSR(nil)
-	require.EqualValues(v.t, vdev.DeviceModeRoCE, caps.Mode)
-	require.EqualValues(v.t, vdev.GIDTypeFlagRoCEv2, caps.GIDTypes, "the driver compares gid_types with ==")
+	require.EqualValues(v.t, abi.DeviceModeRoCE, caps.Mode)
+	require.EqualValues(v.t, abi.GIDTypeFlagRoCEv2, caps.GIDTypes, "the driver compares gid_types with ==")
 	require.NotZero(v.t, caps.MaxQP)
 	v.caps = caps
-	v.setReg(vdev.RegIMR, 0)
-	v.setReg(vdev.RegCtl, vdev.CtlActivate)
-	require.Zero(v.t, v.reg(vdev.RegErr), "ERR after ACTIVATE")
+	v.setReg(abi.RegIMR, 0)
+	v.setReg(abi.RegCtl, abi.CtlActivate)
+	require.Zero(v.t, v.reg(abi.RegErr), "ERR after ACTIVATE")
 	// ACTIVATE with the port up reports PORT_ACTIVE on the async ring.
-	require.Equal(v.t, []vdev.EQE{{Type: 9, Info: 1}}, v.events())
-	_, err := v.waitIRQ(vdev.VectorAsync, irqTimeout)
+	require.Equal(v.t, []abi.EQE{{Type: 9, Info: 1}}, v.events())
+	_, err := v.waitIRQ(abi.VectorAsync, irqTimeout)
 	require.NoError(v.t, err)
 }
 
@@ -400,7 +401,7 @@ type encoder interface{ Encode([]byte) }
 // response slot (the union's bytes) once vector 0 fired.
 type result struct {
 	err  uint32
-	hdr  vdev.RespHdr
+	hdr  abi.RespHdr
 	resp []byte
 	key  uint64
 	code uint32
@@ -412,10 +413,10 @@ type result struct {
 // response the device did not write is visible.
 func (v *vm) post(code uint32, req encoder) result {
 	v.t.Helper()
-	slot := v.ram[v.cmdSlot : v.cmdSlot+vdev.CmdReqSize]
+	slot := v.ram[v.cmdSlot : v.cmdSlot+abi.CmdReqSize]
 	clear(slot)
 	v.key++
-	vdev.CmdHdr{Response: v.key, Cmd: code}.Encode(slot)
+	abi.CmdHdr{Response: v.key, Cmd: code}.Encode(slot)
 	if req != nil {
 		req.Encode(slot)
 	}
@@ -425,14 +426,14 @@ func (v *vm) post(code uint32, req encoder) result {
 // request runs whatever is in the command slot.
 func (v *vm) request(code uint32) result {
 	v.t.Helper()
-	rsp := v.ram[v.respSlot : v.respSlot+vdev.CmdRespSize]
+	rsp := v.ram[v.respSlot : v.respSlot+abi.CmdRespSize]
 	for i := range rsp {
 		rsp[i] = 0xEE
 	}
-	v.irq(vdev.VectorResponse)
-	v.setReg(vdev.RegRequest, 0)
-	r := result{err: v.reg(vdev.RegErr), key: v.key, code: code}
-	n, err := v.waitIRQ(vdev.VectorResponse, irqTimeout)
+	v.irq(abi.VectorResponse)
+	v.setReg(abi.RegRequest, 0)
+	r := result{err: v.reg(abi.RegErr), key: v.key, code: code}
+	n, err := v.waitIRQ(abi.VectorResponse, irqTimeout)
 	require.NoError(v.t, err, "every command raises vector 0")
 	require.EqualValues(v.t, 1, n)
 	r.resp = append([]byte(nil), rsp...)
@@ -454,7 +455,7 @@ func (v *vm) mustCmd(code uint32, req encoder) []byte {
 func (r result) requireResp(t testing.TB, errno syscall.Errno) {
 	t.Helper()
 	require.Equal(t, r.key, r.hdr.Response, "response key echoed")
-	require.EqualValues(t, vdev.RespFlag|r.code, r.hdr.Ack, "response code")
+	require.EqualValues(t, abi.RespFlag|r.code, r.hdr.Ack, "response code")
 	require.EqualValues(t, errno, r.hdr.Err, "response err")
 }
 
@@ -469,7 +470,7 @@ func (v *vm) failCmd(code uint32, req encoder, errno syscall.Errno) {
 
 // Device rings (async events and CQ notifications) with the driver's
 // arithmetic: (pages-1)*4096/size slots, not a power of two, indices
-// masked with 2*slots-1 (OBSERVED.md "CQ-notify ring arithmetic").
+// masked with 2*slots-1 (ringbuf.Geometry explains the arithmetic).
 
 func ringValid(idx, max uint32) bool { return idx&^(2*max-1) == 0 }
 func ringInc(idx, max uint32) uint32 { return (idx + 1) & (2*max - 1) }
@@ -496,10 +497,10 @@ func (v *vm) drainRing(pages []uint64, size uint32) [][8]byte {
 }
 
 // events drains the async event ring.
-func (v *vm) events() []vdev.EQE {
-	var out []vdev.EQE
-	for _, b := range v.drainRing(v.async, vdev.EQESize) {
-		var e vdev.EQE
+func (v *vm) events() []abi.EQE {
+	var out []abi.EQE
+	for _, b := range v.drainRing(v.async, abi.EQESize) {
+		var e abi.EQE
 		e.Decode(b[:])
 		out = append(out, e)
 	}
@@ -509,7 +510,7 @@ func (v *vm) events() []vdev.EQE {
 // notifications drains the CQ-notification ring.
 func (v *vm) notifications() []uint32 {
 	var out []uint32
-	for _, b := range v.drainRing(v.cqn, vdev.CQNESize) {
+	for _, b := range v.drainRing(v.cqn, abi.CQNESize) {
 		out = append(out, binary.LittleEndian.Uint32(b[:]))
 	}
 	return out

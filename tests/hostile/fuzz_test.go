@@ -13,6 +13,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser/vfiousertest"
 )
@@ -90,10 +91,10 @@ type fuzzVM struct {
 }
 
 // pdirOffset is where each creating command carries its page directory.
-var pdirOffset = map[uint32]int{vdev.CmdCreateMR: 32, vdev.CmdCreateCQ: 16, vdev.CmdCreateQP: 16, vdev.CmdCreateSRQ: 16}
+var pdirOffset = map[uint32]int{abi.CmdCreateMR: 32, abi.CmdCreateCQ: 16, abi.CmdCreateQP: 16, abi.CmdCreateSRQ: 16}
 
 // badCodes are command codes past the table.
-var badCodes = []uint32{vdev.NumCmds, vdev.RespFlag | vdev.CmdCreatePD, 0xffffffff}
+var badCodes = []uint32{abi.NumCmds, abi.RespFlag | abi.CmdCreatePD, 0xffffffff}
 
 func runProgram(e *env, prog []byte) {
 	t := e.t
@@ -112,7 +113,7 @@ func runProgram(e *env, prog []byte) {
 		prog = prog[n:]
 		fv.step(t, op, pl[:max(n, 16)])
 	}
-	require.EqualValues(t, vdev.DeviceVersion, p.v.reg(vdev.RegVersion), "the connection still answers")
+	require.EqualValues(t, abi.DeviceVersion, p.v.reg(abi.RegVersion), "the connection still answers")
 }
 
 // replyErr accepts an error reply from the server and nothing else (a
@@ -129,29 +130,29 @@ func (fv *fuzzVM) step(t testing.TB, op byte, pl []byte) {
 	v := fv.v
 	switch op {
 	case opCommand:
-		code := uint32(pl[0]) % (vdev.NumCmds + uint32(len(badCodes)))
-		if code >= vdev.NumCmds {
-			code = badCodes[code-vdev.NumCmds]
+		code := uint32(pl[0]) % (abi.NumCmds + uint32(len(badCodes)))
+		if code >= abi.NumCmds {
+			code = badCodes[code-abi.NumCmds]
 		}
-		slot := v.ram[v.cmdSlot : v.cmdSlot+vdev.CmdReqSize]
+		slot := v.ram[v.cmdSlot : v.cmdSlot+abi.CmdReqSize]
 		clear(slot)
 		v.key++
-		vdev.CmdHdr{Response: v.key, Cmd: code}.Encode(slot)
-		copy(slot[vdev.CmdHdrSize:], pl[2:])
+		abi.CmdHdr{Response: v.key, Cmd: code}.Encode(slot)
+		copy(slot[abi.CmdHdrSize:], pl[2:])
 		if off, ok := pdirOffset[code]; ok && pl[1]&0x80 == 0 {
 			binary.LittleEndian.PutUint64(slot[off:], fv.dirs[int(pl[1])%len(fv.dirs)])
 		}
-		v.setReg(vdev.RegRequest, 0)
-		errReg := v.reg(vdev.RegErr)
+		v.setReg(abi.RegRequest, 0)
+		errReg := v.reg(abi.RegErr)
 		if errReg >= 256 {
 			t.Fatalf("%s: ERR %#x is not a small positive errno", vdev.CommandName(code), errReg)
 		}
-		var h vdev.RespHdr
+		var h abi.RespHdr
 		h.Decode(v.ram[v.respSlot:])
-		if errReg == 0 && (h.Response != v.key || h.Ack != vdev.RespFlag|code || h.Err != 0) {
+		if errReg == 0 && (h.Response != v.key || h.Ack != abi.RespFlag|code || h.Err != 0) {
 			t.Fatalf("%s succeeded with response header %+v", vdev.CommandName(code), h)
 		}
-		v.irq(vdev.VectorResponse)
+		v.irq(abi.VectorResponse)
 	case opDoorbell:
 		page := uint32(pl[0]) % 4
 		if pl[0] == 0xff {
@@ -160,7 +161,7 @@ func (fv *fuzzVM) step(t testing.TB, op byte, pl []byte) {
 		off := uint64(pl[1]%4) * 4
 		val := binary.LittleEndian.Uint32(pl[2:])
 		if pl[6]&1 != 0 { // aim at a live object
-			val = val&^vdev.UARHandleMask | []uint32{fv.a.handle, fv.b.handle, fv.scq.handle, fv.rcq.handle}[pl[6]>>1%4]
+			val = val&^abi.UARHandleMask | []uint32{fv.a.handle, fv.b.handle, fv.scq.handle, fv.rcq.handle}[pl[6]>>1%4]
 		}
 		replyErr(t, v.tryDoorbell(page, off, val), "doorbell")
 	case opRegWrite:
@@ -193,21 +194,21 @@ func (fv *fuzzVM) step(t testing.TB, op byte, pl []byte) {
 			copy(w, pl[2:])
 			if fix {
 				for i := 0; i < int(q.sendSGE); i++ {
-					binary.LittleEndian.PutUint32(w[vdev.SQWQEHdrSize+i*vdev.SGESize+12:], fv.mr.lkey)
+					binary.LittleEndian.PutUint32(w[abi.SQWQEHdrSize+i*abi.SGESize+12:], fv.mr.lkey)
 				}
 			}
 			store32(v.ram, q.sqState(), ringInc(tail, q.sendWR))
-			replyErr(t, v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle), "SQ doorbell")
+			replyErr(t, v.tryDoorbell(q.uar, abi.UARQPOffset, abi.UARQPSend|q.handle), "SQ doorbell")
 		} else {
 			q := fv.b
 			tail := load32(v.ram, q.rqState())
 			w := v.ram[q.rqWQE(tail) : q.rqWQE(tail)+uint64(q.rstride)]
 			copy(w, pl[2:])
 			if fix {
-				binary.LittleEndian.PutUint32(w[vdev.RQWQEHdrSize+12:], fv.mr.lkey)
+				binary.LittleEndian.PutUint32(w[abi.RQWQEHdrSize+12:], fv.mr.lkey)
 			}
 			store32(v.ram, q.rqState(), ringInc(tail, q.recvWR))
-			replyErr(t, v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPRecv|q.handle), "RQ doorbell")
+			replyErr(t, v.tryDoorbell(q.uar, abi.UARQPOffset, abi.UARQPRecv|q.handle), "RQ doorbell")
 		}
 	case opReset:
 		if fv.resets++; fv.resets > 16 {
@@ -218,7 +219,7 @@ func (fv *fuzzVM) step(t testing.TB, op byte, pl []byte) {
 			require.NoError(t, v.c.Reset())
 			v.pciSetup()
 		case 1:
-			v.setReg(vdev.RegCtl, vdev.CtlReset)
+			v.setReg(abi.RegCtl, abi.CtlReset)
 		case 2:
 			v.probe()
 		}
@@ -240,11 +241,11 @@ func (p *prog) rec(op byte, payload ...byte) *prog {
 
 // cmd records a command; dir picks a page directory (0x80: none).
 func (p *prog) cmd(code uint32, dir byte, req encoder) *prog {
-	b := make([]byte, vdev.CmdReqSize)
+	b := make([]byte, abi.CmdReqSize)
 	if req != nil {
 		req.Encode(b)
 	}
-	body := bytes.TrimRight(b[vdev.CmdHdrSize:], "\x00")
+	body := bytes.TrimRight(b[abi.CmdHdrSize:], "\x00")
 	return p.rec(opCommand, append([]byte{byte(code), dir}, body...)...)
 }
 
@@ -263,12 +264,12 @@ func (p *prog) wqe(recv, fix bool, w []byte) *prog {
 	return p.rec(opWQE, append([]byte{b0, b1}, w...)...)
 }
 
-func sqWQEBytes(h vdev.SQWQEHdr, sges ...vdev.SGE) []byte {
+func sqWQEBytes(h abi.SQWQEHdr, sges ...abi.SGE) []byte {
 	h.NumSGE = uint32(len(sges))
-	b := make([]byte, vdev.SQWQEHdrSize+len(sges)*vdev.SGESize)
+	b := make([]byte, abi.SQWQEHdrSize+len(sges)*abi.SGESize)
 	h.Encode(b)
 	for i, s := range sges {
-		s.Encode(b[vdev.SQWQEHdrSize+i*vdev.SGESize:])
+		s.Encode(b[abi.SQWQEHdrSize+i*abi.SGESize:])
 	}
 	return b
 }
@@ -278,28 +279,28 @@ func sqWQEBytes(h vdev.SQWQEHdr, sges ...vdev.SGE) []byte {
 func seedPrograms() []struct{ name, prog string } {
 	var out []struct{ name, prog string }
 	add := func(name string, p *prog) { out = append(out, struct{ name, prog string }{name, p.String()}) }
-	sge := vdev.SGE{Addr: mrIOVA, Length: 64}
+	sge := abi.SGE{Addr: mrIOVA, Length: 64}
 	live := func(i byte) byte { return 1 | i<<1 } // a, b, scq, rcq
 
 	p := &prog{}
 	p.wqe(true, true, func() []byte {
 		b := make([]byte, 32)
-		vdev.RQWQEHdr{WRID: 1, NumSGE: 1}.Encode(b)
+		abi.RQWQEHdr{WRID: 1, NumSGE: 1}.Encode(b)
 		sge.Encode(b[16:])
 		return b
 	}())
 	p.wqe(false, true, sqWQEBytes(sendWQE(2), sge))
-	p.bell(1, 1, vdev.UARCQPoll, live(2))
-	p.cmd(vdev.CmdQueryQP, 0x80, vdev.QueryQP{QPHandle: 1, AttrMask: 1})
+	p.bell(1, 1, abi.UARCQPoll, live(2))
+	p.cmd(abi.CmdQueryQP, 0x80, abi.QueryQP{QPHandle: 1, AttrMask: 1})
 	add("good_send", p)
 
 	p = &prog{}
-	p.cmd(vdev.CmdCreatePD, 0x80, vdev.CreatePD{CtxHandle: 1})
-	p.cmd(vdev.CmdCreateCQ, 1, vdev.CreateCQ{CtxHandle: 1, CQE: 16, NChunks: 2})
-	p.cmd(vdev.CmdCreateQP, 2, vdev.CreateQP{PDHandle: 1, SendCQHandle: 2, RecvCQHandle: 2, MaxSendWR: 4, MaxRecvWR: 4,
+	p.cmd(abi.CmdCreatePD, 0x80, abi.CreatePD{CtxHandle: 1})
+	p.cmd(abi.CmdCreateCQ, 1, abi.CreateCQ{CtxHandle: 1, CQE: 16, NChunks: 2})
+	p.cmd(abi.CmdCreateQP, 2, abi.CreateQP{PDHandle: 1, SendCQHandle: 2, RecvCQHandle: 2, MaxSendWR: 4, MaxRecvWR: 4,
 		MaxSendSGE: 1, MaxRecvSGE: 1, QPType: uint8(hostverbs.QPTypeRC), TotalChunks: 3, SendChunks: 1})
-	p.cmd(vdev.CmdModifyQP, 0x80, vdev.ModifyQP{QPHandle: 2, AttrMask: 1, Attrs: vdev.QPAttr{State: 6}})
-	p.cmd(vdev.CmdDestroyQP, 0x80, vdev.DestroyQP{QPHandle: 2})
+	p.cmd(abi.CmdModifyQP, 0x80, abi.ModifyQP{QPHandle: 2, AttrMask: 1, Attrs: abi.QPAttr{State: 6}})
+	p.cmd(abi.CmdDestroyQP, 0x80, abi.DestroyQP{QPHandle: 2})
 	add("create_destroy", p)
 
 	p = &prog{}
@@ -309,38 +310,38 @@ func seedPrograms() []struct{ name, prog string } {
 	add("cve_2018_20124_num_sge", p)
 
 	p = &prog{}
-	p.cmd(vdev.CmdCreateCQ, 3, vdev.CreateCQ{CQE: 16, NChunks: 0xffffffff})
-	p.cmd(vdev.CmdCreateQP, 3, vdev.CreateQP{PDHandle: 0, TotalChunks: 0xffff, SendChunks: 0xfffe, MaxSendWR: 4,
+	p.cmd(abi.CmdCreateCQ, 3, abi.CreateCQ{CQE: 16, NChunks: 0xffffffff})
+	p.cmd(abi.CmdCreateQP, 3, abi.CreateQP{PDHandle: 0, TotalChunks: 0xffff, SendChunks: 0xfffe, MaxSendWR: 4,
 		MaxRecvWR: 4, MaxSendSGE: 1, MaxRecvSGE: 1, QPType: uint8(hostverbs.QPTypeRC)})
 	add("cve_2018_20125_nchunks", p)
 
 	p = &prog{}
-	p.cmd(vdev.CmdCreateMR, 2, vdev.CreateMR{Start: 0x1000, Length: 3 * 4096, NChunks: 2, PDHandle: 0, AccessFlags: 1})
+	p.cmd(abi.CmdCreateMR, 2, abi.CreateMR{Start: 0x1000, Length: 3 * 4096, NChunks: 2, PDHandle: 0, AccessFlags: 1})
 	add("cve_2021_3582_mr", p)
 
 	p = &prog{}
 	p.rec(opScribble, 0x80, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0x21, 0, 0, 0) // QP a: SQ prod_tail, RQ 33 ahead
-	p.bell(1, 0, vdev.UARQPSend|vdev.UARQPRecv, live(0))
+	p.bell(1, 0, abi.UARQPSend|abi.UARQPRecv, live(0))
 	p.rec(opScribble, 0x83, 8, 0, 0, 0, 0, 0, 0, 0, 0x78, 0x56, 0x34, 0x12) // receive CQ: cons_head
 	p.wqe(true, true, make([]byte, 32))
 	add("cve_2018_20216_indices", p)
 
 	p = &prog{}
 	p.rec(opReset, 1)
-	p.cmd(vdev.CmdCreatePD, 0x80, nil)
-	p.bell(0, 1, vdev.UARCQArm, live(2))
+	p.cmd(abi.CmdCreatePD, 0x80, nil)
+	p.bell(0, 1, abi.UARCQArm, live(2))
 	p.rec(opReset, 0)
-	p.cmd(vdev.CmdQueryPort, 0x80, vdev.QueryPort{PortNum: 1})
+	p.cmd(abi.CmdQueryPort, 0x80, abi.QueryPort{PortNum: 1})
 	p.rec(opReset, 2)
-	p.cmd(vdev.CmdCreatePD, 0x80, nil)
+	p.cmd(abi.CmdCreatePD, 0x80, nil)
 	add("cve_2022_1050_after_resets", p)
 
 	p = &prog{}
-	p.rec(opRegWrite, byte(vdev.RegDSRHigh), 2, 0, 0, 0, 0)
-	p.rec(opRegWrite, byte(vdev.RegDSRLow), 2, 0x10, 0, 0, 0)
-	p.rec(opRegWrite, byte(vdev.RegDSRHigh), 2, 0, 0, 0, 0)
-	p.rec(opRegWrite, byte(vdev.RegIMR+1), 1, 0xff, 0xff)
-	p.rec(opRegWrite, byte(vdev.RegRequest), 0, 0)
+	p.rec(opRegWrite, byte(abi.RegDSRHigh), 2, 0, 0, 0, 0)
+	p.rec(opRegWrite, byte(abi.RegDSRLow), 2, 0x10, 0, 0, 0)
+	p.rec(opRegWrite, byte(abi.RegDSRHigh), 2, 0, 0, 0, 0)
+	p.rec(opRegWrite, byte(abi.RegIMR+1), 1, 0xff, 0xff)
+	p.rec(opRegWrite, byte(abi.RegRequest), 0, 0)
 	p.rec(opBARRead, 2, 0xff, 0xff, 7)
 	p.rec(opBARRead, 1, 3, 0, 15)
 	add("dsr_rewrite_odd_bar", p)
@@ -349,8 +350,8 @@ func seedPrograms() []struct{ name, prog string } {
 	p.wqe(false, true, sqWQEBytes(writeWQE(4, mrIOVA+0x1000, 0), sge))
 	p.rec(opRemap)
 	p.wqe(false, true, sqWQEBytes(sendWQE(5), sge))
-	p.bell(1, 2, vdev.UARSRQRecv|7, 0)
-	p.bell(0xff, 1, vdev.UARCQArmSol, live(3))
+	p.bell(1, 2, abi.UARSRQRecv|7, 0)
+	p.bell(0xff, 1, abi.UARCQArmSol, live(3))
 	add("remap_unknown_doorbells", p)
 	return out
 }

@@ -11,7 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
-	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
@@ -31,7 +31,7 @@ func TestHostileInterruptDescriptors(t *testing.T) {
 	var pipe [2]int
 	require.NoError(t, unix.Pipe2(pipe[:], unix.O_CLOEXEC))
 	for _, fd := range []int{memfd, pipe[1], b.v.ramFD} {
-		err := b.v.c.SetIRQs(vfiouser.IRQMSIX, msixTrigger, vdev.VectorCQ, 1, nil, fd)
+		err := b.v.c.SetIRQs(vfiouser.IRQMSIX, msixTrigger, abi.VectorCQ, 1, nil, fd)
 		require.ErrorIs(t, err, syscall.EINVAL)
 	}
 	for _, fd := range []int{memfd, pipe[0], pipe[1]} {
@@ -45,7 +45,7 @@ func TestHostileInterruptDescriptors(t *testing.T) {
 	binary.LittleEndian.PutUint64(max[:], 0xfffffffffffffffe)
 	_, err = unix.Write(efd, max[:])
 	require.NoError(t, err)
-	require.NoError(t, b.v.c.SetIRQs(vfiouser.IRQMSIX, msixTrigger, vdev.VectorCQ, 1, nil, efd))
+	require.NoError(t, b.v.c.SetIRQs(vfiouser.IRQMSIX, msixTrigger, abi.VectorCQ, 1, nil, efd))
 	for round, clear := range []bool{false, true} {
 		if clear {
 			require.NoError(t, unix.SetNonblock(efd, false)) // the client takes O_NONBLOCK back
@@ -54,7 +54,7 @@ func TestHostileInterruptDescriptors(t *testing.T) {
 		b.qp.postRecv(uint64(round), b.mr.sge(0, 64))
 		a.qp.writeSend(sendWQE(uint64(10+round)), a.mr.sge(0, 8))
 		done := make(chan error, 1)
-		go func() { done <- a.v.tryDoorbell(a.qp.uar, vdev.UARQPOffset, vdev.UARQPSend|a.qp.handle) }()
+		go func() { done <- a.v.tryDoorbell(a.qp.uar, abi.UARQPOffset, abi.UARQPSend|a.qp.handle) }()
 		select {
 		case err := <-done:
 			require.NoError(t, err)
@@ -78,7 +78,7 @@ func TestHostileInterruptDescriptors(t *testing.T) {
 	requireCQE(t, a.scq.wait(), a.qp, 15, hostverbs.WCSend, hostverbs.WCSuccess)
 	fresh, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
 	require.NoError(t, err)
-	require.NoError(t, b.v.c.SetIRQs(vfiouser.IRQMSIX, msixTrigger, vdev.VectorCQ, 1, nil, fresh))
+	require.NoError(t, b.v.c.SetIRQs(vfiouser.IRQMSIX, msixTrigger, abi.VectorCQ, 1, nil, fresh))
 	// The connection's interrupt goroutine signals it, after the reply:
 	// wait for it (the bound only keeps a lost interrupt from hanging).
 	for {

@@ -19,6 +19,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // TestCrossVMIsolation: a hostile VM on the same daemon tries to take
@@ -31,12 +32,12 @@ func TestCrossVMIsolation(t *testing.T) {
 	victim, friend := e.pair(vmPeer, vmFresh) // GIDs 10.77.0.1 and .2
 	evil := e.endpoint(vmEvil, 3)
 	v := evil.v
-	v.failCmd(vdev.CmdCreateBind, vdev.CreateBind{MTU: 1024, VLAN: 0xfff, Index: 1, NewGID: victim.gid, GIDType: 2}, syscall.EBUSY)
-	v.failCmd(vdev.CmdCreateBind, vdev.CreateBind{MTU: 1024, VLAN: 0xfff, Index: 0, NewGID: friend.gid, GIDType: 2}, syscall.EBUSY)
+	v.failCmd(abi.CmdCreateBind, abi.CreateBind{MTU: 1024, VLAN: 0xfff, Index: 1, NewGID: victim.gid, GIDType: 2}, syscall.EBUSY)
+	v.failCmd(abi.CmdCreateBind, abi.CreateBind{MTU: 1024, VLAN: 0xfff, Index: 0, NewGID: friend.gid, GIDType: 2}, syscall.EBUSY)
 	gids := e.vmStatus(vmEvil).GIDs
 	require.Len(t, gids, 1, "the refused rebind kept index 0's GID")
 	require.Equal(t, evil.gid.String(), gids[0].GID)
-	v.failCmd(vdev.CmdDestroyBind, vdev.DestroyBind{Index: 0, DestGID: victim.gid}, eInval)
+	v.failCmd(abi.CmdDestroyBind, abi.DestroyBind{Index: 0, DestGID: victim.gid}, eInval)
 
 	// The intruder aims a QP at the victim's QP, PSNs and all (they start
 	// at 0 here, as easy to guess as they get).
@@ -67,8 +68,8 @@ func TestCrossVMIsolation(t *testing.T) {
 func gidOf(s string) hostverbs.GID { return hostverbs.GIDFromAddr(netip.MustParseAddr(s)) }
 
 // bindReq is a RoCE v2 CREATE_BIND of gid at index.
-func bindReq(index uint32, gid hostverbs.GID) vdev.CreateBind {
-	return vdev.CreateBind{MTU: 1024, VLAN: 0xfff, Index: index, NewGID: gid, GIDType: 2}
+func bindReq(index uint32, gid hostverbs.GID) abi.CreateBind {
+	return abi.CreateBind{MTU: 1024, VLAN: 0xfff, Index: index, NewGID: gid, GIDType: 2}
 }
 
 // TestGIDSquatWhileOwnerAway: a tenant's guest reboots (device reset),
@@ -85,15 +86,15 @@ func TestGIDSquatWhileOwnerAway(t *testing.T) {
 
 	// The owner's guest reboots: its driver resets the device, which
 	// drops the GID table.
-	owner.setReg(vdev.RegCtl, vdev.CtlReset)
+	owner.setReg(abi.RegCtl, abi.CtlReset)
 	require.Empty(t, e.vmStatus(vmPeer).GIDs)
-	evil.failCmd(vdev.CmdCreateBind, bindReq(0, gidFor(1)), syscall.EBUSY)
+	evil.failCmd(abi.CmdCreateBind, bindReq(0, gidFor(1)), syscall.EBUSY)
 
 	// The owner's QEMU goes away.
 	owner.Close()
 	require.Eventually(t, func() bool { return !e.connected(vmPeer) }, 5*time.Second, 5*time.Millisecond)
 	require.Equal(t, []string{"10.77.0.1"}, e.vmStatus(vmPeer).ReservedGIDs, "reserved while away")
-	evil.failCmd(vdev.CmdCreateBind, bindReq(0, gidFor(1)), syscall.EBUSY)
+	evil.failCmd(abi.CmdCreateBind, bindReq(0, gidFor(1)), syscall.EBUSY)
 	st := e.vmStatus(vmEvil)
 	require.Equal(t, uint64(2), st.GIDRefusals)
 	require.Equal(t, "::ffff:10.77.0.1", st.LastRefusedGID)
@@ -132,7 +133,7 @@ func TestGIDForbidden(t *testing.T) {
 		"8.8.8.8", "2001:db8::1", "100.64.0.1", // outside the default allowed prefixes
 	}
 	for i, a := range bad {
-		v.failCmd(vdev.CmdCreateBind, bindReq(uint32(i%16), gidOf(a)), syscall.EPERM)
+		v.failCmd(abi.CmdCreateBind, bindReq(uint32(i%16), gidOf(a)), syscall.EPERM)
 		require.Equal(t, gidOf(a).String(), e.vmStatus(vmEvil).LastRefusedGID, a)
 	}
 	st := e.vmStatus(vmEvil)
@@ -165,13 +166,13 @@ func TestGIDHostAddressAndPolicy(t *testing.T) {
 	require.Equal(t, allow, st.GIDAllow)
 	t.Cleanup(func() { _ = e.d.RemoveVM("tenant") })
 	v := e.boot("tenant")
-	v.failCmd(vdev.CmdCreateBind, bindReq(0, hostverbs.GIDFromAddr(host)), syscall.EPERM)
+	v.failCmd(abi.CmdCreateBind, bindReq(0, hostverbs.GIDFromAddr(host)), syscall.EPERM)
 	require.Contains(t, e.vmStatus("tenant").LastRefusedReason, "an address of the host")
 	if bcast.IsValid() {
-		v.failCmd(vdev.CmdCreateBind, bindReq(0, hostverbs.GIDFromAddr(bcast)), syscall.EPERM)
+		v.failCmd(abi.CmdCreateBind, bindReq(0, hostverbs.GIDFromAddr(bcast)), syscall.EPERM)
 		require.Contains(t, e.vmStatus("tenant").LastRefusedReason, "broadcast address of one of the host's subnets")
 	}
-	v.failCmd(vdev.CmdCreateBind, bindReq(0, gidOf("10.77.0.5")), syscall.EPERM)
+	v.failCmd(abi.CmdCreateBind, bindReq(0, gidOf("10.77.0.5")), syscall.EPERM)
 	require.Contains(t, e.vmStatus("tenant").LastRefusedReason, "outside the VM's allowed prefixes")
 	v.bindGID(0, gidOf("10.9.0.5"))
 	v.Close()
@@ -256,18 +257,18 @@ func TestGIDBindFlood(t *testing.T) {
 			v = e.boot(vmEvil)
 		}
 		gid := hostverbs.GID{10: 0xff, 11: 0xff, 12: 10, 13: 78, 14: byte(i >> 8 & 0x0f), 15: byte(i)}
-		r := v.post(vdev.CmdCreateBind, bindReq(0, gid))
+		r := v.post(abi.CmdCreateBind, bindReq(0, gid))
 		switch r.err {
 		case 0:
 			accepted++
-			require.Zero(t, v.post(vdev.CmdDestroyBind, vdev.DestroyBind{Index: 0, DestGID: gid}).err)
+			require.Zero(t, v.post(abi.CmdDestroyBind, abi.DestroyBind{Index: 0, DestGID: gid}).err)
 		case uint32(syscall.EAGAIN):
 			again++
 		default:
 			t.Fatalf("bind %d: errno %d", i, r.err)
 		}
 		// Commands that fail for other reasons log too.
-		v.post(vdev.CmdDestroyBind, vdev.DestroyBind{Index: 5, DestGID: gid})
+		v.post(abi.CmdDestroyBind, abi.DestroyBind{Index: 5, DestGID: gid})
 	}
 	elapsed := time.Since(start)
 	logged := lines.Load() - before

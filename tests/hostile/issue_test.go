@@ -11,6 +11,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
@@ -38,13 +39,13 @@ func TestBadDSRAddresses(t *testing.T) {
 
 	refusedAt := func(gpa uint64, errno syscall.Errno) {
 		t.Helper()
-		v.setReg(vdev.RegDSRLow, uint32(gpa))
-		v.setReg(vdev.RegDSRHigh, uint32(gpa>>32))
-		require.EqualValues(t, errno, v.reg(vdev.RegErr), "DSR at %#x", gpa)
-		v.setReg(vdev.RegIMR, 0)
-		v.setReg(vdev.RegCtl, vdev.CtlActivate)
-		require.EqualValues(t, eFault, v.reg(vdev.RegErr), "ACTIVATE after a DSR at %#x", gpa)
-		require.EqualValues(t, eFault, v.request(vdev.CmdQueryPort).err)
+		v.setReg(abi.RegDSRLow, uint32(gpa))
+		v.setReg(abi.RegDSRHigh, uint32(gpa>>32))
+		require.EqualValues(t, errno, v.reg(abi.RegErr), "DSR at %#x", gpa)
+		v.setReg(abi.RegIMR, 0)
+		v.setReg(abi.RegCtl, abi.CtlActivate)
+		require.EqualValues(t, eFault, v.reg(abi.RegErr), "ACTIVATE after a DSR at %#x", gpa)
+		require.EqualValues(t, eFault, v.request(abi.CmdQueryPort).err)
 	}
 	refusedAt(outsideRAM, eFault)
 	refusedAt(0xffff_ffff_ffff_f000, eFault)
@@ -59,19 +60,19 @@ func TestBadDSRAddresses(t *testing.T) {
 
 	for _, c := range []struct {
 		name   string
-		mutate func(*vdev.DSR)
+		mutate func(*abi.DSR)
 		errno  syscall.Errno
 	}{
-		{"command slot outside RAM", func(d *vdev.DSR) { d.CmdSlot = outsideRAM }, eFault},
-		{"command slot misaligned", func(d *vdev.DSR) { d.CmdSlot += 8 }, eInval},
-		{"response slot outside RAM", func(d *vdev.DSR) { d.RespSlot = outsideRAM }, eFault},
-		{"response slot at the last byte of RAM", func(d *vdev.DSR) { d.RespSlot = ramSize - 1 }, eInval},
-		{"response slot past the end of RAM", func(d *vdev.DSR) { d.RespSlot = ramSize }, eFault},
-		{"response slot not shared", func(d *vdev.DSR) { d.RespSlot = noFDBase }, eFault},
-		{"async directory outside RAM", func(d *vdev.DSR) { d.AsyncRing.PDirDMA = outsideRAM }, eFault},
-		{"async directory misaligned", func(d *vdev.DSR) { d.AsyncRing.PDirDMA += 16 }, eInval},
-		{"CQ directory at the wrapping end", func(d *vdev.DSR) { d.CQRing.PDirDMA = 0xffff_ffff_ffff_f000 }, eFault},
-		{"CQ ring in read-only memory", func(d *vdev.DSR) {
+		{"command slot outside RAM", func(d *abi.DSR) { d.CmdSlot = outsideRAM }, eFault},
+		{"command slot misaligned", func(d *abi.DSR) { d.CmdSlot += 8 }, eInval},
+		{"response slot outside RAM", func(d *abi.DSR) { d.RespSlot = outsideRAM }, eFault},
+		{"response slot at the last byte of RAM", func(d *abi.DSR) { d.RespSlot = ramSize - 1 }, eInval},
+		{"response slot past the end of RAM", func(d *abi.DSR) { d.RespSlot = ramSize }, eFault},
+		{"response slot not shared", func(d *abi.DSR) { d.RespSlot = noFDBase }, eFault},
+		{"async directory outside RAM", func(d *abi.DSR) { d.AsyncRing.PDirDMA = outsideRAM }, eFault},
+		{"async directory misaligned", func(d *abi.DSR) { d.AsyncRing.PDirDMA += 16 }, eInval},
+		{"CQ directory at the wrapping end", func(d *abi.DSR) { d.CQRing.PDirDMA = 0xffff_ffff_ffff_f000 }, eFault},
+		{"CQ ring in read-only memory", func(d *abi.DSR) {
 			d.CQRing.PDirDMA = v.pdir([]uint64{roBase, roBase + 0x1000, roBase + 0x2000, roBase + 0x3000})
 		}, eFault},
 	} {
@@ -113,7 +114,7 @@ func TestStaleAndOutOfRangeHandles(t *testing.T) {
 	// is forever) while x is destroyed under it.
 	x.postSend(sendWQE(0xdead), p.mr.sge(0, 8))
 	time.Sleep(20 * time.Millisecond)
-	v.mustCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: x.handle})
+	v.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: x.handle})
 	bad := e.counter(vmEvil, "bad_doorbells")
 	x.ringSend()
 	require.Equal(t, bad+1, e.counter(vmEvil, "bad_doorbells"), "doorbell of a destroyed QP")
@@ -133,78 +134,78 @@ func TestStaleAndOutOfRangeHandles(t *testing.T) {
 
 	// A QP, a CQ, an MR and a PD that existed: their handles are stale.
 	staleQP, _ := p.loopPair()
-	v.mustCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: staleQP.handle})
+	v.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: staleQP.handle})
 	staleCQ := v.createCQ(p.uc, 16)
-	v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: staleCQ.handle})
+	v.mustCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: staleCQ.handle})
 	staleMR := v.regMR(p.pd, 0x6000_0000, 0x1000, accLocalWrite)
-	v.mustCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: staleMR.handle})
+	v.mustCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: staleMR.handle})
 	stalePD := v.createPD(p.uc)
-	v.mustCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: stalePD})
-	never := []uint32{1000, vdev.UARHandleMask, 0xffffffff}
+	v.mustCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: stalePD})
+	never := []uint32{1000, abi.UARHandleMask, 0xffffffff}
 	for _, h := range append([]uint32{staleQP.handle}, never...) {
-		v.failCmd(vdev.CmdModifyQP, vdev.ModifyQP{QPHandle: h, AttrMask: 1, Attrs: vdev.QPAttr{State: 6}}, eInval)
-		v.failCmd(vdev.CmdQueryQP, vdev.QueryQP{QPHandle: h}, eInval)
-		v.failCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: h}, eInval)
+		v.failCmd(abi.CmdModifyQP, abi.ModifyQP{QPHandle: h, AttrMask: 1, Attrs: abi.QPAttr{State: 6}}, eInval)
+		v.failCmd(abi.CmdQueryQP, abi.QueryQP{QPHandle: h}, eInval)
+		v.failCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: h}, eInval)
 	}
 	for _, h := range append([]uint32{staleCQ.handle}, never...) {
-		v.failCmd(vdev.CmdResizeCQ, vdev.ResizeCQ{CQHandle: h, CQE: 16}, eInval)
-		v.failCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: h}, eInval)
+		v.failCmd(abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: h, CQE: 16}, eInval)
+		v.failCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: h}, eInval)
 	}
 	for _, h := range append([]uint32{staleMR.handle}, never...) {
-		v.failCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: h}, eInval)
+		v.failCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: h}, eInval)
 	}
 	for _, h := range append([]uint32{stalePD}, never...) {
-		v.failCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: h}, eInval)
-		v.failCmd(vdev.CmdCreateMR, vdev.CreateMR{PDHandle: h, Start: 0x1000, Length: 0x1000, NChunks: 1,
+		v.failCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: h}, eInval)
+		v.failCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: h, Start: 0x1000, Length: 0x1000, NChunks: 1,
 			PDirDMA: v.pdir(v.pages(1)), AccessFlags: accLocalWrite}, eInval)
-		v.failCmd(vdev.CmdCreateSRQ, vdev.CreateSRQ{PDHandle: h, NChunks: 2, PDirDMA: v.pdir(v.pages(2)),
-			Attrs: vdev.SRQAttr{MaxWR: 4, MaxSGE: 1}}, eInval)
+		v.failCmd(abi.CmdCreateSRQ, abi.CreateSRQ{PDHandle: h, NChunks: 2, PDirDMA: v.pdir(v.pages(2)),
+			Attrs: abi.SRQAttr{MaxWR: 4, MaxSGE: 1}}, eInval)
 	}
 	for _, h := range append([]uint32{0, 3}, never...) { // no SRQ was ever created
-		v.failCmd(vdev.CmdQuerySRQ, vdev.QuerySRQ{SRQHandle: h}, eInval)
-		v.failCmd(vdev.CmdModifySRQ, vdev.ModifySRQ{SRQHandle: h, AttrMask: 2}, eInval)
-		v.failCmd(vdev.CmdDestroySRQ, vdev.DestroySRQ{SRQHandle: h}, eInval)
+		v.failCmd(abi.CmdQuerySRQ, abi.QuerySRQ{SRQHandle: h}, eInval)
+		v.failCmd(abi.CmdModifySRQ, abi.ModifySRQ{SRQHandle: h, AttrMask: 2}, eInval)
+		v.failCmd(abi.CmdDestroySRQ, abi.DestroySRQ{SRQHandle: h}, eInval)
 	}
 	for _, h := range append([]uint32{5}, never...) { // contexts: only 1 exists
-		v.failCmd(vdev.CmdCreatePD, vdev.CreatePD{CtxHandle: h}, eInval)
-		v.failCmd(vdev.CmdCreateCQ, vdev.CreateCQ{CtxHandle: h, CQE: 16, NChunks: 2, PDirDMA: v.pdir(v.pages(2))}, eInval)
-		v.failCmd(vdev.CmdDestroyUC, vdev.DestroyUC{CtxHandle: h}, eInval)
+		v.failCmd(abi.CmdCreatePD, abi.CreatePD{CtxHandle: h}, eInval)
+		v.failCmd(abi.CmdCreateCQ, abi.CreateCQ{CtxHandle: h, CQE: 16, NChunks: 2, PDirDMA: v.pdir(v.pages(2))}, eInval)
+		v.failCmd(abi.CmdDestroyUC, abi.DestroyUC{CtxHandle: h}, eInval)
 	}
 	for _, idx := range []uint32{1, 16, 255, 0xffffffff} {
-		v.failCmd(vdev.CmdDestroyBind, vdev.DestroyBind{Index: idx, DestGID: p.gid}, eInval)
+		v.failCmd(abi.CmdDestroyBind, abi.DestroyBind{Index: idx, DestGID: p.gid}, eInval)
 	}
 	for _, idx := range []uint32{v.caps.GIDTblLen, 255, 0xffffffff} {
-		v.failCmd(vdev.CmdCreateBind, vdev.CreateBind{Index: idx, NewGID: gidFor(7), GIDType: 2}, eInval)
+		v.failCmd(abi.CmdCreateBind, abi.CreateBind{Index: idx, NewGID: gidFor(7), GIDType: 2}, eInval)
 	}
-	v.failCmd(vdev.CmdDestroyBind, vdev.DestroyBind{Index: 0, DestGID: gidFor(7)}, eInval) // not the bound GID
+	v.failCmd(abi.CmdDestroyBind, abi.DestroyBind{Index: 0, DestGID: gidFor(7)}, eInval) // not the bound GID
 
 	// Objects in use cannot go; objects of a QP that does not exist cannot
 	// be named.
-	v.failCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: p.scq.handle}, syscall.EBUSY)
-	v.failCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: p.pd}, syscall.EBUSY)
+	v.failCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: p.scq.handle}, syscall.EBUSY)
+	v.failCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: p.pd}, syscall.EBUSY)
 	cq := v.createCQ(p.uc, 16)
-	v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: cq.handle})
+	v.mustCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: cq.handle})
 	_, req := v.layoutQP(qpSpec{pd: p.pd, scq: cq, rcq: p.rcq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1})
-	v.failCmd(vdev.CmdCreateQP, req, eInval)
+	v.failCmd(abi.CmdCreateQP, req, eInval)
 	req.SendCQHandle, req.IsSRQ, req.SRQHandle = p.scq.handle, 1, 3
-	v.failCmd(vdev.CmdCreateQP, req, eInval)
+	v.failCmd(abi.CmdCreateQP, req, eInval)
 
 	// Keys of a destroyed MR: the lkey in a local SGE, the rkey at the
 	// target.
 	old := v.regMR(p.pd, 0x5000_0000, 0x3000, accRW)
-	v.mustCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: old.handle})
-	v.failCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: old.handle}, eInval)
+	v.mustCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: old.handle})
+	v.failCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: old.handle}, eInval)
 	a, _ := p.loopPair()
 	a.postSend(sendWQE(1), old.sge(0, 8))
 	requireCQE(t, p.scq.wait(), a, 1, hostverbs.WCSend, hostverbs.WCLocProtErr)
 	a, b := p.loopPair()
 	v.events()
-	v.irq(vdev.VectorAsync)
+	v.irq(abi.VectorAsync)
 	a.postSend(writeWQE(2, old.iova, old.rkey), p.mr.sge(0, 8))
 	requireCQE(t, p.scq.wait(), a, 2, hostverbs.WCRDMAWrite, hostverbs.WCRemAccessErr)
-	_, err := v.waitIRQ(vdev.VectorAsync, irqTimeout)
+	_, err := v.waitIRQ(abi.VectorAsync, irqTimeout)
 	require.NoError(t, err)
-	require.Equal(t, []vdev.EQE{{Type: uint32(hostverbs.EventQPAccessErr), Info: b.handle}}, v.events(),
+	require.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventQPAccessErr), Info: b.handle}}, v.events(),
 		"the target QP reports the access error")
 
 	e.healthy()
@@ -226,22 +227,22 @@ func TestDoorbellsForUnknownHandles(t *testing.T) {
 		val  uint32
 	}
 	var unknown []bell
-	for _, h := range []uint32{5, 77, 0xffff, vdev.UARHandleMask} {
+	for _, h := range []uint32{5, 77, 0xffff, abi.UARHandleMask} {
 		unknown = append(unknown,
-			bell{p.uc, vdev.UARQPOffset, vdev.UARQPSend | h},
-			bell{p.uc, vdev.UARQPOffset, vdev.UARQPRecv | h},
-			bell{p.uc, vdev.UARCQOffset, vdev.UARCQArm | h},
-			bell{p.uc, vdev.UARCQOffset, vdev.UARCQArmSol | h},
-			bell{p.uc, vdev.UARSRQOffset, vdev.UARSRQRecv | h})
+			bell{p.uc, abi.UARQPOffset, abi.UARQPSend | h},
+			bell{p.uc, abi.UARQPOffset, abi.UARQPRecv | h},
+			bell{p.uc, abi.UARCQOffset, abi.UARCQArm | h},
+			bell{p.uc, abi.UARCQOffset, abi.UARCQArmSol | h},
+			bell{p.uc, abi.UARSRQOffset, abi.UARSRQRecv | h})
 	}
 	unknown = append(unknown,
-		bell{p.uc, vdev.UARCQOffset, vdev.UARCQPoll | 55},              // a POLL, counted as such too
-		bell{p.uc, vdev.UARSRQOffset, vdev.UARSRQRecv},                 // SRQ 0: none exists
-		bell{p.uc, 12, vdev.UARQPSend | p.qp.handle},                   // no doorbell at 12
-		bell{p.uc, 0x800, vdev.UARQPSend | p.qp.handle},                // nor in the middle
-		bell{p.uc, vdev.UARPageSize - 4, vdev.UARCQArm | p.scq.handle}, // nor at the end
-		bell{p.uc + 1, vdev.UARQPOffset, vdev.UARQPSend | p.qp.handle}, // another page
-		bell{vdev.UARPages - 1, vdev.UARCQOffset, vdev.UARCQArm | p.scq.handle},
+		bell{p.uc, abi.UARCQOffset, abi.UARCQPoll | 55},              // a POLL, counted as such too
+		bell{p.uc, abi.UARSRQOffset, abi.UARSRQRecv},                 // SRQ 0: none exists
+		bell{p.uc, 12, abi.UARQPSend | p.qp.handle},                  // no doorbell at 12
+		bell{p.uc, 0x800, abi.UARQPSend | p.qp.handle},               // nor in the middle
+		bell{p.uc, abi.UARPageSize - 4, abi.UARCQArm | p.scq.handle}, // nor at the end
+		bell{p.uc + 1, abi.UARQPOffset, abi.UARQPSend | p.qp.handle}, // another page
+		bell{vdev.UARPages - 1, abi.UARCQOffset, abi.UARCQArm | p.scq.handle},
 	)
 	for _, b := range unknown {
 		v.doorbell(b.page, b.off, b.val)
@@ -253,7 +254,7 @@ func TestDoorbellsForUnknownHandles(t *testing.T) {
 	require.Zero(t, st["bad_wqes"]+st["send_wqes"]+st["recv_wqes"])
 	// A doorbell with no action bit for a real QP does nothing, and is
 	// not an error.
-	v.doorbell(p.uc, vdev.UARQPOffset, p.qp.handle)
+	v.doorbell(p.uc, abi.UARQPOffset, p.qp.handle)
 	require.Equal(t, bad+uint64(len(unknown)), e.counter(vmEvil, "bad_doorbells"))
 	require.Empty(t, v.events())
 	p.scq.empty()
@@ -288,7 +289,7 @@ func TestOddAndUnalignedBARAccesses(t *testing.T) {
 	for _, w := range []struct {
 		off uint64
 		n   int
-	}{{vdev.RegIMR, 1}, {vdev.RegIMR, 2}, {vdev.RegIMR + 1, 2}, {vdev.RegIMR + 1, 4}, {vdev.RegICR, 8}, {vdev.RegIMR, 3}} {
+	}{{abi.RegIMR, 1}, {abi.RegIMR, 2}, {abi.RegIMR + 1, 2}, {abi.RegIMR + 1, 4}, {abi.RegICR, 8}, {abi.RegIMR, 3}} {
 		data := make([]byte, w.n)
 		for i := range data {
 			data[i] = 0xff
@@ -296,10 +297,10 @@ func TestOddAndUnalignedBARAccesses(t *testing.T) {
 		require.ErrorIs(t, write(bar1, w.off, data), syscall.EIO, "BAR1 %#x+%d", w.off, w.n)
 		refused++
 	}
-	require.Zero(t, v.reg(vdev.RegIMR), "IMR untouched")
-	require.ErrorIs(t, write(bar1, vdev.RegRequest, []byte{0}), syscall.EIO, "a byte write to REQUEST runs nothing")
+	require.Zero(t, v.reg(abi.RegIMR), "IMR untouched")
+	require.ErrorIs(t, write(bar1, abi.RegRequest, []byte{0}), syscall.EIO, "a byte write to REQUEST runs nothing")
 	refused++
-	require.NoError(t, write(bar1, vdev.RegRequest, nil), "an empty write is a no-op")
+	require.NoError(t, write(bar1, abi.RegRequest, nil), "an empty write is a no-op")
 	// Reads of any size and alignment see the same registers.
 	for off := uint64(0); off < 0x28; off++ {
 		for _, n := range []uint32{1, 2, 3, 4, 8} {
@@ -307,7 +308,7 @@ func TestOddAndUnalignedBARAccesses(t *testing.T) {
 			require.NoError(t, err, "BAR1 %#x+%d", off, n)
 			for i := range b {
 				reg := (off + uint64(i)) &^ 3
-				if reg == vdev.RegICR {
+				if reg == abi.RegICR {
 					continue // read-to-clear
 				}
 				want := v.reg(reg) >> (8 * ((off + uint64(i)) & 3))
@@ -326,10 +327,10 @@ func TestOddAndUnalignedBARAccesses(t *testing.T) {
 	for _, w := range []struct {
 		off uint64
 		n   int
-	}{{0, 1}, {0, 2}, {0, 8}, {1, 4}, {2, 4}, {4, 2}, {6, 2}, {vdev.UARPageSize - 2, 2}} {
+	}{{0, 1}, {0, 2}, {0, 8}, {1, 4}, {2, 4}, {4, 2}, {6, 2}, {abi.UARPageSize - 2, 2}} {
 		data := make([]byte, w.n)
 		data[len(data)-1] = 0x40 // the SEND bit of a QP doorbell, wherever it lands
-		require.ErrorIs(t, write(bar2, uint64(p.uc)*vdev.UARPageSize+w.off, data), syscall.EIO, "UAR %#x+%d", w.off, w.n)
+		require.ErrorIs(t, write(bar2, uint64(p.uc)*abi.UARPageSize+w.off, data), syscall.EIO, "UAR %#x+%d", w.off, w.n)
 		refused++
 	}
 	require.Equal(t, bellsBefore, e.counter(vmEvil, "doorbells"), "no doorbell rang")
@@ -358,13 +359,13 @@ func TestOddAndUnalignedBARAccesses(t *testing.T) {
 	// Posted (no-reply) malformed writes get no answer, and the
 	// connection carries on.
 	for _, w := range [][]byte{{1}, {1, 2}, {1, 2, 3, 4, 5, 6, 7, 8}} {
-		require.NoError(t, v.c.RegionWrite(bar1, vdev.RegIMR, w, true))
+		require.NoError(t, v.c.RegionWrite(bar1, abi.RegIMR, w, true))
 		require.NoError(t, v.c.RegionWrite(bar2, 2, w, true))
 		require.NoError(t, v.c.RegionWrite(9, 0, w, true))
 	}
 	require.NoError(t, v.c.ExpectSilence(100*time.Millisecond))
-	require.Zero(t, v.reg(vdev.RegIMR))
-	require.EqualValues(t, vdev.DeviceVersion, v.reg(vdev.RegVersion))
+	require.Zero(t, v.reg(abi.RegIMR))
+	require.EqualValues(t, abi.DeviceVersion, v.reg(abi.RegVersion))
 
 	a, bq := p.loopPair()
 	bq.postRecv(1, p.mr.sge(0, 64))
@@ -383,37 +384,37 @@ func TestHostileModifyQP(t *testing.T) {
 	p := e.endpoint(vmEvil, 1)
 	v := p.v
 	q := p.qp
-	refuse := func(mask hostverbs.AttrMask, a vdev.QPAttr, state hostverbs.QPState) {
+	refuse := func(mask hostverbs.AttrMask, a abi.QPAttr, state hostverbs.QPState) {
 		t.Helper()
 		r := q.modify(mask, a)
 		require.EqualValues(t, eInval, r.err, "mask %#x attrs %+v", mask, a)
 		r.requireResp(t, eInval)
 		require.Equal(t, state, q.state())
 	}
-	refuse(0x1, vdev.QPAttr{State: 3}, hostverbs.QPStateReset)                    // RESET -> RTS
-	refuse(0x1, vdev.QPAttr{State: 7}, hostverbs.QPStateReset)                    // no such state
-	refuse(0x1, vdev.QPAttr{State: 0xffffffff}, hostverbs.QPStateReset)           // nor this
-	refuse(0x3, vdev.QPAttr{State: 1, CurState: 9}, hostverbs.QPStateReset)       // bogus current state
-	refuse(1<<21|0x39, vdev.QPAttr{State: 1, PortNum: 1}, hostverbs.QPStateReset) // undefined mask bit
-	refuse(0x39, vdev.QPAttr{State: 1, PortNum: 2}, hostverbs.QPStateReset)       // port 2
-	refuse(0x31, vdev.QPAttr{State: 1, PortNum: 1}, hostverbs.QPStateReset)       // INIT without access flags
-	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW})
-	rtr := vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: 5, MaxDestRdAtomic: 1, MinRNRTimer: 12,
-		AH: vdev.AHAttr{DGID: p.gid, HopLimit: 64, Flags: vdev.AHFlagGRH, PortNum: 1}}
-	for _, bad := range []func(a *vdev.QPAttr){
-		func(a *vdev.QPAttr) { a.PathMTU = 0 },
-		func(a *vdev.QPAttr) { a.PathMTU = 6 },
-		func(a *vdev.QPAttr) { a.AH.SGIDIndex = 1 },   // not bound
-		func(a *vdev.QPAttr) { a.AH.SGIDIndex = 255 }, // beyond the table
-		func(a *vdev.QPAttr) { a.AH.PortNum = 3 },
+	refuse(0x1, abi.QPAttr{State: 3}, hostverbs.QPStateReset)                    // RESET -> RTS
+	refuse(0x1, abi.QPAttr{State: 7}, hostverbs.QPStateReset)                    // no such state
+	refuse(0x1, abi.QPAttr{State: 0xffffffff}, hostverbs.QPStateReset)           // nor this
+	refuse(0x3, abi.QPAttr{State: 1, CurState: 9}, hostverbs.QPStateReset)       // bogus current state
+	refuse(1<<21|0x39, abi.QPAttr{State: 1, PortNum: 1}, hostverbs.QPStateReset) // undefined mask bit
+	refuse(0x39, abi.QPAttr{State: 1, PortNum: 2}, hostverbs.QPStateReset)       // port 2
+	refuse(0x31, abi.QPAttr{State: 1, PortNum: 1}, hostverbs.QPStateReset)       // INIT without access flags
+	q.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW})
+	rtr := abi.QPAttr{State: 2, PathMTU: 3, DestQPNum: 5, MaxDestRdAtomic: 1, MinRNRTimer: 12,
+		AH: abi.AHAttr{DGID: p.gid, HopLimit: 64, Flags: abi.AHFlagGRH, PortNum: 1}}
+	for _, bad := range []func(a *abi.QPAttr){
+		func(a *abi.QPAttr) { a.PathMTU = 0 },
+		func(a *abi.QPAttr) { a.PathMTU = 6 },
+		func(a *abi.QPAttr) { a.AH.SGIDIndex = 1 },   // not bound
+		func(a *abi.QPAttr) { a.AH.SGIDIndex = 255 }, // beyond the table
+		func(a *abi.QPAttr) { a.AH.PortNum = 3 },
 	} {
 		a := rtr
 		bad(&a)
 		refuse(0x129181, a, hostverbs.QPStateInit)
 	}
-	refuse(0x1, vdev.QPAttr{State: 2}, hostverbs.QPStateInit) // RTR without its required attributes
+	refuse(0x1, abi.QPAttr{State: 2}, hostverbs.QPStateInit) // RTR without its required attributes
 	q.mustModify(0x129181, rtr)
-	refuse(0x1, vdev.QPAttr{State: 3}, hostverbs.QPStateRTR) // RTS without SQ PSN etc.
+	refuse(0x1, abi.QPAttr{State: 3}, hostverbs.QPStateRTR) // RTS without SQ PSN etc.
 	require.Empty(t, v.events())
 	e.healthy()
 }
@@ -430,19 +431,19 @@ func TestPostedWriteFlood(t *testing.T) {
 	commands := e.counter(vmEvil, "commands")
 	start := time.Now()
 	for i := 0; i < 20000; i++ {
-		binary.LittleEndian.PutUint32(b[:], vdev.UARCQPoll|p.scq.handle)
-		require.NoError(t, v.c.RegionWrite(bar2, uint64(p.uc)*vdev.UARPageSize+vdev.UARCQOffset, b[:], true))
+		binary.LittleEndian.PutUint32(b[:], abi.UARCQPoll|p.scq.handle)
+		require.NoError(t, v.c.RegionWrite(bar2, uint64(p.uc)*abi.UARPageSize+abi.UARCQOffset, b[:], true))
 		if i%1000 == 0 {
-			require.NoError(t, v.c.RegionWrite(bar1, vdev.RegRequest, make([]byte, 4), true))
+			require.NoError(t, v.c.RegionWrite(bar1, abi.RegRequest, make([]byte, 4), true))
 		}
 	}
-	require.EqualValues(t, vdev.DeviceVersion, v.reg(vdev.RegVersion))
+	require.EqualValues(t, abi.DeviceVersion, v.reg(abi.RegVersion))
 	t.Logf("20000 posted doorbells and 20 posted commands in %v", time.Since(start))
 	require.EqualValues(t, 20000, e.counter(vmEvil, "poll_doorbells"))
 	require.NoError(t, v.c.ExpectSilence(50*time.Millisecond), "posted writes are never answered")
 	require.EqualValues(t, 20, e.counter(vmEvil, "commands")-commands, "every posted REQUEST ran")
 	// Their response interrupts may coalesce (one per signaller wake-up).
-	n, err := v.waitIRQ(vdev.VectorResponse, irqTimeout)
+	n, err := v.waitIRQ(abi.VectorResponse, irqTimeout)
 	require.NoError(t, err)
 	require.NotZero(t, n)
 	require.LessOrEqual(t, n, uint64(20))
@@ -462,32 +463,32 @@ func TestAliasedGuestPages(t *testing.T) {
 	pg := v.page()
 	_, req := v.layoutQP(qpSpec{pd: a.pd, scq: a.scq, rcq: a.rcq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: a.uc})
 	req.PDirDMA = v.pdir([]uint64{pg, pg, pg})
-	var r vdev.CreateQPResp
-	r.Decode(v.mustCmd(vdev.CmdCreateQP, req))
+	var r abi.CreateQPResp
+	r.Decode(v.mustCmd(abi.CmdCreateQP, req))
 	q := &gqp{v: v, handle: r.QPHandle, qpn: r.QPN, pages: []uint64{pg, pg, pg}, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1,
 		sstride: 128, rstride: 32, sendChunks: 1, uar: a.uc}
 	q.toRTS(b.qp.qpn, b.gid)
 	// A CQ whose ring state is that same page: its prod_tail is the
 	// QP's receive prod_tail.
-	var c vdev.CreateCQResp
-	c.Decode(v.mustCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: v.pdir([]uint64{pg, pg}), CtxHandle: a.uc, CQE: 16, NChunks: 2}))
+	var c abi.CreateCQResp
+	c.Decode(v.mustCmd(abi.CmdCreateCQ, abi.CreateCQ{PDirDMA: v.pdir([]uint64{pg, pg}), CtxHandle: a.uc, CQE: 16, NChunks: 2}))
 	for i := 0; i < 8; i++ {
 		q.postRecv(uint64(i), a.mr.sge(0, 64))
 		q.postSend(sendWQE(uint64(i)), a.mr.sge(0, 8))
-		v.doorbell(a.uc, vdev.UARCQOffset, vdev.UARCQArm|c.CQHandle)
+		v.doorbell(a.uc, abi.UARCQOffset, abi.UARCQArm|c.CQHandle)
 	}
 	// An MR over the DSR and the command and response slots, written by
 	// the peer.
-	var mr vdev.CreateMRResp
-	mr.Decode(v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: 0x1000, Length: 3 * 4096, NChunks: 3, PDHandle: a.pd,
+	var mr abi.CreateMRResp
+	mr.Decode(v.mustCmd(abi.CmdCreateMR, abi.CreateMR{Start: 0x1000, Length: 3 * 4096, NChunks: 3, PDHandle: a.pd,
 		AccessFlags: accRW, PDirDMA: v.pdir([]uint64{v.dsr, v.cmdSlot, v.respSlot})}))
 	junk := pattern(3*4096, 0x99)
 	b.mr.write(b.v, 0, junk)
 	b.qp.postSend(writeWQE(1, 0x1000, mr.RKey), b.mr.sge(0, 3*4096))
 	requireCQE(t, b.scq.wait(), b.qp, 1, hostverbs.WCRDMAWrite, hostverbs.WCSuccess)
 	require.Equal(t, junk[4096:8192], v.ram[v.cmdSlot:v.cmdSlot+4096], "the peer overwrote the command slot")
-	v.setReg(vdev.RegRequest, 0) // whatever the peer wrote there
-	require.Less(t, v.reg(vdev.RegErr), uint32(256))
-	require.EqualValues(t, vdev.DeviceVersion, v.reg(vdev.RegVersion))
+	v.setReg(abi.RegRequest, 0) // whatever the peer wrote there
+	require.Less(t, v.reg(abi.RegErr), uint32(256))
+	require.EqualValues(t, abi.DeviceVersion, v.reg(abi.RegVersion))
 	e.healthy()
 }

@@ -10,9 +10,10 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/ringbuf"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
-// The latent bugs REFERENCE.md 1.6 lists in QEMU's final pvrdma code, one
+// The latent bugs found in QEMU's final pvrdma code (beside its CVEs), one
 // test each: an error WQE that never left its slot (a spin), a negative
 // ERR, an unvalidated UC pfn, nchunks caps, handles at or above the caps,
 // and a second DSRHIGH.
@@ -24,17 +25,17 @@ func (p *endpoint) udPair(qkey uint32) (*gqp, *gqp) {
 		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 2, recvSGE: 2, uar: p.uc}
 	a, b := p.v.createQP(s), p.v.createQP(s)
 	for _, q := range []*gqp{a, b} {
-		q.mustModify(0x71, vdev.QPAttr{State: 1, PortNum: 1, QKey: qkey})
-		q.mustModify(0x1, vdev.QPAttr{State: 2})
-		q.mustModify(0x10001, vdev.QPAttr{State: 3})
+		q.mustModify(0x71, abi.QPAttr{State: 1, PortNum: 1, QKey: qkey})
+		q.mustModify(0x1, abi.QPAttr{State: 2})
+		q.mustModify(0x10001, abi.QPAttr{State: 3})
 	}
 	return a, b
 }
 
 // udSend is a signaled UD SEND to QP qpn of the VM's own GID.
-func (p *endpoint) udSend(wrid uint64, qpn, qkey uint32) vdev.SQWQEHdr {
+func (p *endpoint) udSend(wrid uint64, qpn, qkey uint32) abi.SQWQEHdr {
 	h := sendWQE(wrid)
-	vdev.WRUD{RemoteQPN: qpn, RemoteQKey: qkey, AV: vdev.AV{PortPD: 1<<24 | p.pd, DGID: p.gid,
+	abi.WRUD{RemoteQPN: qpn, RemoteQKey: qkey, AV: abi.AV{PortPD: 1<<24 | p.pd, DGID: p.gid,
 		GIDIndex: 0, HopLimit: 64, SrcPathBits: 0x80}}.Encode(h.WR[:])
 	return h
 }
@@ -47,23 +48,23 @@ func TestErrorWQEConsumesSlot(t *testing.T) {
 	e := newEnv(t)
 	p := e.endpoint(vmEvil, 1)
 	v := p.v
-	badOp := func(op uint32) vdev.SQWQEHdr { h := sendWQE(1); h.Opcode = op; return h }
+	badOp := func(op uint32) abi.SQWQEHdr { h := sendWQE(1); h.Opcode = op; return h }
 	atomicWQE := writeWQE(1, p.mr.iova, p.mr.rkey)
 	atomicWQE.Opcode = uint32(hostverbs.WRAtomicFetchAndAdd)
 	for _, c := range []struct {
 		name string
-		h    vdev.SQWQEHdr
-		sges []vdev.SGE
+		h    abi.SQWQEHdr
+		sges []abi.SGE
 		want hostverbs.WCStatus
 		op   hostverbs.WCOpcode
 	}{
 		{"unknown opcode", badOp(0xff), nil, hostverbs.WCLocQPOpErr, hostverbs.WCSend},
 		{"LSO", badOp(uint32(hostverbs.WRLSO)), nil, hostverbs.WCLocQPOpErr, hostverbs.WCLSO},
 		{"REG_MR from a user QP", badOp(uint32(hostverbs.WRRegMR)), nil, hostverbs.WCLocQPOpErr, hostverbs.WCRegMR},
-		{"unknown lkey", sendWQE(1), []vdev.SGE{{Addr: p.mr.iova, Length: 8, LKey: 0xdead}}, hostverbs.WCLocProtErr, hostverbs.WCSend},
-		{"SGE past the MR", sendWQE(1), []vdev.SGE{p.mr.sge(mrBytes-4, 8)}, hostverbs.WCLocProtErr, hostverbs.WCSend},
-		{"SGE wrapping", sendWQE(1), []vdev.SGE{{Addr: ^uint64(0) - 2, Length: 8, LKey: p.mr.lkey}}, hostverbs.WCLocProtErr, hostverbs.WCSend},
-		{"atomic of 4 bytes", atomicWQE, []vdev.SGE{p.mr.sge(0, 4)}, hostverbs.WCLocLenErr, hostverbs.WCFetchAdd},
+		{"unknown lkey", sendWQE(1), []abi.SGE{{Addr: p.mr.iova, Length: 8, LKey: 0xdead}}, hostverbs.WCLocProtErr, hostverbs.WCSend},
+		{"SGE past the MR", sendWQE(1), []abi.SGE{p.mr.sge(mrBytes-4, 8)}, hostverbs.WCLocProtErr, hostverbs.WCSend},
+		{"SGE wrapping", sendWQE(1), []abi.SGE{{Addr: ^uint64(0) - 2, Length: 8, LKey: p.mr.lkey}}, hostverbs.WCLocProtErr, hostverbs.WCSend},
+		{"atomic of 4 bytes", atomicWQE, []abi.SGE{p.mr.sge(0, 4)}, hostverbs.WCLocLenErr, hostverbs.WCFetchAdd},
 	} {
 		q, _ := p.loopPair()
 		q.writeSend(c.h, c.sges...)
@@ -83,7 +84,7 @@ func TestErrorWQEConsumesSlot(t *testing.T) {
 	// does not): LOC_QP_OP_ERR, slot consumed.
 	s := qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: p.uc}
 	q := v.createQP(s)
-	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW})
+	q.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW})
 	q.postSend(sendWQE(9), p.mr.sge(0, 8))
 	requireCQE(t, p.scq.wait(), q, 9, hostverbs.WCSend, hostverbs.WCLocQPOpErr)
 	require.EqualValues(t, 1, q.sqConsumed())
@@ -117,26 +118,26 @@ func TestERRNeverNegative(t *testing.T) {
 		t.Helper()
 		require.NotZero(t, r.err)
 		require.Less(t, r.err, uint32(256), "ERR %#x", r.err)
-		if r.code < vdev.NumCmds {
+		if r.code < abi.NumCmds {
 			require.EqualValues(t, r.err, r.hdr.Err)
 		}
 	}
-	for code := uint32(0); code < vdev.NumCmds; code++ {
+	for code := uint32(0); code < abi.NumCmds; code++ {
 		// Every command with an all-ones body: handles, counts and
 		// addresses out of range.
-		slot := v.ram[v.cmdSlot : v.cmdSlot+vdev.CmdReqSize]
+		slot := v.ram[v.cmdSlot : v.cmdSlot+abi.CmdReqSize]
 		for i := range slot {
 			slot[i] = 0xff
 		}
 		v.key++
-		vdev.CmdHdr{Response: v.key, Cmd: code}.Encode(slot)
+		abi.CmdHdr{Response: v.key, Cmd: code}.Encode(slot)
 		r := v.request(code)
-		if code == vdev.CmdQueryPKey || code == vdev.CmdQueryPort {
+		if code == abi.CmdQueryPKey || code == abi.CmdQueryPort {
 			require.EqualValues(t, eInval, r.err, "%s", vdev.CommandName(code))
 		}
 		check(r)
 	}
-	for _, code := range []uint32{vdev.NumCmds, 0x80, vdev.RespFlag | vdev.CmdCreatePD, 0xffffffff} {
+	for _, code := range []uint32{abi.NumCmds, 0x80, abi.RespFlag | abi.CmdCreatePD, 0xffffffff} {
 		r := v.post(code, nil)
 		require.EqualValues(t, eInval, r.err, "command %#x", code)
 		for _, b := range r.resp {
@@ -145,8 +146,8 @@ func TestERRNeverNegative(t *testing.T) {
 	}
 	require.NotZero(t, e.counter(vmEvil, "command_errors"))
 	for _, ctl := range []uint32{3, 0x80000000, 0xffffffff} {
-		v.setReg(vdev.RegCtl, ctl)
-		require.EqualValues(t, eInval, v.reg(vdev.RegErr), "CTL %#x", ctl)
+		v.setReg(abi.RegCtl, ctl)
+		require.EqualValues(t, eInval, v.reg(abi.RegErr), "CTL %#x", ctl)
 	}
 	e.healthy()
 }
@@ -158,24 +159,24 @@ func TestUCPFNValidated(t *testing.T) {
 	e := newEnv(t)
 	v := e.boot(vmEvil)
 	for _, pfn := range []uint64{0, uarPFN - 1, uarPFN, uarPFN + vdev.UARPages, uarPFN + 1<<32, ^uint64(0)} {
-		v.failCmd(vdev.CmdCreateUC, vdev.CreateUC{PFN: pfn}, eInval)
+		v.failCmd(abi.CmdCreateUC, abi.CreateUC{PFN: pfn}, eInval)
 	}
 	uc := v.createUC(vdev.UARPages - 1)
-	v.failCmd(vdev.CmdCreateUC, vdev.CreateUC{PFN: uarPFN + vdev.UARPages - 1}, syscall.EBUSY)
-	v.failCmd(vdev.CmdCreatePD, vdev.CreatePD{CtxHandle: 7}, eInval)
+	v.failCmd(abi.CmdCreateUC, abi.CreateUC{PFN: uarPFN + vdev.UARPages - 1}, syscall.EBUSY)
+	v.failCmd(abi.CmdCreatePD, abi.CreatePD{CtxHandle: 7}, eInval)
 	pd := v.createPD(uc)
 	cq := v.createCQ(uc, 16)
 	q := v.createQP(qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: uc})
 	bad := e.counter(vmEvil, "bad_doorbells")
-	v.doorbell(0, vdev.UARQPOffset, vdev.UARQPSend|q.handle)    // the kernel's page
-	v.doorbell(1, vdev.UARQPOffset, vdev.UARQPSend|q.handle)    // another context's page
-	v.doorbell(uc-1, vdev.UARCQOffset, vdev.UARCQArm|cq.handle) // a page without a context
+	v.doorbell(0, abi.UARQPOffset, abi.UARQPSend|q.handle)    // the kernel's page
+	v.doorbell(1, abi.UARQPOffset, abi.UARQPSend|q.handle)    // another context's page
+	v.doorbell(uc-1, abi.UARCQOffset, abi.UARCQArm|cq.handle) // a page without a context
 	require.Equal(t, bad+3, e.counter(vmEvil, "bad_doorbells"))
-	require.ErrorIs(t, v.tryDoorbell(uc+1, vdev.UARCQOffset, vdev.UARCQArm|cq.handle), eInval, "past BAR2")
-	v.doorbell(uc, vdev.UARCQOffset, vdev.UARCQArm|cq.handle)
+	require.ErrorIs(t, v.tryDoorbell(uc+1, abi.UARCQOffset, abi.UARCQArm|cq.handle), eInval, "past BAR2")
+	v.doorbell(uc, abi.UARCQOffset, abi.UARCQArm|cq.handle)
 	require.Equal(t, bad+3, e.counter(vmEvil, "bad_doorbells"), "its own page works")
-	v.failCmd(vdev.CmdDestroyUC, vdev.DestroyUC{CtxHandle: 0}, eInval) // the kernel's page has no context
-	v.failCmd(vdev.CmdDestroyUC, vdev.DestroyUC{CtxHandle: vdev.UARPages}, eInval)
+	v.failCmd(abi.CmdDestroyUC, abi.DestroyUC{CtxHandle: 0}, eInval) // the kernel's page has no context
+	v.failCmd(abi.CmdDestroyUC, abi.DestroyUC{CtxHandle: vdev.UARPages}, eInval)
 	e.healthy()
 }
 
@@ -188,21 +189,21 @@ func TestNChunksCaps(t *testing.T) {
 	pd := v.createPD(0)
 	mostCQ := uint32(cqPages(v.caps.MaxCQE))
 	dir := v.pdir(v.pages(int(mostCQ + 1)))
-	v.failCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: dir, CQE: 16, NChunks: mostCQ + 1}, eInval)
-	var r vdev.CreateCQResp
-	r.Decode(v.mustCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: dir, CQE: 16, NChunks: mostCQ}))
+	v.failCmd(abi.CmdCreateCQ, abi.CreateCQ{PDirDMA: dir, CQE: 16, NChunks: mostCQ + 1}, eInval)
+	var r abi.CreateCQResp
+	r.Decode(v.mustCmd(abi.CmdCreateCQ, abi.CreateCQ{PDirDMA: dir, CQE: 16, NChunks: mostCQ}))
 	cq := r.CQHandle
 	_, req := v.layoutQP(qpSpec{pd: pd, scq: &gcq{handle: cq}, rcq: &gcq{handle: cq}, typ: hostverbs.QPTypeRC,
 		sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1})
 	req.TotalChunks, req.SendChunks = 0xffff, 1
-	v.failCmd(vdev.CmdCreateQP, req, eInval)
-	fr := vdev.CreateMR{PDHandle: pd, AccessFlags: accLocalWrite, Flags: vdev.MRFlagFRMR}
+	v.failCmd(abi.CmdCreateQP, req, eInval)
+	fr := abi.CreateMR{PDHandle: pd, AccessFlags: accLocalWrite, Flags: abi.MRFlagFRMR}
 	for _, n := range []uint32{0, ringbuf.MaxFastRegPages + 1, 0xffffffff} {
 		fr.NChunks = n
-		v.failCmd(vdev.CmdCreateMR, fr, eInval)
+		v.failCmd(abi.CmdCreateMR, fr, eInval)
 	}
 	fr.NChunks = ringbuf.MaxFastRegPages
-	v.mustCmd(vdev.CmdCreateMR, fr)
+	v.mustCmd(abi.CmdCreateMR, fr)
 	e.healthy()
 }
 
@@ -220,31 +221,31 @@ func TestHandlesAtOrAboveCapsRejected(t *testing.T) {
 		require.Less(t, c.handle, v.caps.MaxCQ)
 		cqs = append(cqs, c)
 	}
-	v.failCmd(vdev.CmdCreateCQ, vdev.CreateCQ{CQE: 4, NChunks: 2, PDirDMA: v.pdir(v.pages(2))}, syscall.ENOMEM)
+	v.failCmd(abi.CmdCreateCQ, abi.CreateCQ{CQE: 4, NChunks: 2, PDirDMA: v.pdir(v.pages(2))}, syscall.ENOMEM)
 	var pds []uint32
 	for i := 0; i < 4; i++ {
 		pd := v.createPD(0)
 		require.Less(t, pd, v.caps.MaxPD)
 		pds = append(pds, pd)
 	}
-	v.failCmd(vdev.CmdCreatePD, vdev.CreatePD{}, syscall.ENOMEM)
+	v.failCmd(abi.CmdCreatePD, abi.CreatePD{}, syscall.ENOMEM)
 	for i := 0; i < 4; i++ {
 		q := v.createQP(qpSpec{pd: pds[0], scq: cqs[0], rcq: cqs[1], typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1})
 		require.Less(t, q.handle, v.caps.MaxQP)
 	}
 	_, req := v.layoutQP(qpSpec{pd: pds[0], scq: cqs[0], rcq: cqs[1], typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1})
-	v.failCmd(vdev.CmdCreateQP, req, syscall.ENOMEM)
+	v.failCmd(abi.CmdCreateQP, req, syscall.ENOMEM)
 
 	bad := e.counter(vmEvil, "bad_doorbells")
-	for _, h := range []uint32{8, 9, 0xffff, vdev.UARHandleMask} {
-		v.failCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: h}, eInval)
-		v.failCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: h}, eInval)
-		v.failCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: h}, eInval)
-		v.failCmd(vdev.CmdModifyQP, vdev.ModifyQP{QPHandle: h, AttrMask: 1, Attrs: vdev.QPAttr{State: 6}}, eInval)
-		v.doorbell(0, vdev.UARCQOffset, vdev.UARCQArm|h)
-		v.doorbell(0, vdev.UARQPOffset, vdev.UARQPSend|vdev.UARQPRecv|h)
+	for _, h := range []uint32{8, 9, 0xffff, abi.UARHandleMask} {
+		v.failCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: h}, eInval)
+		v.failCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: h}, eInval)
+		v.failCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: h}, eInval)
+		v.failCmd(abi.CmdModifyQP, abi.ModifyQP{QPHandle: h, AttrMask: 1, Attrs: abi.QPAttr{State: 6}}, eInval)
+		v.doorbell(0, abi.UARCQOffset, abi.UARCQArm|h)
+		v.doorbell(0, abi.UARQPOffset, abi.UARQPSend|abi.UARQPRecv|h)
 	}
-	v.failCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: 0xffffffff}, eInval)
+	v.failCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: 0xffffffff}, eInval)
 	require.Equal(t, bad+8, e.counter(vmEvil, "bad_doorbells"))
 	e.healthy()
 }
@@ -259,18 +260,18 @@ func TestDSRHighRewrite(t *testing.T) {
 	p := e.endpoint(vmEvil, 1)
 	v := p.v
 	require.Len(t, e.vmStatus(vmEvil).GIDs, 1)
-	for _, reg := range []uint64{vdev.RegDSRLow, vdev.RegDSRHigh} {
+	for _, reg := range []uint64{abi.RegDSRLow, abi.RegDSRHigh} {
 		start := time.Now()
 		v.setReg(reg, uint32(v.dsr>>32))
-		require.EqualValues(t, syscall.EBUSY, v.reg(vdev.RegErr), "DSR register %#x written while active", reg)
+		require.EqualValues(t, syscall.EBUSY, v.reg(abi.RegErr), "DSR register %#x written while active", reg)
 		t.Logf("DSR register %#x written while active: refused in %v", reg, time.Since(start))
 	}
 	require.Len(t, e.vmStatus(vmEvil).GIDs, 1, "the GIDs stay bound")
 	loopbackExchange(t, p)
-	v.setReg(vdev.RegCtl, vdev.CtlReset)
+	v.setReg(abi.RegCtl, abi.CtlReset)
 	v.probe()
 	require.Empty(t, e.vmStatus(vmEvil).GIDs, "GIDs of the first DSR unbound by the reset")
-	v.failCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: p.qp.handle}, eInval)
+	v.failCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: p.qp.handle}, eInval)
 	require.Zero(t, v.createPD(0))
 	e.healthy()
 }

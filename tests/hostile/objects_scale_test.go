@@ -13,6 +13,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // BenchmarkObjects (make bench-scale) has one VM of the fake driver create
@@ -70,21 +71,21 @@ func BenchmarkObjects(b *testing.B) {
 		}
 		kinds := []kind{
 			{"cq", nCQ, func() uint32 {
-				var r vdev.CreateCQResp
-				r.Decode(v.mustCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: cqDir, CtxHandle: uc, CQE: 1, NChunks: uint32(len(cqPagesList))}))
+				var r abi.CreateCQResp
+				r.Decode(v.mustCmd(abi.CmdCreateCQ, abi.CreateCQ{PDirDMA: cqDir, CtxHandle: uc, CQE: 1, NChunks: uint32(len(cqPagesList))}))
 				return r.CQHandle
-			}, func(h uint32) { v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: h}) }},
+			}, func(h uint32) { v.mustCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: h}) }},
 			{"qp", nQP, func() uint32 {
-				var r vdev.CreateQPResp
-				r.Decode(v.mustCmd(vdev.CmdCreateQP, qpReq))
+				var r abi.CreateQPResp
+				r.Decode(v.mustCmd(abi.CmdCreateQP, qpReq))
 				return r.QPHandle
-			}, func(h uint32) { v.mustCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: h}) }},
+			}, func(h uint32) { v.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: h}) }},
 			{"mr", nMR, func() uint32 {
-				var r vdev.CreateMRResp
-				r.Decode(v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: mrIOVA, Length: 4096, PDirDMA: mrDir,
+				var r abi.CreateMRResp
+				r.Decode(v.mustCmd(abi.CmdCreateMR, abi.CreateMR{Start: mrIOVA, Length: 4096, PDirDMA: mrDir,
 					PDHandle: pd, AccessFlags: accRW, NChunks: 1}))
 				return r.MRHandle
-			}, func(h uint32) { v.mustCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: h}) }},
+			}, func(h uint32) { v.mustCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: h}) }},
 		}
 		const batch = 1024
 		handles := map[string][]uint32{}

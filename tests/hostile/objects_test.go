@@ -7,7 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
-	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // Hostile use of the objects the CVE classes do not name: shared receive
@@ -28,9 +28,9 @@ func (v *vm) createSRQ(pd, n, sge, uar uint32) *gsrq {
 	v.t.Helper()
 	s := &gsrq{v: v, n: n, sge: sge, stride: pow2(16 + 16*sge), uar: uar}
 	s.pages = v.pages(1 + int((uint64(n)*uint64(s.stride)+4095)/4096))
-	var r vdev.CreateSRQResp
-	r.Decode(v.mustCmd(vdev.CmdCreateSRQ, vdev.CreateSRQ{PDirDMA: v.pdir(s.pages), PDHandle: pd,
-		NChunks: uint32(len(s.pages)), Attrs: vdev.SRQAttr{MaxWR: n, MaxSGE: sge}}))
+	var r abi.CreateSRQResp
+	r.Decode(v.mustCmd(abi.CmdCreateSRQ, abi.CreateSRQ{PDirDMA: v.pdir(s.pages), PDHandle: pd,
+		NChunks: uint32(len(s.pages)), Attrs: abi.SRQAttr{MaxWR: n, MaxSGE: sge}}))
 	s.handle = r.SRQN
 	return s
 }
@@ -39,20 +39,20 @@ func (s *gsrq) state() uint64 { return s.pages[0] + 8 }
 
 // post writes a receive WQE at prod_tail and rings the SRQ doorbell; it
 // returns the WQE's address (written before the doorbell).
-func (s *gsrq) post(wrid uint64, mutate func(gpa uint64), sges ...vdev.SGE) {
+func (s *gsrq) post(wrid uint64, mutate func(gpa uint64), sges ...abi.SGE) {
 	ram := s.v.ram
 	tail := load32(ram, s.state())
 	off := uint64(tail&(s.n-1)) * uint64(s.stride)
 	gpa := s.pages[1+off/4096] + off%4096
-	vdev.RQWQEHdr{WRID: wrid, NumSGE: uint32(len(sges))}.Encode(ram[gpa:])
+	abi.RQWQEHdr{WRID: wrid, NumSGE: uint32(len(sges))}.Encode(ram[gpa:])
 	for i, sg := range sges {
-		sg.Encode(ram[gpa+vdev.RQWQEHdrSize+uint64(i)*vdev.SGESize:])
+		sg.Encode(ram[gpa+abi.RQWQEHdrSize+uint64(i)*abi.SGESize:])
 	}
 	if mutate != nil {
 		mutate(gpa)
 	}
 	store32(ram, s.state(), ringInc(tail, s.n))
-	s.v.doorbell(s.uar, vdev.UARSRQOffset, vdev.UARSRQRecv|s.handle)
+	s.v.doorbell(s.uar, abi.UARSRQOffset, abi.UARSRQRecv|s.handle)
 }
 
 // A bad SRQ WQE belongs to no QP yet: it is dropped and consumed, with an
@@ -66,13 +66,13 @@ func TestHostileSRQ(t *testing.T) {
 	s := v.createSRQ(p.pd, 16, 2, p.uc)
 	srqErr := func() {
 		t.Helper()
-		_, err := v.waitIRQ(vdev.VectorAsync, irqTimeout)
+		_, err := v.waitIRQ(abi.VectorAsync, irqTimeout)
 		require.NoError(t, err)
-		require.Equal(t, []vdev.EQE{{Type: uint32(hostverbs.EventSRQErr), Info: s.handle}}, v.events())
+		require.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventSRQErr), Info: s.handle}}, v.events())
 	}
 	s.post(1, func(gpa uint64) { v.put32(gpa+8, 3) }, p.mr.sge(0, 64)) // num_sge above max
 	srqErr()
-	s.post(2, nil, vdev.SGE{Addr: p.mr.iova, Length: 64, LKey: 0xbad})
+	s.post(2, nil, abi.SGE{Addr: p.mr.iova, Length: 64, LKey: 0xbad})
 	srqErr()
 	require.EqualValues(t, 2, load32(v.ram, s.state()+4), "both bad WQEs consumed")
 	require.EqualValues(t, 2, e.counter(vmEvil, "bad_wqes"))
@@ -81,8 +81,8 @@ func TestHostileSRQ(t *testing.T) {
 	attach := qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeRC, sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1, uar: p.uc}
 	q, req := v.layoutQP(attach)
 	req.IsSRQ, req.SRQHandle, req.MaxRecvWR, req.MaxRecvSGE = 1, s.handle, 0, 0
-	var r vdev.CreateQPResp
-	r.Decode(v.mustCmd(vdev.CmdCreateQP, req))
+	var r abi.CreateQPResp
+	r.Decode(v.mustCmd(abi.CmdCreateQP, req))
 	q.handle, q.qpn = r.QPHandle, r.QPN
 	a := v.createQP(attach)
 	a.toRTS(q.qpn, p.gid)
@@ -94,21 +94,21 @@ func TestHostileSRQ(t *testing.T) {
 	requireCQE(t, rc, q, 3, hostverbs.WCRecv, hostverbs.WCSuccess)
 	require.EqualValues(t, 32, rc.ByteLen)
 
-	v.failCmd(vdev.CmdDestroySRQ, vdev.DestroySRQ{SRQHandle: s.handle}, syscall.EBUSY)
-	v.failCmd(vdev.CmdModifySRQ, vdev.ModifySRQ{SRQHandle: s.handle, AttrMask: 1, Attrs: vdev.SRQAttr{MaxWR: 1 << 20}}, eInval)
-	v.failCmd(vdev.CmdModifySRQ, vdev.ModifySRQ{SRQHandle: s.handle, AttrMask: 2, Attrs: vdev.SRQAttr{SRQLimit: 17}}, eInval)
-	v.failCmd(vdev.CmdCreateSRQ, vdev.CreateSRQ{PDHandle: p.pd, NChunks: 2, PDirDMA: v.pdir(v.pages(2)),
-		Attrs: vdev.SRQAttr{MaxWR: 4, MaxSGE: v.caps.MaxSRQSGE + 1}}, eInval)
-	v.failCmd(vdev.CmdCreateSRQ, vdev.CreateSRQ{PDHandle: p.pd, NChunks: 2, PDirDMA: v.pdir(v.pages(2)),
-		Attrs: vdev.SRQAttr{MaxWR: 4, MaxSGE: 1}, SRQType: 1}, eInval)
+	v.failCmd(abi.CmdDestroySRQ, abi.DestroySRQ{SRQHandle: s.handle}, syscall.EBUSY)
+	v.failCmd(abi.CmdModifySRQ, abi.ModifySRQ{SRQHandle: s.handle, AttrMask: 1, Attrs: abi.SRQAttr{MaxWR: 1 << 20}}, eInval)
+	v.failCmd(abi.CmdModifySRQ, abi.ModifySRQ{SRQHandle: s.handle, AttrMask: 2, Attrs: abi.SRQAttr{SRQLimit: 17}}, eInval)
+	v.failCmd(abi.CmdCreateSRQ, abi.CreateSRQ{PDHandle: p.pd, NChunks: 2, PDirDMA: v.pdir(v.pages(2)),
+		Attrs: abi.SRQAttr{MaxWR: 4, MaxSGE: v.caps.MaxSRQSGE + 1}}, eInval)
+	v.failCmd(abi.CmdCreateSRQ, abi.CreateSRQ{PDHandle: p.pd, NChunks: 2, PDirDMA: v.pdir(v.pages(2)),
+		Attrs: abi.SRQAttr{MaxWR: 4, MaxSGE: 1}, SRQType: 1}, eInval)
 
 	// A producer index that is no index: the SRQ reports an error, the
 	// doorbell returns, and nothing is consumed.
 	store32(v.ram, s.state(), 0xdeadbeef)
-	v.doorbell(s.uar, vdev.UARSRQOffset, vdev.UARSRQRecv|s.handle)
+	v.doorbell(s.uar, abi.UARSRQOffset, abi.UARSRQRecv|s.handle)
 	srqErr()
-	v.mustCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: q.handle})
-	v.mustCmd(vdev.CmdDestroySRQ, vdev.DestroySRQ{SRQHandle: s.handle})
+	v.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: q.handle})
+	v.mustCmd(abi.CmdDestroySRQ, abi.DestroySRQ{SRQHandle: s.handle})
 	e.healthy()
 }
 
@@ -122,27 +122,27 @@ func TestHostileGSIAndUD(t *testing.T) {
 	kcq := v.createCQ(0, 16)
 	gsi := qpSpec{pd: kpd, scq: kcq, rcq: kcq, typ: hostverbs.QPTypeGSI, sendWR: 4, recvWR: 4, sendSGE: 2, recvSGE: 1}
 	_, req := v.layoutQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeGSI, sendWR: 4, recvWR: 4, sendSGE: 2, recvSGE: 1})
-	v.failCmd(vdev.CmdCreateQP, req, eInval) // from a user context
+	v.failCmd(abi.CmdCreateQP, req, eInval) // from a user context
 	q1 := v.createQP(gsi)
 	require.EqualValues(t, 1, q1.qpn, "the GSI QP is QP1")
 	_, req = v.layoutQP(gsi)
-	v.failCmd(vdev.CmdCreateQP, req, eInval) // a second one
+	v.failCmd(abi.CmdCreateQP, req, eInval) // a second one
 	for _, typ := range []uint8{0, 3, 5, 8, 0xff} {
 		_, req = v.layoutQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPType(typ), sendWR: 4, recvWR: 4, sendSGE: 1, recvSGE: 1})
-		v.failCmd(vdev.CmdCreateQP, req, eInval)
+		v.failCmd(abi.CmdCreateQP, req, eInval)
 	}
 
 	const qkey = 0x22222222
 	a, b := p.udPair(qkey)
-	badAV := func(wrid uint64, mutate func(*vdev.AV)) vdev.SQWQEHdr {
+	badAV := func(wrid uint64, mutate func(*abi.AV)) abi.SQWQEHdr {
 		h := sendWQE(wrid)
-		av := vdev.AV{PortPD: 1<<24 | p.pd, DGID: p.gid, HopLimit: 64}
+		av := abi.AV{PortPD: 1<<24 | p.pd, DGID: p.gid, HopLimit: 64}
 		mutate(&av)
-		vdev.WRUD{RemoteQPN: b.qpn, RemoteQKey: qkey, AV: av}.Encode(h.WR[:])
+		abi.WRUD{RemoteQPN: b.qpn, RemoteQKey: qkey, AV: av}.Encode(h.WR[:])
 		return h
 	}
-	a.writeSend(badAV(1, func(av *vdev.AV) { av.GIDIndex = 3 }), p.mr.sge(0, 8))           // unbound GID
-	a.writeSend(badAV(2, func(av *vdev.AV) { av.PortPD = 2<<24 | p.pd }), p.mr.sge(0, 8))  // port 2
+	a.writeSend(badAV(1, func(av *abi.AV) { av.GIDIndex = 3 }), p.mr.sge(0, 8))            // unbound GID
+	a.writeSend(badAV(2, func(av *abi.AV) { av.PortPD = 2<<24 | p.pd }), p.mr.sge(0, 8))   // port 2
 	a.writeSend(p.udSend(3, b.qpn, qkey), p.mr.sge(0, 8), p.mr.sge(8, 8), p.mr.sge(16, 8)) // 3 SGEs, max 2
 	a.ringSend()
 	for wrid, st := range []hostverbs.WCStatus{1: hostverbs.WCLocQPOpErr, 2: hostverbs.WCLocQPOpErr, 3: hostverbs.WCLocLenErr} {
@@ -192,34 +192,34 @@ func TestHostileFastReg(t *testing.T) {
 		q.toRTS(0x999, gid)
 		return q
 	}
-	var r vdev.CreateMRResp
-	r.Decode(v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{PDHandle: pd, AccessFlags: accRW, Flags: vdev.MRFlagFRMR, NChunks: 4}))
+	var r abi.CreateMRResp
+	r.Decode(v.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: pd, AccessFlags: accRW, Flags: abi.MRFlagFRMR, NChunks: 4}))
 	pages := v.pages(4)
-	good := vdev.WRFastReg{IOVAStart: 0x10000, PLPDirDMA: v.pdir(pages), PageShift: 12, PageListLen: 4, Length: 4 * 4096,
+	good := abi.WRFastReg{IOVAStart: 0x10000, PLPDirDMA: v.pdir(pages), PageShift: 12, PageListLen: 4, Length: 4 * 4096,
 		AccessFlags: accRW, RKey: r.LKey | 0x01}
-	regWQE := func(wrid uint64, fr vdev.WRFastReg) vdev.SQWQEHdr {
-		h := vdev.SQWQEHdr{WRID: wrid, Opcode: uint32(hostverbs.WRRegMR), SendFlags: uint32(hostverbs.SendSignaled)}
+	regWQE := func(wrid uint64, fr abi.WRFastReg) abi.SQWQEHdr {
+		h := abi.SQWQEHdr{WRID: wrid, Opcode: uint32(hostverbs.WRRegMR), SendFlags: uint32(hostverbs.SendSignaled)}
 		fr.Encode(h.WR[:])
 		return h
 	}
 	unusable := func() {
 		t.Helper()
 		q := newQP()
-		q.postSend(sendWQE(100), vdev.SGE{Addr: good.IOVAStart, Length: 8, LKey: good.RKey})
+		q.postSend(sendWQE(100), abi.SGE{Addr: good.IOVAStart, Length: 8, LKey: good.RKey})
 		requireCQE(t, cq.wait(), q, 100, hostverbs.WCSend, hostverbs.WCLocProtErr)
 	}
 	for i, c := range []struct {
-		mutate func(*vdev.WRFastReg)
+		mutate func(*abi.WRFastReg)
 		st     hostverbs.WCStatus
 	}{
-		{func(f *vdev.WRFastReg) { f.PageListLen = 5 }, hostverbs.WCLocQPOpErr}, // more than the MR holds
-		{func(f *vdev.WRFastReg) { f.PageListLen = 0 }, hostverbs.WCLocQPOpErr},
-		{func(f *vdev.WRFastReg) { f.PageShift = 21 }, hostverbs.WCLocQPOpErr},                            // huge pages
-		{func(f *vdev.WRFastReg) { f.Length = 4*4096 + 1 }, hostverbs.WCLocLenErr},                        // longer than the list
-		{func(f *vdev.WRFastReg) { f.IOVAStart, f.Length = ^uint64(0)-100, 4096 }, hostverbs.WCLocLenErr}, // wraps
-		{func(f *vdev.WRFastReg) { f.PLPDirDMA = outsideRAM }, hostverbs.WCLocProtErr},
-		{func(f *vdev.WRFastReg) { f.RKey = 0x12345600 }, hostverbs.WCLocProtErr},            // no such MR
-		{func(f *vdev.WRFastReg) { f.AccessFlags = accRemoteWrite }, hostverbs.WCLocQPOpErr}, // remote write without local
+		{func(f *abi.WRFastReg) { f.PageListLen = 5 }, hostverbs.WCLocQPOpErr}, // more than the MR holds
+		{func(f *abi.WRFastReg) { f.PageListLen = 0 }, hostverbs.WCLocQPOpErr},
+		{func(f *abi.WRFastReg) { f.PageShift = 21 }, hostverbs.WCLocQPOpErr},                            // huge pages
+		{func(f *abi.WRFastReg) { f.Length = 4*4096 + 1 }, hostverbs.WCLocLenErr},                        // longer than the list
+		{func(f *abi.WRFastReg) { f.IOVAStart, f.Length = ^uint64(0)-100, 4096 }, hostverbs.WCLocLenErr}, // wraps
+		{func(f *abi.WRFastReg) { f.PLPDirDMA = outsideRAM }, hostverbs.WCLocProtErr},
+		{func(f *abi.WRFastReg) { f.RKey = 0x12345600 }, hostverbs.WCLocQPOpErr},            // no such MR (rxe answers the same)
+		{func(f *abi.WRFastReg) { f.AccessFlags = accRemoteWrite }, hostverbs.WCLocQPOpErr}, // remote write without local
 	} {
 		fr := good
 		c.mutate(&fr)
@@ -236,11 +236,11 @@ func TestHostileFastReg(t *testing.T) {
 	plain := v.regMR(pd, 0x9000_0000, 4096, accLocalWrite)
 	for _, k := range []uint32{plain.lkey, 0xdeadbe00} {
 		q := newQP()
-		q.postSend(vdev.SQWQEHdr{WRID: 51, Opcode: uint32(hostverbs.WRLocalInv), SendFlags: uint32(hostverbs.SendSignaled), Ex: k})
+		q.postSend(abi.SQWQEHdr{WRID: 51, Opcode: uint32(hostverbs.WRLocalInv), SendFlags: uint32(hostverbs.SendSignaled), Ex: k})
 		requireCQE(t, cq.wait(), q, 51, hostverbs.WCLocalInv, hostverbs.WCLocQPOpErr)
 	}
 	q = newQP()
-	q.postSend(vdev.SQWQEHdr{WRID: 52, Opcode: uint32(hostverbs.WRLocalInv), SendFlags: uint32(hostverbs.SendSignaled), Ex: good.RKey})
+	q.postSend(abi.SQWQEHdr{WRID: 52, Opcode: uint32(hostverbs.WRLocalInv), SendFlags: uint32(hostverbs.SendSignaled), Ex: good.RKey})
 	requireCQE(t, cq.wait(), q, 52, hostverbs.WCLocalInv, hostverbs.WCSuccess)
 	unusable()
 	e.healthy()
@@ -256,16 +256,16 @@ func TestHostileCQResizeAndOverflow(t *testing.T) {
 	v := p.v
 	c := v.createCQ(p.uc, 16)
 	for _, n := range []uint32{0, 3, 128, 1 << 20, 0xffffffff} { // 128 CQEs need a second page
-		v.failCmd(vdev.CmdResizeCQ, vdev.ResizeCQ{CQHandle: c.handle, CQE: n}, eInval)
+		v.failCmd(abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: c.handle, CQE: n}, eInval)
 	}
 	q, peer := p.loopPair2(c, p.rcq)
 	peer.postRecv(1, p.mr.sge(0, 64))
 	q.postSend(sendWQE(2), p.mr.sge(0, 8))
 	requireCQE(t, p.rcq.wait(), peer, 1, hostverbs.WCRecv, hostverbs.WCSuccess)
-	v.failCmd(vdev.CmdResizeCQ, vdev.ResizeCQ{CQHandle: c.handle, CQE: 8}, syscall.EBUSY)
+	v.failCmd(abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: c.handle, CQE: 8}, syscall.EBUSY)
 	requireCQE(t, c.wait(), q, 2, hostverbs.WCSend, hostverbs.WCSuccess)
-	var rr vdev.ResizeCQResp
-	rr.Decode(v.mustCmd(vdev.CmdResizeCQ, vdev.ResizeCQ{CQHandle: c.handle, CQE: 8}))
+	var rr abi.ResizeCQResp
+	rr.Decode(v.mustCmd(abi.CmdResizeCQ, abi.ResizeCQ{CQHandle: c.handle, CQE: 8}))
 	require.EqualValues(t, 8, rr.CQE)
 	c.n = 8
 	store32(v.ram, c.pages[0]+12, 0) // the guest restarts its cons_head
@@ -277,9 +277,9 @@ func TestHostileCQResizeAndOverflow(t *testing.T) {
 		q.postSend(sendWQE(uint64(20+i)), p.mr.sge(0, 8))
 		requireCQE(t, p.rcq.wait(), peer, uint64(10+i), hostverbs.WCRecv, hostverbs.WCSuccess)
 	}
-	_, err := v.waitIRQ(vdev.VectorAsync, irqTimeout)
+	_, err := v.waitIRQ(abi.VectorAsync, irqTimeout)
 	require.NoError(t, err)
-	require.Equal(t, []vdev.EQE{{Type: uint32(hostverbs.EventCQErr), Info: c.handle}}, v.events())
+	require.Equal(t, []abi.EQE{{Type: uint32(hostverbs.EventCQErr), Info: c.handle}}, v.events())
 	require.EqualValues(t, 4, e.counter(vmEvil, "cq_overflows"))
 	for i := 0; i < 8; i++ {
 		requireCQE(t, c.wait(), q, uint64(20+i), hostverbs.WCSend, hostverbs.WCSuccess)
@@ -296,16 +296,16 @@ func TestDMAMRNeverRemote(t *testing.T) {
 	p := e.endpoint(vmEvil, 1)
 	v := p.v
 	kpd := v.createPD(0)
-	v.failCmd(vdev.CmdCreateMR, vdev.CreateMR{PDHandle: p.pd, AccessFlags: accLocalWrite, Flags: vdev.MRFlagDMA}, eInval)
+	v.failCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: p.pd, AccessFlags: accLocalWrite, Flags: abi.MRFlagDMA}, eInval)
 	for _, acc := range []uint32{accRemoteRead, accLocalWrite | accRemoteWrite, accLocalWrite | uint32(hostverbs.AccessRemoteAtomic)} {
-		v.failCmd(vdev.CmdCreateMR, vdev.CreateMR{PDHandle: kpd, AccessFlags: acc, Flags: vdev.MRFlagDMA}, eInval)
+		v.failCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: kpd, AccessFlags: acc, Flags: abi.MRFlagDMA}, eInval)
 	}
-	v.failCmd(vdev.CmdCreateMR, vdev.CreateMR{PDHandle: kpd, AccessFlags: accLocalWrite, Flags: vdev.MRFlagDMA | vdev.MRFlagFRMR}, eInval)
-	v.failCmd(vdev.CmdCreateMR, vdev.CreateMR{PDHandle: kpd, AccessFlags: accLocalWrite, Flags: 4}, eInval)
-	v.failCmd(vdev.CmdCreateMR, vdev.CreateMR{PDHandle: kpd, AccessFlags: 1 << 8, Start: 0x1000, Length: 4096, NChunks: 1,
+	v.failCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: kpd, AccessFlags: accLocalWrite, Flags: abi.MRFlagDMA | abi.MRFlagFRMR}, eInval)
+	v.failCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: kpd, AccessFlags: accLocalWrite, Flags: 4}, eInval)
+	v.failCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: kpd, AccessFlags: 1 << 8, Start: 0x1000, Length: 4096, NChunks: 1,
 		PDirDMA: v.pdir(v.pages(1))}, eInval) // unknown access bit
-	var r vdev.CreateMRResp
-	r.Decode(v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{PDHandle: kpd, AccessFlags: accLocalWrite, Flags: vdev.MRFlagDMA}))
+	var r abi.CreateMRResp
+	r.Decode(v.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: kpd, AccessFlags: accLocalWrite, Flags: abi.MRFlagDMA}))
 	e.healthy()
 }
 
@@ -319,7 +319,7 @@ func TestRemoteKeyLimits(t *testing.T) {
 	canary := pattern(64, 0x77)
 	ro.write(b.v, 0, canary)
 	for i, c := range []struct {
-		h  vdev.SQWQEHdr
+		h  abi.SQWQEHdr
 		st hostverbs.WCStatus
 	}{
 		{writeWQE(1, ro.iova, ro.rkey), hostverbs.WCRemAccessErr},               // read-only MR

@@ -6,7 +6,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
-	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // TestWellBehavedPair is the path every hostile test deviates from: two
@@ -16,7 +16,7 @@ import (
 func TestWellBehavedPair(t *testing.T) {
 	e := newEnv(t)
 	a, b := e.pair(vmEvil, vmPeer)
-	require.EqualValues(t, vdev.DeviceVersion, a.v.reg(vdev.RegVersion))
+	require.EqualValues(t, abi.DeviceVersion, a.v.reg(abi.RegVersion))
 	require.Equal(t, hostverbs.QPStateRTS, a.qp.state())
 
 	exchange(t, a, b)
@@ -24,7 +24,7 @@ func TestWellBehavedPair(t *testing.T) {
 
 	// An armed CQ: the completion is announced on the CQ-notification
 	// ring with vector 2, once (ARM is one-shot).
-	b.v.irq(vdev.VectorCQ)
+	b.v.irq(abi.VectorCQ)
 	b.rcq.arm()
 	b.qp.postRecv(0xb100, b.mr.sge(0, 64))
 	b.qp.postRecv(0xb101, b.mr.sge(64, 64))
@@ -32,7 +32,7 @@ func TestWellBehavedPair(t *testing.T) {
 	a.qp.postSend(sendWQE(0xa101), a.mr.sge(0, 8))
 	requireCQE(t, b.rcq.wait(), b.qp, 0xb100, hostverbs.WCRecv, hostverbs.WCSuccess)
 	requireCQE(t, b.rcq.wait(), b.qp, 0xb101, hostverbs.WCRecv, hostverbs.WCSuccess)
-	_, err := b.v.waitIRQ(vdev.VectorCQ, irqTimeout)
+	_, err := b.v.waitIRQ(abi.VectorCQ, irqTimeout)
 	require.NoError(t, err)
 	require.Equal(t, []uint32{b.rcq.handle}, b.v.notifications())
 	requireCQE(t, a.scq.wait(), a.qp, 0xa100, hostverbs.WCSend, hostverbs.WCSuccess)
@@ -49,16 +49,16 @@ func TestWellBehavedPair(t *testing.T) {
 	// rmmod's teardown.
 	for _, p := range []*endpoint{a, b} {
 		v := p.v
-		v.mustCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: p.qp.handle})
-		v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: p.scq.handle})
-		v.mustCmd(vdev.CmdDestroyCQ, vdev.DestroyCQ{CQHandle: p.rcq.handle})
-		v.mustCmd(vdev.CmdDestroyMR, vdev.DestroyMR{MRHandle: p.mr.handle})
-		v.mustCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: p.pd})
-		v.mustCmd(vdev.CmdDestroyUC, vdev.DestroyUC{CtxHandle: p.uc})
-		v.mustCmd(vdev.CmdDestroyBind, vdev.DestroyBind{Index: 0, DestGID: p.gid})
-		v.setReg(vdev.RegIMR, ^uint32(0))
-		v.setReg(vdev.RegCtl, vdev.CtlReset)
-		require.EqualValues(t, 0xFFFF, v.reg(vdev.RegErr), "ERR reads 0xFFFF again after RESET")
+		v.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: p.qp.handle})
+		v.mustCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: p.scq.handle})
+		v.mustCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: p.rcq.handle})
+		v.mustCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: p.mr.handle})
+		v.mustCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: p.pd})
+		v.mustCmd(abi.CmdDestroyUC, abi.DestroyUC{CtxHandle: p.uc})
+		v.mustCmd(abi.CmdDestroyBind, abi.DestroyBind{Index: 0, DestGID: p.gid})
+		v.setReg(abi.RegIMR, ^uint32(0))
+		v.setReg(abi.RegCtl, abi.CtlReset)
+		require.EqualValues(t, 0xFFFF, v.reg(abi.RegErr), "ERR reads 0xFFFF again after RESET")
 	}
 	e.healthy()
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // Page directories may name the same guest page many times, so a guest's
@@ -53,14 +54,14 @@ func TestQueueMemoryBounded(t *testing.T) {
 	before := heapAlloc()
 	var handles []uint32
 	for {
-		r := v.post(vdev.CmdCreateQP, vdev.CreateQP{PDirDMA: dir, PDHandle: pd, SendCQHandle: cq.handle, RecvCQHandle: cq.handle,
+		r := v.post(abi.CmdCreateQP, abi.CreateQP{PDirDMA: dir, PDHandle: pd, SendCQHandle: cq.handle, RecvCQHandle: cq.handle,
 			MaxSendWR: wr, MaxRecvWR: wr, MaxSendSGE: sge, MaxRecvSGE: sge, QPType: uint8(hostverbs.QPTypeRC),
 			TotalChunks: uint16(1 + 2*pages), SendChunks: uint16(pages)})
 		if r.err != 0 {
 			require.EqualValues(t, syscall.ENOMEM, r.err)
 			break
 		}
-		var resp vdev.CreateQPResp
+		var resp abi.CreateQPResp
 		resp.Decode(r.resp)
 		handles = append(handles, resp.QPHandle)
 		require.Less(t, len(handles), int(v.caps.MaxQP), "no limit stopped the QPs")
@@ -69,7 +70,7 @@ func TestQueueMemoryBounded(t *testing.T) {
 	t.Logf("%d QPs of %d WRs x %d SGEs each way from 3 guest pages: heap +%d MiB", len(handles), wr, sge, grew>>20)
 	require.Less(t, grew, vdev.DefaultLimits().MaxBytes+16<<20, "the daemon's memory is bounded by the VM's budget")
 	for _, h := range handles {
-		v.mustCmd(vdev.CmdDestroyQP, vdev.DestroyQP{QPHandle: h})
+		v.mustCmd(abi.CmdDestroyQP, abi.DestroyQP{QPHandle: h})
 	}
 	require.Less(t, heapAlloc(), before+16<<20, "and given back")
 	e.healthy()
@@ -86,7 +87,7 @@ func TestMRMemoryBounded(t *testing.T) {
 	before := heapAlloc()
 	n := 0
 	for ; ; n++ {
-		r := v.post(vdev.CmdCreateMR, vdev.CreateMR{Start: uint64(n) * gib, Length: gib, NChunks: gib / 4096, PDHandle: pd,
+		r := v.post(abi.CmdCreateMR, abi.CreateMR{Start: uint64(n) * gib, Length: gib, NChunks: gib / 4096, PDHandle: pd,
 			AccessFlags: accRW, PDirDMA: dir})
 		if r.err != 0 {
 			require.EqualValues(t, syscall.ENOMEM, r.err)
@@ -126,26 +127,26 @@ func TestObjectCosts(t *testing.T) {
 		pages := max(1, int(uint64(wr)*uint64(pow2(80+16*sge))/4096))
 		dir := v.aliasedDir(1 + 2*pages)
 		check(fmt.Sprintf("QP %d WRs x %d SGEs", wr, sge), 4, func() {
-			v.mustCmd(vdev.CmdCreateQP, vdev.CreateQP{PDirDMA: dir, PDHandle: pd, SendCQHandle: cq.handle, RecvCQHandle: cq.handle,
+			v.mustCmd(abi.CmdCreateQP, abi.CreateQP{PDirDMA: dir, PDHandle: pd, SendCQHandle: cq.handle, RecvCQHandle: cq.handle,
 				MaxSendWR: wr, MaxRecvWR: wr, MaxSendSGE: sge, MaxRecvSGE: sge, QPType: uint8(hostverbs.QPTypeRC),
 				TotalChunks: uint16(1 + 2*pages), SendChunks: uint16(pages)})
 		})
 	}
 	dir := v.aliasedDir(1 << 18)
 	check("CQ of 2 pages", 64, func() {
-		v.mustCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: dir, CQE: 16, NChunks: 2})
+		v.mustCmd(abi.CmdCreateCQ, abi.CreateCQ{PDirDMA: dir, CQE: 16, NChunks: 2})
 	})
 	check("CQ of 64 pages", 64, func() {
-		v.mustCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: dir, CQE: 1024, NChunks: 64})
+		v.mustCmd(abi.CmdCreateCQ, abi.CreateCQ{PDirDMA: dir, CQE: 1024, NChunks: 64})
 	})
 	n := 0
 	check("MR of 1 GiB", 2, func() {
-		v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: uint64(n) << 30, Length: 1 << 30, NChunks: 1 << 18, PDHandle: pd,
+		v.mustCmd(abi.CmdCreateMR, abi.CreateMR{Start: uint64(n) << 30, Length: 1 << 30, NChunks: 1 << 18, PDHandle: pd,
 			AccessFlags: accRW, PDirDMA: dir})
 		n++
 	})
 	check("MR of 1 page", 64, func() {
-		v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: 1 << 40, Length: 4096, NChunks: 1, PDHandle: pd,
+		v.mustCmd(abi.CmdCreateMR, abi.CreateMR{Start: 1 << 40, Length: 4096, NChunks: 1, PDHandle: pd,
 			AccessFlags: accRW, PDirDMA: dir})
 	})
 	e.healthy()

@@ -21,6 +21,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // Environment of TestRelayPingPong, which runs inside a test-bed guest
@@ -98,7 +99,7 @@ func TestRelayPingPong(t *testing.T) {
 	p.qp = v.createQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeRC,
 		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 1, recvSGE: 1, uar: p.uc})
 	const myPSN = 0x1234
-	p.qp.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1})
+	p.qp.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1})
 
 	// Receives first (the client sends at once), then RTR and RTS within
 	// ibv_rc_pingpong's exchange.
@@ -107,10 +108,10 @@ func TestRelayPingPong(t *testing.T) {
 	}
 	ppExchange(t, 18515, func(rqpn, rpsn uint32, rgid hostverbs.GID) {
 		t.Logf("client: qpn %#x psn %#x gid %s", rqpn, rpsn, rgid)
-		p.qp.mustModify(0x129181|hostverbs.AttrRQPSN, vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: rqpn, RQPSN: rpsn,
+		p.qp.mustModify(0x129181|hostverbs.AttrRQPSN, abi.QPAttr{State: 2, PathMTU: 3, DestQPNum: rqpn, RQPSN: rpsn,
 			MaxDestRdAtomic: 1, MinRNRTimer: 12,
-			AH: vdev.AHAttr{DGID: rgid, SGIDIndex: 0, HopLimit: 1, Flags: vdev.AHFlagGRH, PortNum: 1}})
-		p.qp.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, SQPSN: myPSN, MaxRdAtomic: 1})
+			AH: abi.AHAttr{DGID: rgid, SGIDIndex: 0, HopLimit: 1, Flags: abi.AHFlagGRH, PortNum: 1}})
+		p.qp.mustModify(0x12e01, abi.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, SQPSN: myPSN, MaxRdAtomic: 1})
 	}, p.qp.qpn, myPSN, gid)
 
 	// The client fills its buffer with 0x7b and sends it; it receives into
@@ -215,7 +216,7 @@ func relayUDPingPong(t *testing.T, p *endpoint, iters int) {
 		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 1, recvSGE: 1, uar: p.uc})
 	const qkey, myPSN = 0x11111111, 0x4321
 	q.mustModify(hostverbs.AttrState|hostverbs.AttrPKeyIndex|hostverbs.AttrPort|hostverbs.AttrQKey,
-		vdev.QPAttr{State: 1, PortNum: 1, QKey: qkey})
+		abi.QPAttr{State: 1, PortNum: 1, QKey: qkey})
 	for i := range 16 {
 		q.postRecv(uint64(2000+i), p.mr.sge(uint64(i%8)*slot, 40+size))
 	}
@@ -223,8 +224,8 @@ func relayUDPingPong(t *testing.T, p *endpoint, iters int) {
 	var rgid hostverbs.GID
 	ppExchange(t, 18516, func(qpn, _ uint32, gid hostverbs.GID) {
 		rqpn, rgid = qpn, gid
-		q.mustModify(hostverbs.AttrState, vdev.QPAttr{State: 2})
-		q.mustModify(hostverbs.AttrState|hostverbs.AttrSQPSN, vdev.QPAttr{State: 3, SQPSN: myPSN})
+		q.mustModify(hostverbs.AttrState, abi.QPAttr{State: 2})
+		q.mustModify(hostverbs.AttrState|hostverbs.AttrSQPSN, abi.QPAttr{State: 3, SQPSN: myPSN})
 	}, q.qpn, myPSN, p.gid)
 	t.Logf("UD client: qpn %#x gid %s", rqpn, rgid)
 	want := make([]byte, size)
@@ -233,8 +234,8 @@ func relayUDPingPong(t *testing.T, p *endpoint, iters int) {
 	}
 	ours := pattern(size, 9)
 	p.mr.write(v, 8*slot, ours)
-	h := vdev.SQWQEHdr{Opcode: uint32(hostverbs.WRSend), SendFlags: uint32(hostverbs.SendSignaled)}
-	vdev.WRUD{RemoteQPN: rqpn, RemoteQKey: qkey, AV: vdev.AV{PortPD: 1<<24 | p.pd, DGID: rgid, HopLimit: 1}}.Encode(h.WR[:])
+	h := abi.SQWQEHdr{Opcode: uint32(hostverbs.WRSend), SendFlags: uint32(hostverbs.SendSignaled)}
+	abi.WRUD{RemoteQPN: rqpn, RemoteQKey: qkey, AV: abi.AV{PortPD: 1<<24 | p.pd, DGID: rgid, HopLimit: 1}}.Encode(h.WR[:])
 	posted := 16
 	start := time.Now()
 	for i := range iters {
@@ -290,7 +291,7 @@ func relayRDMAOps(t *testing.T, p *endpoint) {
 	mr.write(v, counter, w8[:])
 	q := v.createQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeRC,
 		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 1, recvSGE: 1, uar: p.uc})
-	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW | uint32(hostverbs.AccessRemoteAtomic)})
+	q.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW | uint32(hostverbs.AccessRemoteAtomic)})
 	for i := range 4 {
 		q.postRecv(uint64(100+i), mr.sge(msgArea+uint64(i)*64, 64))
 	}
@@ -300,10 +301,10 @@ func relayRDMAOps(t *testing.T, p *endpoint) {
 	require.NoError(t, binary.Read(conn, binary.LittleEndian, &peer))
 	require.NoError(t, binary.Write(conn, binary.LittleEndian, info{QPN: q.qpn, PSN: myPSN, RKey: mr.rkey, Addr: iova, GID: p.gid}))
 	conn.Close()
-	q.mustModify(0x129181|hostverbs.AttrRQPSN, vdev.QPAttr{State: 2, PathMTU: 3, DestQPNum: peer.QPN, RQPSN: peer.PSN,
+	q.mustModify(0x129181|hostverbs.AttrRQPSN, abi.QPAttr{State: 2, PathMTU: 3, DestQPNum: peer.QPN, RQPSN: peer.PSN,
 		MaxDestRdAtomic: 4, MinRNRTimer: 12,
-		AH: vdev.AHAttr{DGID: peer.GID, SGIDIndex: 0, HopLimit: 64, Flags: vdev.AHFlagGRH, PortNum: 1}})
-	q.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, SQPSN: myPSN, MaxRdAtomic: 4})
+		AH: abi.AHAttr{DGID: peer.GID, SGIDIndex: 0, HopLimit: 64, Flags: abi.AHFlagGRH, PortNum: 1}})
+	q.mustModify(0x12e01, abi.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, SQPSN: myPSN, MaxRdAtomic: 4})
 
 	// Phase A: the peer works on our memory, then says so.
 	c := p.rcq.wait()
@@ -325,19 +326,19 @@ func relayRDMAOps(t *testing.T, p *endpoint) {
 		src[i] = pat(17, i)
 	}
 	mr.write(v, scratch, src)
-	post := func(h vdev.SQWQEHdr, sge vdev.SGE) {
+	post := func(h abi.SQWQEHdr, sge abi.SGE) {
 		q.postSend(h, sge)
 		c := p.scq.wait()
 		require.Equal(t, uint32(0), c.Status, "WR %d: %+v", h.WRID, c)
 	}
-	rdma := func(wrid uint64, op hostverbs.WROpcode, raddr uint64) vdev.SQWQEHdr {
-		h := vdev.SQWQEHdr{WRID: wrid, Opcode: uint32(op), SendFlags: uint32(hostverbs.SendSignaled)}
-		vdev.WRRDMA{RemoteAddr: raddr, RKey: peer.RKey}.Encode(h.WR[:])
+	rdma := func(wrid uint64, op hostverbs.WROpcode, raddr uint64) abi.SQWQEHdr {
+		h := abi.SQWQEHdr{WRID: wrid, Opcode: uint32(op), SendFlags: uint32(hostverbs.SendSignaled)}
+		abi.WRRDMA{RemoteAddr: raddr, RKey: peer.RKey}.Encode(h.WR[:])
 		return h
 	}
-	atomic := func(wrid uint64, op hostverbs.WROpcode, cmpAdd, swap uint64) vdev.SQWQEHdr {
-		h := vdev.SQWQEHdr{WRID: wrid, Opcode: uint32(op), SendFlags: uint32(hostverbs.SendSignaled)}
-		vdev.WRAtomic{RemoteAddr: peer.Addr + counter, CompareAdd: cmpAdd, Swap: swap, RKey: peer.RKey}.Encode(h.WR[:])
+	atomic := func(wrid uint64, op hostverbs.WROpcode, cmpAdd, swap uint64) abi.SQWQEHdr {
+		h := abi.SQWQEHdr{WRID: wrid, Opcode: uint32(op), SendFlags: uint32(hostverbs.SendSignaled)}
+		abi.WRAtomic{RemoteAddr: peer.Addr + counter, CompareAdd: cmpAdd, Swap: swap, RKey: peer.RKey}.Encode(h.WR[:])
 		return h
 	}
 	post(rdma(1, hostverbs.WRRDMAWrite, peer.Addr+writeArea), mr.sge(scratch, n))
@@ -430,7 +431,7 @@ func relayPerftestServer(t *testing.T, p *endpoint, tool string, port int) {
 	mr.write(v, 0, fill)
 	q := v.createQP(qpSpec{pd: p.pd, scq: p.scq, rcq: p.rcq, typ: hostverbs.QPTypeRC,
 		sendWR: qpDepth, recvWR: qpDepth, sendSGE: 1, recvSGE: 1, uar: p.uc})
-	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW | uint32(hostverbs.AccessRemoteAtomic)})
+	q.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW | uint32(hostverbs.AccessRemoteAtomic)})
 	mine := perftestKeys{outReads: 16, qpn: q.qpn, psn: myPSN, rkey: mr.rkey, vaddr: iova, gid: p.gid}
 
 	conn := acceptOne(t, port)
@@ -450,10 +451,10 @@ func relayPerftestServer(t *testing.T, p *endpoint, tool string, port int) {
 			k, ok := parsePerftestKeys(msg)
 			require.True(t, ok, "%s: keys %q", tool, msg)
 			if !connected {
-				q.mustModify(0x129181|hostverbs.AttrRQPSN, vdev.QPAttr{State: 2, PathMTU: mtu, DestQPNum: k.qpn, RQPSN: k.psn,
+				q.mustModify(0x129181|hostverbs.AttrRQPSN, abi.QPAttr{State: 2, PathMTU: mtu, DestQPNum: k.qpn, RQPSN: k.psn,
 					MaxDestRdAtomic: 16, MinRNRTimer: 12,
-					AH: vdev.AHAttr{DGID: k.gid, SGIDIndex: 0, HopLimit: 64, Flags: vdev.AHFlagGRH, PortNum: 1}})
-				q.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, SQPSN: myPSN, MaxRdAtomic: 16})
+					AH: abi.AHAttr{DGID: k.gid, SGIDIndex: 0, HopLimit: 64, Flags: abi.AHFlagGRH, PortNum: 1}})
+				q.mustModify(0x12e01, abi.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: 7, SQPSN: myPSN, MaxRdAtomic: 16})
 				connected = true
 				t.Logf("%s: client qpn %#x psn %#x gid %s, out_reads %d", tool, k.qpn, k.psn, k.gid, k.outReads)
 			}

@@ -16,6 +16,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // BenchmarkScale (make bench-scale) drives one daemon with N VMs of the
@@ -277,7 +278,7 @@ func runStreams(streams []*writeStream) error {
 			ok, err := s.step()
 			if err == nil && !ok && !s.finished() {
 				cq := s.src.scq
-				err = s.src.v.tryDoorbell(cq.uar, vdev.UARCQOffset, vdev.UARCQPoll|cq.handle)
+				err = s.src.v.tryDoorbell(cq.uar, abi.UARCQOffset, abi.UARCQPoll|cq.handle)
 			}
 			if err != nil {
 				if s.name != "" {
@@ -316,7 +317,7 @@ func (s *writeStream) step() (bool, error) {
 			s.src.mr.write(s.src.v, s.srcOff+off, s.payload(s.wrid))
 		}
 		q.writeSend(writeWQE(s.wrid, s.dst.mr.iova+s.dstOff+off, s.dst.mr.rkey), s.src.mr.sge(s.srcOff+off, uint32(s.size)))
-		if err := s.src.v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle); err != nil {
+		if err := s.src.v.tryDoorbell(q.uar, abi.UARQPOffset, abi.UARQPSend|q.handle); err != nil {
 			return false, err
 		}
 		if s.inflight == 0 {
@@ -365,7 +366,7 @@ func probeWrites(src, dst *endpoint, stop *atomic.Bool) ([]time.Duration, error)
 	for wrid := uint64(1); !stop.Load(); wrid++ {
 		q.writeSend(writeWQE(wrid, dst.mr.iova, dst.mr.rkey), src.mr.sge(0, 8))
 		t0 := time.Now()
-		if err := src.v.tryDoorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle); err != nil {
+		if err := src.v.tryDoorbell(q.uar, abi.UARQPOffset, abi.UARQPSend|q.handle); err != nil {
 			return lat, err
 		}
 		for {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
@@ -55,7 +56,7 @@ func TestTruncatedGuestRAM(t *testing.T) {
 	v.pciSetup()
 	v.probe()
 	pd := v.createPD(0)
-	v.mustCmd(vdev.CmdDestroyPD, vdev.DestroyPD{PDHandle: pd})
+	v.mustCmd(abi.CmdDestroyPD, abi.DestroyPD{PDHandle: pd})
 	e.healthy()
 }
 

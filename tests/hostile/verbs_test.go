@@ -10,13 +10,13 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
-	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
 // This file is the "verbs" half of the driver: user contexts, PDs, MRs,
 // CQs and QPs laid out in guest RAM as rdma-core's vmw_pvrdma provider and
-// the kernel driver lay them out (REFERENCE.md 2.5-2.8 and OBSERVED.md
-// "Layouts actually used"), WQEs, doorbells and CQ polling.
+// the kernel driver lay them out (the ABI's headers, and the layouts the
+// stock driver was seen to use), WQEs, doorbells and CQ polling.
 
 // Access flags (ib_access_flags).
 const (
@@ -29,22 +29,22 @@ const (
 // createUC binds a user context to UAR page uar (CREATE_UC with its pfn).
 func (v *vm) createUC(uar uint32) uint32 {
 	v.t.Helper()
-	var r vdev.CreateUCResp
-	r.Decode(v.mustCmd(vdev.CmdCreateUC, vdev.CreateUC{PFN: uarPFN + uint64(uar)}))
+	var r abi.CreateUCResp
+	r.Decode(v.mustCmd(abi.CmdCreateUC, abi.CreateUC{PFN: uarPFN + uint64(uar)}))
 	require.Equal(v.t, uar, r.CtxHandle)
 	return r.CtxHandle
 }
 
 func (v *vm) createPD(ctx uint32) uint32 {
 	v.t.Helper()
-	var r vdev.CreatePDResp
-	r.Decode(v.mustCmd(vdev.CmdCreatePD, vdev.CreatePD{CtxHandle: ctx}))
+	var r abi.CreatePDResp
+	r.Decode(v.mustCmd(abi.CmdCreatePD, abi.CreatePD{CtxHandle: ctx}))
 	return r.PDHandle
 }
 
 func (v *vm) bindGID(index uint32, gid hostverbs.GID) {
 	v.t.Helper()
-	v.mustCmd(vdev.CmdCreateBind, vdev.CreateBind{MTU: 1024, VLAN: 0xfff, Index: index, NewGID: gid, GIDType: 2})
+	v.mustCmd(abi.CmdCreateBind, abi.CreateBind{MTU: 1024, VLAN: 0xfff, Index: index, NewGID: gid, GIDType: 2})
 }
 
 // gmr is a guest memory region: the IOVA (a user VA) the guest uses and
@@ -59,8 +59,8 @@ type gmr struct {
 func (m *gmr) gpa(iova uint64) uint64 { return m.pages[iova>>12-m.iova>>12] + iova&0xfff }
 
 // sge names n bytes at byte offset off of the MR.
-func (m *gmr) sge(off uint64, n uint32) vdev.SGE {
-	return vdev.SGE{Addr: m.iova + off, Length: n, LKey: m.lkey}
+func (m *gmr) sge(off uint64, n uint32) abi.SGE {
+	return abi.SGE{Addr: m.iova + off, Length: n, LKey: m.lkey}
 }
 
 func (m *gmr) write(v *vm, off uint64, data []byte) {
@@ -88,8 +88,8 @@ func (v *vm) regMR(pd uint32, iova, length uint64, access uint32) *gmr {
 	v.t.Helper()
 	span := int((iova+length-1)>>12 - iova>>12 + 1)
 	m := &gmr{iova: iova, length: length, pages: v.scattered(span)}
-	var r vdev.CreateMRResp
-	r.Decode(v.mustCmd(vdev.CmdCreateMR, vdev.CreateMR{Start: iova, Length: length, PDirDMA: v.pdir(m.pages),
+	var r abi.CreateMRResp
+	r.Decode(v.mustCmd(abi.CmdCreateMR, abi.CreateMR{Start: iova, Length: length, PDirDMA: v.pdir(m.pages),
 		PDHandle: pd, AccessFlags: access, NChunks: uint32(span)}))
 	m.handle, m.lkey, m.rkey = r.MRHandle, r.LKey, r.RKey
 	return m
@@ -106,13 +106,13 @@ type gcq struct {
 }
 
 // cqPages is 1 + the pages n CQEs fill (pvrdma_create_cq).
-func cqPages(n uint32) int { return 1 + int((uint64(n)*vdev.CQESize+4095)/4096) }
+func cqPages(n uint32) int { return 1 + int((uint64(n)*abi.CQESize+4095)/4096) }
 
 func (v *vm) createCQ(ctx, n uint32) *gcq {
 	v.t.Helper()
 	c := &gcq{v: v, n: n, uar: ctx, pages: v.pages(cqPages(n))}
-	var r vdev.CreateCQResp
-	r.Decode(v.mustCmd(vdev.CmdCreateCQ, vdev.CreateCQ{PDirDMA: v.pdir(c.pages), CtxHandle: ctx, CQE: n,
+	var r abi.CreateCQResp
+	r.Decode(v.mustCmd(abi.CmdCreateCQ, abi.CreateCQ{PDirDMA: v.pdir(c.pages), CtxHandle: ctx, CQE: n,
 		NChunks: uint32(len(c.pages))}))
 	require.Equal(v.t, n, r.CQE)
 	c.handle = r.CQHandle
@@ -120,7 +120,7 @@ func (v *vm) createCQ(ctx, n uint32) *gcq {
 }
 
 // poll takes one CQE as pvrdma_poll_one does; false when empty.
-func (c *gcq) poll() (vdev.CQE, bool) {
+func (c *gcq) poll() (abi.CQE, bool) {
 	c.v.t.Helper()
 	e, ok, err := c.tryPoll()
 	require.NoError(c.v.t, err)
@@ -128,17 +128,17 @@ func (c *gcq) poll() (vdev.CQE, bool) {
 }
 
 // tryPoll is poll for goroutines other than the test's.
-func (c *gcq) tryPoll() (vdev.CQE, bool, error) {
+func (c *gcq) tryPoll() (abi.CQE, bool, error) {
 	state := c.pages[0] + 8
 	tail, head := load32(c.v.ram, state), load32(c.v.ram, state+4)
 	if !ringValid(tail, c.n) || !ringValid(head, c.n) {
-		return vdev.CQE{}, false, fmt.Errorf("CQ %d ring state %#x/%#x", c.handle, tail, head)
+		return abi.CQE{}, false, fmt.Errorf("CQ %d ring state %#x/%#x", c.handle, tail, head)
 	}
 	if tail == head {
-		return vdev.CQE{}, false, nil
+		return abi.CQE{}, false, nil
 	}
-	off := uint64(head&(c.n-1)) * vdev.CQESize
-	var e vdev.CQE
+	off := uint64(head&(c.n-1)) * abi.CQESize
+	var e abi.CQE
 	e.Decode(c.v.ram[c.pages[1+off/4096]+off%4096:])
 	store32(c.v.ram, state+4, ringInc(head, c.n))
 	return e, true, nil
@@ -146,7 +146,7 @@ func (c *gcq) tryPoll() (vdev.CQE, bool, error) {
 
 // wait polls until a CQE arrives. Like rdma-core it writes a POLL
 // doorbell when it finds the CQ empty (rate-limited here).
-func (c *gcq) wait() vdev.CQE {
+func (c *gcq) wait() abi.CQE {
 	c.v.t.Helper()
 	deadline := time.Now().Add(irqTimeout)
 	var lastPoll time.Time
@@ -158,7 +158,7 @@ func (c *gcq) wait() vdev.CQE {
 			c.v.t.Fatalf("VM %s: CQ %d: no completion within %v", c.v.name, c.handle, irqTimeout)
 		}
 		if time.Since(lastPoll) > 5*time.Millisecond {
-			c.v.doorbell(c.uar, vdev.UARCQOffset, vdev.UARCQPoll|c.handle)
+			c.v.doorbell(c.uar, abi.UARCQOffset, abi.UARCQPoll|c.handle)
 			lastPoll = time.Now()
 		}
 		time.Sleep(100 * time.Microsecond)
@@ -172,7 +172,7 @@ func (c *gcq) empty() {
 	require.False(c.v.t, ok, "CQ %d: unexpected CQE %+v", c.handle, e)
 }
 
-func (c *gcq) arm() { c.v.doorbell(c.uar, vdev.UARCQOffset, vdev.UARCQArm|c.handle) }
+func (c *gcq) arm() { c.v.doorbell(c.uar, abi.UARCQOffset, abi.UARCQArm|c.handle) }
 
 // gqp is a guest QP laid out as rdma-core and the kernel do: one page
 // directory; page 0 ring states (SQ at 0, RQ at 8), SQ WQEs from page 1,
@@ -207,13 +207,13 @@ func pow2(x uint32) uint32 {
 }
 
 // layoutQP allocates the QP's pages and returns the CREATE_QP request.
-func (v *vm) layoutQP(s qpSpec) (*gqp, vdev.CreateQP) {
+func (v *vm) layoutQP(s qpSpec) (*gqp, abi.CreateQP) {
 	q := &gqp{v: v, sendWR: s.sendWR, recvWR: s.recvWR, sendSGE: s.sendSGE, recvSGE: s.recvSGE, uar: s.uar}
 	q.sstride, q.rstride = pow2(80+16*s.sendSGE), pow2(16+16*s.recvSGE)
 	q.sendChunks = int((uint64(s.sendWR)*uint64(q.sstride) + 4095) / 4096)
 	recvPages := int((uint64(s.recvWR)*uint64(q.rstride) + 4095) / 4096)
 	q.pages = v.pages(1 + q.sendChunks + recvPages)
-	return q, vdev.CreateQP{PDirDMA: v.pdir(q.pages), PDHandle: s.pd, SendCQHandle: s.scq.handle, RecvCQHandle: s.rcq.handle,
+	return q, abi.CreateQP{PDirDMA: v.pdir(q.pages), PDHandle: s.pd, SendCQHandle: s.scq.handle, RecvCQHandle: s.rcq.handle,
 		MaxSendWR: s.sendWR, MaxRecvWR: s.recvWR, MaxSendSGE: s.sendSGE, MaxRecvSGE: s.recvSGE,
 		QPType: uint8(s.typ), AccessFlags: accLocalWrite,
 		TotalChunks: uint16(len(q.pages)), SendChunks: uint16(q.sendChunks)}
@@ -222,8 +222,8 @@ func (v *vm) layoutQP(s qpSpec) (*gqp, vdev.CreateQP) {
 func (v *vm) createQP(s qpSpec) *gqp {
 	v.t.Helper()
 	q, req := v.layoutQP(s)
-	var r vdev.CreateQPResp
-	r.Decode(v.mustCmd(vdev.CmdCreateQP, req))
+	var r abi.CreateQPResp
+	r.Decode(v.mustCmd(abi.CmdCreateQP, req))
 	q.handle, q.qpn = r.QPHandle, r.QPN
 	return q
 }
@@ -247,56 +247,56 @@ func (q *gqp) rqWQE(idx uint32) uint64 {
 
 // writeSend writes a send WQE at prod_tail and advances it (no doorbell);
 // it returns the WQE's address.
-func (q *gqp) writeSend(h vdev.SQWQEHdr, sges ...vdev.SGE) uint64 {
+func (q *gqp) writeSend(h abi.SQWQEHdr, sges ...abi.SGE) uint64 {
 	ram := q.v.ram
 	tail := load32(ram, q.sqState())
 	gpa := q.sqWQE(tail)
 	h.NumSGE = uint32(len(sges))
 	h.Encode(ram[gpa:])
 	for i, s := range sges {
-		s.Encode(ram[gpa+vdev.SQWQEHdrSize+uint64(i)*vdev.SGESize:])
+		s.Encode(ram[gpa+abi.SQWQEHdrSize+uint64(i)*abi.SGESize:])
 	}
 	store32(ram, q.sqState(), ringInc(tail, q.sendWR))
 	return gpa
 }
 
 // ringSend and ringRecv are the provider's doorbells.
-func (q *gqp) ringSend() { q.v.doorbell(q.uar, vdev.UARQPOffset, vdev.UARQPSend|q.handle) }
-func (q *gqp) ringRecv() { q.v.doorbell(q.uar, vdev.UARQPOffset, vdev.UARQPRecv|q.handle) }
+func (q *gqp) ringSend() { q.v.doorbell(q.uar, abi.UARQPOffset, abi.UARQPSend|q.handle) }
+func (q *gqp) ringRecv() { q.v.doorbell(q.uar, abi.UARQPOffset, abi.UARQPRecv|q.handle) }
 
-func (q *gqp) postSend(h vdev.SQWQEHdr, sges ...vdev.SGE) {
+func (q *gqp) postSend(h abi.SQWQEHdr, sges ...abi.SGE) {
 	q.writeSend(h, sges...)
 	q.ringSend()
 }
 
-func (q *gqp) writeRecv(wrid uint64, sges ...vdev.SGE) uint64 {
+func (q *gqp) writeRecv(wrid uint64, sges ...abi.SGE) uint64 {
 	ram := q.v.ram
 	tail := load32(ram, q.rqState())
 	gpa := q.rqWQE(tail)
-	vdev.RQWQEHdr{WRID: wrid, NumSGE: uint32(len(sges))}.Encode(ram[gpa:])
+	abi.RQWQEHdr{WRID: wrid, NumSGE: uint32(len(sges))}.Encode(ram[gpa:])
 	for i, s := range sges {
-		s.Encode(ram[gpa+vdev.RQWQEHdrSize+uint64(i)*vdev.SGESize:])
+		s.Encode(ram[gpa+abi.RQWQEHdrSize+uint64(i)*abi.SGESize:])
 	}
 	store32(ram, q.rqState(), ringInc(tail, q.recvWR))
 	return gpa
 }
 
-func (q *gqp) postRecv(wrid uint64, sges ...vdev.SGE) {
+func (q *gqp) postRecv(wrid uint64, sges ...abi.SGE) {
 	q.writeRecv(wrid, sges...)
 	q.ringRecv()
 }
 
-func (q *gqp) modify(mask hostverbs.AttrMask, a vdev.QPAttr) result {
-	return q.v.post(vdev.CmdModifyQP, vdev.ModifyQP{QPHandle: q.handle, AttrMask: uint32(mask), Attrs: a})
+func (q *gqp) modify(mask hostverbs.AttrMask, a abi.QPAttr) result {
+	return q.v.post(abi.CmdModifyQP, abi.ModifyQP{QPHandle: q.handle, AttrMask: uint32(mask), Attrs: a})
 }
 
-func (q *gqp) mustModify(mask hostverbs.AttrMask, a vdev.QPAttr) {
+func (q *gqp) mustModify(mask hostverbs.AttrMask, a abi.QPAttr) {
 	q.v.t.Helper()
-	q.v.mustCmd(vdev.CmdModifyQP, vdev.ModifyQP{QPHandle: q.handle, AttrMask: uint32(mask), Attrs: a})
+	q.v.mustCmd(abi.CmdModifyQP, abi.ModifyQP{QPHandle: q.handle, AttrMask: uint32(mask), Attrs: a})
 }
 
 // toRTS takes an RC QP through INIT, RTR and RTS with ibv_rc_pingpong's
-// masks (OBSERVED.md "MODIFY_QP as carried"), addressing the peer.
+// masks (as seen from bookworm's), addressing the peer.
 func (q *gqp) toRTS(destQPN uint32, dgid hostverbs.GID) { q.toRTSRetry(destQPN, dgid, 12, 7) }
 
 // toRTSRetry is toRTS with the responder's RNR timer code and the
@@ -326,17 +326,17 @@ const qpHopLimit = 64
 
 // toRTSPath is toRTSRetry on path p.
 func (q *gqp) toRTSPath(destQPN uint32, dgid hostverbs.GID, p rcPath, rnrTimer, rnrRetry uint8) {
-	q.mustModify(0x39, vdev.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW})
-	q.mustModify(0x129181, vdev.QPAttr{State: 2, PathMTU: uint32(p.mtu), DestQPNum: destQPN, MaxDestRdAtomic: 4, MinRNRTimer: rnrTimer,
-		AH: vdev.AHAttr{DGID: dgid, SGIDIndex: 0, HopLimit: qpHopLimit, TrafficClass: p.tclass, Flags: vdev.AHFlagGRH, PortNum: 1, DMAC: p.dmac}})
-	q.mustModify(0x12e01, vdev.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: rnrRetry, MaxRdAtomic: 4})
+	q.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1, AccessFlags: accRW})
+	q.mustModify(0x129181, abi.QPAttr{State: 2, PathMTU: uint32(p.mtu), DestQPNum: destQPN, MaxDestRdAtomic: 4, MinRNRTimer: rnrTimer,
+		AH: abi.AHAttr{DGID: dgid, SGIDIndex: 0, HopLimit: qpHopLimit, TrafficClass: p.tclass, Flags: abi.AHFlagGRH, PortNum: 1, DMAC: p.dmac}})
+	q.mustModify(0x12e01, abi.QPAttr{State: 3, Timeout: 14, RetryCnt: 7, RNRRetry: rnrRetry, MaxRdAtomic: 4})
 }
 
 // state queries the QP's state (QUERY_QP).
 func (q *gqp) state() hostverbs.QPState {
 	q.v.t.Helper()
-	var r vdev.QueryQPResp
-	r.Decode(q.v.mustCmd(vdev.CmdQueryQP, vdev.QueryQP{QPHandle: q.handle, AttrMask: 1}))
+	var r abi.QueryQPResp
+	r.Decode(q.v.mustCmd(abi.CmdQueryQP, abi.QueryQP{QPHandle: q.handle, AttrMask: 1}))
 	return hostverbs.QPState(r.Attrs.State)
 }
 
@@ -397,10 +397,10 @@ func (p *endpoint) rcQP(scq, rcq *gcq) *gqp {
 }
 
 // queryPort is QUERY_PORT of port 1.
-func (v *vm) queryPort() vdev.PortAttr {
+func (v *vm) queryPort() abi.PortAttr {
 	v.t.Helper()
-	var r vdev.QueryPortResp
-	r.Decode(v.mustCmd(vdev.CmdQueryPort, vdev.QueryPort{PortNum: 1}))
+	var r abi.QueryPortResp
+	r.Decode(v.mustCmd(abi.CmdQueryPort, abi.QueryPort{PortNum: 1}))
 	return r.Attrs
 }
 
@@ -461,18 +461,18 @@ func pattern(n int, seed byte) []byte {
 }
 
 // sendWQE and writeWQE build signaled SEND and RDMA WRITE headers.
-func sendWQE(wrid uint64) vdev.SQWQEHdr {
-	return vdev.SQWQEHdr{WRID: wrid, Opcode: uint32(hostverbs.WRSend), SendFlags: uint32(hostverbs.SendSignaled)}
+func sendWQE(wrid uint64) abi.SQWQEHdr {
+	return abi.SQWQEHdr{WRID: wrid, Opcode: uint32(hostverbs.WRSend), SendFlags: uint32(hostverbs.SendSignaled)}
 }
 
-func writeWQE(wrid, raddr uint64, rkey uint32) vdev.SQWQEHdr {
-	h := vdev.SQWQEHdr{WRID: wrid, Opcode: uint32(hostverbs.WRRDMAWrite), SendFlags: uint32(hostverbs.SendSignaled)}
-	vdev.WRRDMA{RemoteAddr: raddr, RKey: rkey}.Encode(h.WR[:])
+func writeWQE(wrid, raddr uint64, rkey uint32) abi.SQWQEHdr {
+	h := abi.SQWQEHdr{WRID: wrid, Opcode: uint32(hostverbs.WRRDMAWrite), SendFlags: uint32(hostverbs.SendSignaled)}
+	abi.WRRDMA{RemoteAddr: raddr, RKey: rkey}.Encode(h.WR[:])
 	return h
 }
 
 // requireCQE checks a completion's identity and status.
-func requireCQE(t testing.TB, e vdev.CQE, q *gqp, wrid uint64, op hostverbs.WCOpcode, st hostverbs.WCStatus) {
+func requireCQE(t testing.TB, e abi.CQE, q *gqp, wrid uint64, op hostverbs.WCOpcode, st hostverbs.WCStatus) {
 	t.Helper()
 	require.Equal(t, wrid, e.WRID, "wr_id of %+v", e)
 	require.EqualValues(t, q.handle, e.QP, "qp of %+v", e)

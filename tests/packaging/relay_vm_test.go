@@ -166,17 +166,3 @@ func TestPackagedRelay(t *testing.T) {
 	require.Regexp(t, `/dev/infiniband/uverbs\d+ is missing`, noDropIn)
 	t.Logf("without the drop-in: %s", regexp.MustCompile(`.*/dev/infiniband.*`).FindString(noDropIn))
 }
-
-// readmeBlock returns the first fenced code block of README.md after the first line
-// that mentions what: the test installs what the documentation says, verbatim.
-func readmeBlock(t *testing.T, what string) string {
-	t.Helper()
-	b, err := os.ReadFile(filepath.Join(repoRoot(t), "README.md"))
-	require.NoError(t, err)
-	s := string(b)
-	i := strings.Index(s, what)
-	require.GreaterOrEqual(t, i, 0, "README.md does not mention %s", what)
-	m := regexp.MustCompile("(?s)\n```[a-z]*\n(.*?)\n```\n").FindStringSubmatch(s[i:])
-	require.NotNil(t, m, "README.md has no code block after %s", what)
-	return m[1] + "\n"
-}

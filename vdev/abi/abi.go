@@ -1,15 +1,8 @@
-package vdev
+package abi
 
 import "encoding/binary"
 
-// The PVRDMA ABI, defined once: one Go struct per C structure of the
-// Linux headers drivers/infiniband/hw/vmw_pvrdma/pvrdma_dev_api.h,
-// pvrdma_verbs.h, pvrdma_ring.h and include/uapi/rdma/vmw_pvrdma-abi.h,
-// each with Decode/Encode over a little-endian byte slice of exactly its
-// exported size. Field offsets are unexported constants next to the struct
-// and are pinned by abi_test.go against the offsets in REFERENCE.md.
-// Decode and Encode index the slice up front (b[Size-1]) and never read or
-// write outside it; callers pass slices of at least the struct's size.
+// Little-endian accessors of the codecs below.
 
 func u16(b []byte, off int) uint16      { return binary.LittleEndian.Uint16(b[off:]) }
 func u32(b []byte, off int) uint32      { return binary.LittleEndian.Uint32(b[off:]) }
@@ -133,7 +126,8 @@ const CmdHdrSize = 16
 
 const (
 	cmdHdrResponse = 0
-	cmdHdrCmd      = 8
+	// CmdHdrCmdOffset is where the command code sits in a request.
+	CmdHdrCmdOffset = 8
 )
 
 // CmdHdr is struct pvrdma_cmd_hdr, the first 16 bytes of every request.
@@ -146,14 +140,14 @@ type CmdHdr struct {
 func (h *CmdHdr) Decode(b []byte) {
 	_ = b[CmdHdrSize-1]
 	h.Response = u64(b, cmdHdrResponse)
-	h.Cmd = u32(b, cmdHdrCmd)
+	h.Cmd = u32(b, CmdHdrCmdOffset)
 }
 
 // Encode writes h to b (reserved bytes zero).
 func (h CmdHdr) Encode(b []byte) {
 	_ = b[CmdHdrSize-1]
 	put64(b, cmdHdrResponse, h.Response)
-	put32(b, cmdHdrCmd, h.Cmd)
+	put32(b, CmdHdrCmdOffset, h.Cmd)
 	put32(b, 12, 0)
 }
 

@@ -1,4 +1,4 @@
-package vdev
+package abi
 
 import "encoding/binary"
 

@@ -1,4 +1,4 @@
-package vdev
+package abi
 
 // Work queue entries, completions and event entries of vmw_pvrdma-abi.h
 // and pvrdma_dev_api.h. Enum values (WR and WC opcodes, WC statuses and
@@ -59,13 +59,14 @@ const SQWQEHdrSize = 80
 const WRUnionSize = 48
 
 const (
-	sqWRID      = 0
-	sqNumSGE    = 8
-	sqTotalLen  = 12
-	sqOpcode    = 16
-	sqSendFlags = 20
-	sqEx        = 24
-	sqWR        = 32
+	sqWRID     = 0
+	sqNumSGE   = 8
+	sqTotalLen = 12
+	// SQWQEOpcodeOffset is where a send WQE carries its opcode.
+	SQWQEOpcodeOffset = 16
+	sqSendFlags       = 20
+	sqEx              = 24
+	sqWR              = 32
 )
 
 // SQWQEHdr is struct pvrdma_sq_wqe_hdr. WR holds the raw union wr; decode
@@ -86,7 +87,7 @@ type SQWQEHdr struct {
 func (h *SQWQEHdr) Decode(b []byte) {
 	_ = b[SQWQEHdrSize-1]
 	h.WRID, h.NumSGE, h.TotalLen = u64(b, sqWRID), u32(b, sqNumSGE), u32(b, sqTotalLen)
-	h.Opcode, h.SendFlags, h.Ex = u32(b, sqOpcode), u32(b, sqSendFlags), u32(b, sqEx)
+	h.Opcode, h.SendFlags, h.Ex = u32(b, SQWQEOpcodeOffset), u32(b, sqSendFlags), u32(b, sqEx)
 	copy(h.WR[:], b[sqWR:SQWQEHdrSize])
 }
 
@@ -96,7 +97,7 @@ func (h SQWQEHdr) Encode(b []byte) {
 	put64(b, sqWRID, h.WRID)
 	put32(b, sqNumSGE, h.NumSGE)
 	put32(b, sqTotalLen, h.TotalLen)
-	put32(b, sqOpcode, h.Opcode)
+	put32(b, SQWQEOpcodeOffset, h.Opcode)
 	put32(b, sqSendFlags, h.SendFlags)
 	put32(b, sqEx, h.Ex)
 	put32(b, 28, 0)

@@ -1,4 +1,4 @@
-package vdev
+package abi
 
 // Command requests and responses of pvrdma_dev_api.h. Every request starts
 // with a CmdHdr and every response with a RespHdr (16 bytes each); the
@@ -46,15 +46,18 @@ const (
 	QuerySRQRespSize   = RespHdrSize + SRQAttrSize // 32
 )
 
-// handleReq is the shape shared by the requests that carry one u32 at
+// HandleReq is the layout shared by the requests that carry one u32 at
 // offset 16: DESTROY_UC/PD/MR/CQ/QP/SRQ (a handle), CREATE_PD (a context
 // handle) and QUERY_SRQ.
-type handleReq struct{ Handle uint32 }
+type HandleReq struct{ Handle uint32 }
 
 const reqArg0 = CmdHdrSize // first argument of every request
 
-func (r *handleReq) Decode(b []byte) { _ = b[24-1]; r.Handle = u32(b, reqArg0) }
-func (r handleReq) Encode(b []byte)  { _ = b[24-1]; put32(b, reqArg0, r.Handle); put32(b, reqArg0+4, 0) }
+// Decode reads r from b.
+func (r *HandleReq) Decode(b []byte) { _ = b[24-1]; r.Handle = u32(b, reqArg0) }
+
+// Encode writes r to b.
+func (r HandleReq) Encode(b []byte) { _ = b[24-1]; put32(b, reqArg0, r.Handle); put32(b, reqArg0+4, 0) }
 
 // QueryPort is struct pvrdma_cmd_query_port.
 type QueryPort struct{ PortNum uint8 }
@@ -142,19 +145,19 @@ func (r CreateUCResp) Encode(b []byte) { oneU32Resp{r.CtxHandle}.Encode(b) }
 type DestroyUC struct{ CtxHandle uint32 }
 
 // Decode reads r from b.
-func (r *DestroyUC) Decode(b []byte) { var v handleReq; v.Decode(b); r.CtxHandle = v.Handle }
+func (r *DestroyUC) Decode(b []byte) { var v HandleReq; v.Decode(b); r.CtxHandle = v.Handle }
 
 // Encode writes r to b.
-func (r DestroyUC) Encode(b []byte) { handleReq{r.CtxHandle}.Encode(b) }
+func (r DestroyUC) Encode(b []byte) { HandleReq{r.CtxHandle}.Encode(b) }
 
 // CreatePD is struct pvrdma_cmd_create_pd.
 type CreatePD struct{ CtxHandle uint32 }
 
 // Decode reads r from b.
-func (r *CreatePD) Decode(b []byte) { var v handleReq; v.Decode(b); r.CtxHandle = v.Handle }
+func (r *CreatePD) Decode(b []byte) { var v HandleReq; v.Decode(b); r.CtxHandle = v.Handle }
 
 // Encode writes r to b.
-func (r CreatePD) Encode(b []byte) { handleReq{r.CtxHandle}.Encode(b) }
+func (r CreatePD) Encode(b []byte) { HandleReq{r.CtxHandle}.Encode(b) }
 
 // CreatePDResp is struct pvrdma_cmd_create_pd_resp.
 type CreatePDResp struct{ PDHandle uint32 }
@@ -169,19 +172,20 @@ func (r CreatePDResp) Encode(b []byte) { oneU32Resp{r.PDHandle}.Encode(b) }
 type DestroyPD struct{ PDHandle uint32 }
 
 // Decode reads r from b.
-func (r *DestroyPD) Decode(b []byte) { var v handleReq; v.Decode(b); r.PDHandle = v.Handle }
+func (r *DestroyPD) Decode(b []byte) { var v HandleReq; v.Decode(b); r.PDHandle = v.Handle }
 
 // Encode writes r to b.
-func (r DestroyPD) Encode(b []byte) { handleReq{r.PDHandle}.Encode(b) }
+func (r DestroyPD) Encode(b []byte) { HandleReq{r.PDHandle}.Encode(b) }
 
 const (
-	cmrStart       = 16
-	cmrLength      = 24
-	cmrPDirDMA     = 32
-	cmrPDHandle    = 40
-	cmrAccessFlags = 44
-	cmrFlags       = 48
-	cmrNChunks     = 52
+	cmrStart  = 16
+	cmrLength = 24
+	// CreateMRPDirOffset is where CREATE_MR carries its page directory.
+	CreateMRPDirOffset = 32
+	cmrPDHandle        = 40
+	cmrAccessFlags     = 44
+	cmrFlags           = 48
+	cmrNChunks         = 52
 )
 
 // CreateMR is struct pvrdma_cmd_create_mr.
@@ -194,7 +198,7 @@ type CreateMR struct {
 // Decode reads r from b.
 func (r *CreateMR) Decode(b []byte) {
 	_ = b[CreateMRSize-1]
-	r.Start, r.Length, r.PDirDMA = u64(b, cmrStart), u64(b, cmrLength), u64(b, cmrPDirDMA)
+	r.Start, r.Length, r.PDirDMA = u64(b, cmrStart), u64(b, cmrLength), u64(b, CreateMRPDirOffset)
 	r.PDHandle, r.AccessFlags = u32(b, cmrPDHandle), u32(b, cmrAccessFlags)
 	r.Flags, r.NChunks = u32(b, cmrFlags), u32(b, cmrNChunks)
 }
@@ -204,7 +208,7 @@ func (r CreateMR) Encode(b []byte) {
 	_ = b[CreateMRSize-1]
 	put64(b, cmrStart, r.Start)
 	put64(b, cmrLength, r.Length)
-	put64(b, cmrPDirDMA, r.PDirDMA)
+	put64(b, CreateMRPDirOffset, r.PDirDMA)
 	put32(b, cmrPDHandle, r.PDHandle)
 	put32(b, cmrAccessFlags, r.AccessFlags)
 	put32(b, cmrFlags, r.Flags)
@@ -233,10 +237,10 @@ func (r CreateMRResp) Encode(b []byte) {
 type DestroyMR struct{ MRHandle uint32 }
 
 // Decode reads r from b.
-func (r *DestroyMR) Decode(b []byte) { var v handleReq; v.Decode(b); r.MRHandle = v.Handle }
+func (r *DestroyMR) Decode(b []byte) { var v HandleReq; v.Decode(b); r.MRHandle = v.Handle }
 
 // Encode writes r to b.
-func (r DestroyMR) Encode(b []byte) { handleReq{r.MRHandle}.Encode(b) }
+func (r DestroyMR) Encode(b []byte) { HandleReq{r.MRHandle}.Encode(b) }
 
 // CreateCQ is struct pvrdma_cmd_create_cq.
 type CreateCQ struct {
@@ -306,30 +310,32 @@ func (r ResizeCQResp) Encode(b []byte) { oneU32Resp{r.CQE}.Encode(b) }
 type DestroyCQ struct{ CQHandle uint32 }
 
 // Decode reads r from b.
-func (r *DestroyCQ) Decode(b []byte) { var v handleReq; v.Decode(b); r.CQHandle = v.Handle }
+func (r *DestroyCQ) Decode(b []byte) { var v HandleReq; v.Decode(b); r.CQHandle = v.Handle }
 
 // Encode writes r to b.
-func (r DestroyCQ) Encode(b []byte) { handleReq{r.CQHandle}.Encode(b) }
+func (r DestroyCQ) Encode(b []byte) { HandleReq{r.CQHandle}.Encode(b) }
 
 const (
-	cqpPDirDMA       = 16
-	cqpPDHandle      = 24
-	cqpSendCQHandle  = 28
-	cqpRecvCQHandle  = 32
-	cqpSRQHandle     = 36
-	cqpMaxSendWR     = 40
-	cqpMaxRecvWR     = 44
-	cqpMaxSendSGE    = 48
-	cqpMaxRecvSGE    = 52
-	cqpMaxInlineData = 56
-	cqpLKey          = 60
-	cqpAccessFlags   = 64
-	cqpTotalChunks   = 68
-	cqpSendChunks    = 70
-	cqpMaxAtomicArg  = 72
-	cqpSQSigAll      = 74
-	cqpQPType        = 75
-	cqpIsSRQ         = 76
+	// CreateQPPDirOffset is where CREATE_QP carries its page directory.
+	CreateQPPDirOffset = 16
+	cqpPDHandle        = 24
+	// CreateQPSendCQOffset is where CREATE_QP names its send CQ.
+	CreateQPSendCQOffset = 28
+	cqpRecvCQHandle      = 32
+	cqpSRQHandle         = 36
+	cqpMaxSendWR         = 40
+	cqpMaxRecvWR         = 44
+	cqpMaxSendSGE        = 48
+	cqpMaxRecvSGE        = 52
+	cqpMaxInlineData     = 56
+	cqpLKey              = 60
+	cqpAccessFlags       = 64
+	cqpTotalChunks       = 68
+	cqpSendChunks        = 70
+	cqpMaxAtomicArg      = 72
+	cqpSQSigAll          = 74
+	cqpQPType            = 75
+	cqpIsSRQ             = 76
 )
 
 // CreateQP is struct pvrdma_cmd_create_qp.
@@ -346,8 +352,8 @@ type CreateQP struct {
 // Decode reads r from b.
 func (r *CreateQP) Decode(b []byte) {
 	_ = b[CreateQPSize-1]
-	r.PDirDMA = u64(b, cqpPDirDMA)
-	r.PDHandle, r.SendCQHandle, r.RecvCQHandle = u32(b, cqpPDHandle), u32(b, cqpSendCQHandle), u32(b, cqpRecvCQHandle)
+	r.PDirDMA = u64(b, CreateQPPDirOffset)
+	r.PDHandle, r.SendCQHandle, r.RecvCQHandle = u32(b, cqpPDHandle), u32(b, CreateQPSendCQOffset), u32(b, cqpRecvCQHandle)
 	r.SRQHandle = u32(b, cqpSRQHandle)
 	r.MaxSendWR, r.MaxRecvWR = u32(b, cqpMaxSendWR), u32(b, cqpMaxRecvWR)
 	r.MaxSendSGE, r.MaxRecvSGE = u32(b, cqpMaxSendSGE), u32(b, cqpMaxRecvSGE)
@@ -360,9 +366,9 @@ func (r *CreateQP) Decode(b []byte) {
 func (r CreateQP) Encode(b []byte) {
 	_ = b[CreateQPSize-1]
 	clear(b[CmdHdrSize:CreateQPSize])
-	put64(b, cqpPDirDMA, r.PDirDMA)
+	put64(b, CreateQPPDirOffset, r.PDirDMA)
 	put32(b, cqpPDHandle, r.PDHandle)
-	put32(b, cqpSendCQHandle, r.SendCQHandle)
+	put32(b, CreateQPSendCQOffset, r.SendCQHandle)
 	put32(b, cqpRecvCQHandle, r.RecvCQHandle)
 	put32(b, cqpSRQHandle, r.SRQHandle)
 	put32(b, cqpMaxSendWR, r.MaxSendWR)
@@ -457,10 +463,10 @@ func (r QueryQPResp) Encode(b []byte) { r.Attrs.Encode(b[RespHdrSize:QueryQPResp
 type DestroyQP struct{ QPHandle uint32 }
 
 // Decode reads r from b.
-func (r *DestroyQP) Decode(b []byte) { var v handleReq; v.Decode(b); r.QPHandle = v.Handle }
+func (r *DestroyQP) Decode(b []byte) { var v HandleReq; v.Decode(b); r.QPHandle = v.Handle }
 
 // Encode writes r to b.
-func (r DestroyQP) Encode(b []byte) { handleReq{r.QPHandle}.Encode(b) }
+func (r DestroyQP) Encode(b []byte) { HandleReq{r.QPHandle}.Encode(b) }
 
 // DestroyQPResp is struct pvrdma_cmd_destroy_qp_resp.
 type DestroyQPResp struct{ EventsReported uint32 }
@@ -588,10 +594,10 @@ func (r ModifySRQ) Encode(b []byte) {
 type QuerySRQ struct{ SRQHandle uint32 }
 
 // Decode reads r from b.
-func (r *QuerySRQ) Decode(b []byte) { var v handleReq; v.Decode(b); r.SRQHandle = v.Handle }
+func (r *QuerySRQ) Decode(b []byte) { var v HandleReq; v.Decode(b); r.SRQHandle = v.Handle }
 
 // Encode writes r to b.
-func (r QuerySRQ) Encode(b []byte) { handleReq{r.SRQHandle}.Encode(b) }
+func (r QuerySRQ) Encode(b []byte) { HandleReq{r.SRQHandle}.Encode(b) }
 
 // QuerySRQResp is struct pvrdma_cmd_query_srq_resp.
 type QuerySRQResp struct{ Attrs SRQAttr }
@@ -606,7 +612,7 @@ func (r QuerySRQResp) Encode(b []byte) { r.Attrs.Encode(b[RespHdrSize:QuerySRQRe
 type DestroySRQ struct{ SRQHandle uint32 }
 
 // Decode reads r from b.
-func (r *DestroySRQ) Decode(b []byte) { var v handleReq; v.Decode(b); r.SRQHandle = v.Handle }
+func (r *DestroySRQ) Decode(b []byte) { var v HandleReq; v.Decode(b); r.SRQHandle = v.Handle }
 
 // Encode writes r to b.
-func (r DestroySRQ) Encode(b []byte) { handleReq{r.SRQHandle}.Encode(b) }
+func (r DestroySRQ) Encode(b []byte) { HandleReq{r.SRQHandle}.Encode(b) }

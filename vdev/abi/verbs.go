@@ -1,4 +1,4 @@
-package vdev
+package abi
 
 // Verbs attribute structures of pvrdma_verbs.h. Their enum fields are 32-bit
 // and numerically equal to the IB core's (and hence hostverbs') values.
