@@ -186,7 +186,7 @@ func TestCQEFlagsUserAndKernel(t *testing.T) {
 		fq := fv.qps[len(fv.qps)-1]
 		mr := g.regMR(pd, 0x10000, 4096, 1)
 		for i := range 4 {
-			q.postRecv(uint64(i), SGE{Addr: mr.iova, Length: 4096, LKey: mr.lkey})
+			q.postRecv(uint64(i), abi.SGE{Addr: mr.iova, Length: 4096, LKey: mr.lkey})
 		}
 		for _, f := range []hostverbs.WCFlags{
 			hostverbs.WCFlagGRH | hostverbs.WCFlagWithNetworkHdrTyp,
