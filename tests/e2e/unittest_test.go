@@ -198,15 +198,6 @@ func skipClasses(path, dev string) (skipSet, error) {
 	return s, nil
 }
 
-func sortedKeys[V any](m map[string]V) []string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	return keys
-}
-
 // unquotePy undoes Python's repr of a str (single or double quotes, backslash escapes
 // of the quote and backslash).
 func unquotePy(s string) string {
