@@ -289,7 +289,7 @@ func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32,
 	e := &c.cqe
 	*e = abi.CQE{
 		WRID: wc.WRID, QP: uint64(q.handle), Opcode: uint32(wc.Opcode), Status: uint32(wc.Status),
-		ByteLen: wc.ByteLen, ImmData: wc.ImmData, SrcQP: wc.SrcQP, WCFlags: uint32(wc.Flags),
+		ByteLen: wc.ByteLen, ImmData: wc.ImmData, SrcQP: wc.SrcQP, WCFlags: cqeFlags(wc.Flags, q.uar != 0),
 		VendorErr: wc.VendorErr, PKeyIndex: wc.PKeyIndex, SLID: wc.SLID, SL: wc.SL,
 		DLIDPathBits: wc.DLIDBits, PortNum: wc.Port, NetworkHdrType: uint8(wc.NetworkHdrType),
 	}
@@ -359,4 +359,45 @@ func (c *cq) unlock() {
 	if notify {
 		c.dev.pushCQNotify(c.handle)
 	}
+}
+
+// Work completion flags as user space knows them (enum ibv_wc_flags).
+// The kernel's (enum ib_wc_flags, which hostverbs.WCFlags and
+// pvrdma_wc_flags share) swap two bits and have kernel-only ones where
+// libibverbs has tag-matching bits.
+const (
+	ibvWCGRH      = 1 << 0
+	ibvWCWithImm  = 1 << 1
+	ibvWCIPCsumOK = 1 << 2
+	ibvWCWithInv  = 1 << 3
+)
+
+// cqeFlags is a CQE's wc_flags for the guest's consumer of the QP's
+// completions. Neither the kernel driver (pvrdma_poll_one) nor
+// libvmw_pvrdma (pvrdma_poll_one, cq.c) translates cqe->wc_flags: each
+// copies it into its work completion as it is. A kernel QP's CQE
+// therefore carries the kernel's flags, which hostverbs uses (with
+// WITH_NETWORK_HDR_TYPE and network_hdr_type on UD and GSI receives, as
+// ib_init_ah_attr_from_wc wants them), and a user QP's (one with a UAR) the
+// ones of ibv_wc: GRH, WITH_IMM, IP_CSUM_OK and WITH_INV at their
+// user-space bits, and no SMAC, VLAN or NETWORK_HDR_TYPE, whose bits mean
+// TM_SYNC_REQ, TM_MATCH and TM_DATA_VALID there.
+func cqeFlags(f hostverbs.WCFlags, user bool) uint32 {
+	if !user {
+		return uint32(f)
+	}
+	var u uint32
+	if f&hostverbs.WCFlagGRH != 0 {
+		u |= ibvWCGRH
+	}
+	if f&hostverbs.WCFlagWithImm != 0 {
+		u |= ibvWCWithImm
+	}
+	if f&hostverbs.WCFlagIPCsumOK != 0 {
+		u |= ibvWCIPCsumOK
+	}
+	if f&hostverbs.WCFlagWithInvalidate != 0 {
+		u |= ibvWCWithInv
+	}
+	return u
 }

@@ -138,14 +138,13 @@ func TestCompletionsBecomeCQEs(t *testing.T) {
 	_, ok := u.scq.poll()
 	assert.False(t, ok)
 
-	// GSI/UD receive fields carry through (wc_flags GRH|NETWORK_HDR_TYPE,
-	// network_hdr_type), and errors move the RC QP to ERR.
+	// A user QP's flags are user space's (TestCQEFlagsUserAndKernel), and
+	// errors move the RC QP to ERR.
 	u.fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv, ByteLen: 296,
 		Flags: hostverbs.WCFlagGRH | hostverbs.WCFlagWithNetworkHdrTyp, NetworkHdrType: hostverbs.NetworkIPv4})
 	r = u.rcq.mustPoll()
 	assert.EqualValues(t, 10, r.WRID)
-	assert.EqualValues(t, 0x41, r.WCFlags)
-	assert.EqualValues(t, 1, r.NetworkHdrType)
+	assert.EqualValues(t, 0x1, r.WCFlags, "IBV_WC_GRH")
 	u.qp.postSend(wqe(hostverbs.WRRDMAWrite, 11, 0), u.sge(0, 1))
 	u.fq.finish(t, false, 0, hostverbs.WorkCompletion{Status: hostverbs.WCRetryExcErr, Opcode: 0x55}) // opcode undefined on errors
 	e = u.scq.mustPoll()
@@ -156,6 +155,56 @@ func TestCompletionsBecomeCQEs(t *testing.T) {
 	e = u.scq.mustPoll()
 	assert.EqualValues(t, hostverbs.WCWRFlushErr, e.Status, "posted after an error completion: flushed")
 	assert.EqualValues(t, 12, e.WRID)
+}
+
+// TestCQEFlagsUserAndKernel: neither the kernel driver nor libvmw_pvrdma
+// translates a CQE's wc_flags, so the device writes each QP's consumer its
+// own: a user QP gets ibv_wc's (GRH 1, WITH_IMM 2, IP_CSUM_OK 4, WITH_INV
+// 8; nothing at 0x10-0x40, which are tag-matching bits there), a kernel
+// QP ib_wc's (GRH 1, WITH_IMM 2, WITH_INVALIDATE 4, IP_CSUM_OK 8,
+// WITH_NETWORK_HDR_TYPE 0x40 with network_hdr_type, as ib_mad's
+// ib_init_ah_attr_from_wc reads them).
+func TestCQEFlagsUserAndKernel(t *testing.T) {
+	fv := newFakeVerbs()
+	g := probedGuest(t, fv)
+	g.bindGID(0, gidA)
+	for _, c := range []struct {
+		name string
+		ctx  uint32 // the QP's context: 0 is the kernel's
+		// the CQEs' wc_flags for: a UD receive (GRH, network header type),
+		// a SEND_WITH_INV receive, a SEND_WITH_IMM receive, every bit the
+		// provider may set
+		ud, inv, imm, all uint32
+	}{
+		{name: "user", ctx: g.createUC(1), ud: 0x01, inv: 0x08, imm: 0x02, all: 0x0f},
+		{name: "kernel", ctx: 0, ud: 0x41, inv: 0x04, imm: 0x02, all: 0x7f},
+	} {
+		pd := g.createPD(c.ctx)
+		cq := g.createCQ(c.ctx, 16)
+		q := g.createQP(qpSpec{pd: pd, scq: cq, rcq: cq, typ: hostverbs.QPTypeUD, sendWR: 4, recvWR: 8, sendSGE: 1, recvSGE: 1, uar: c.ctx})
+		q.udToRTS(0x1111)
+		fq := fv.qps[len(fv.qps)-1]
+		mr := g.regMR(pd, 0x10000, 4096, 1)
+		for i := range 4 {
+			q.postRecv(uint64(i), abi.SGE{Addr: mr.iova, Length: 4096, LKey: mr.lkey})
+		}
+		for _, f := range []hostverbs.WCFlags{
+			hostverbs.WCFlagGRH | hostverbs.WCFlagWithNetworkHdrTyp,
+			hostverbs.WCFlagWithInvalidate,
+			hostverbs.WCFlagWithImm,
+			0x7f,
+		} {
+			fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv, ByteLen: 40, Flags: f,
+				NetworkHdrType: hostverbs.NetworkIPv4, ImmData: 0x1234})
+		}
+		for i, want := range []uint32{c.ud, c.inv, c.imm, c.all} {
+			e := cq.mustPoll()
+			assert.EqualValues(t, i, e.WRID, c.name)
+			assert.Equal(t, want, e.WCFlags, "%s: CQE %d", c.name, i)
+			assert.EqualValues(t, hostverbs.NetworkIPv4, e.NetworkHdrType, "%s: network_hdr_type (the provider ignores it)", c.name)
+			assert.EqualValues(t, 0x1234, e.ImmData, "%s: the immediate or invalidated key", c.name)
+		}
+	}
 }
 
 func TestCQArmAndNotify(t *testing.T) {

@@ -37,6 +37,7 @@ var cases = []struct {
 	{"SendRecvSizes", testSendRecvSizes},
 	{"WriteReadImm", testWriteReadImm},
 	{"Atomics", testAtomics},
+	{"MWBindAccess", testMWBindAccess},
 	{"UD", testUD},
 	{"RemoteAccessError", testRemoteAccessError},
 	{"LocalLengthError", testLocalLengthError},
@@ -333,6 +334,25 @@ func testAtomics(t *testing.T, env Env) {
 	a.waitOK(t, hostverbs.WCCompSwap)
 	require.Equal(t, uint64(42), getU64(a.read(t, 16, 8)))
 	require.Equal(t, uint64(42), getU64(b.read(t, 4096, 8)))
+}
+
+// testMWBindAccess: an MR registered with MW_BIND access (with local and remote write,
+// as rdma-core's memory-window tests register theirs: access 19) is a plain MR on a
+// device without memory windows: it registers, and a peer's RDMA WRITE lands through
+// its rkey.
+func testMWBindAccess(t *testing.T, env Env) {
+	a, b, qa, _ := pair(t, env, defaultRC())
+	pl, err := guestmem.NewPageList(b.pl.IOVA+3<<20, 2*guestmem.PageSize, b.pl.Pages[3<<20/guestmem.PageSize:][:2])
+	require.NoError(t, err)
+	mr, err := b.pd.RegMR(hostverbs.MRAttr{Pages: pl, Access: hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite | hostverbs.AccessMWBind})
+	require.NoError(t, err, "an MR with MW_BIND access")
+	t.Cleanup(func() { _ = mr.Dereg() })
+	data := pattern(3000, 11)
+	a.write(t, 0, data)
+	require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
+		SGL: a.sge(0, len(data)), RemoteAddr: pl.IOVA + 100, RKey: mr.RKey()}))
+	a.waitOK(t, hostverbs.WCRDMAWrite)
+	require.True(t, bytes.Equal(data, b.read(t, 3<<20+100, len(data))))
 }
 
 func putU64(b []byte, v uint64) {

@@ -113,7 +113,7 @@ func TestLimitsAndLifetimes(t *testing.T) {
 	assert.ErrorIs(t, err, hostverbs.ErrInvalid, "remote write needs local write")
 	_, err = pd.RegMR(hostverbs.MRAttr{Pages: guestmem.PageList{IOVA: 0, Length: 8192, Pages: []guestmem.GPA{0}}})
 	assert.ErrorIs(t, err, hostverbs.ErrInvalid, "page count does not cover the length")
-	_, err = pd.RegMR(hostverbs.MRAttr{Pages: pl(1), Access: hostverbs.AccessMWBind})
+	_, err = pd.RegMR(hostverbs.MRAttr{Pages: pl(1), Access: hostverbs.AccessZeroBased})
 	assert.ErrorIs(t, err, hostverbs.ErrNotSupported)
 	dma, err := pd.RegMR(hostverbs.MRAttr{Pages: guestmem.Identity(), Access: hostverbs.AccessLocalWrite})
 	require.NoError(t, err, "a DMA MR counts no bytes")

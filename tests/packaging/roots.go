@@ -43,10 +43,32 @@ func relayPackages() []string {
 	return []string{"kmod", "libibverbs1", "ibverbs-providers", "iproute2"}
 }
 
+// PyverbsPackages are what tests/e2e's TestPyverbsSuite needs in its guest's root:
+// python3-pyverbs (rdma-core 44's Python bindings, with the suite in
+// /usr/share/doc/rdma-core/tests), iproute2 (the suite runs `ip -j addr`, and pvt_rxe
+// runs `rdma link add`) and kmod (pvt_rxe's modprobe).
+func PyverbsPackages() []string {
+	return []string{"python3-pyverbs", "iproute2", "kmod"}
+}
+
 // layers are the package lists the tests install over the clean root, each into a
 // layer of its own that EnsureRoots builds ahead of the tests.
 func layers() [][]string {
-	return [][]string{relayPackages()}
+	return [][]string{relayPackages(), PyverbsPackages()}
+}
+
+// CopyRoot makes dst a copy of the clean root with pkgs installed, building the
+// root and the layer into the cache (cacheDir "" as for EnsureRoots) if they are
+// missing. Tests of other packages that boot a Debian root under systemd use it.
+func CopyRoot(ctx context.Context, cacheDir string, logf func(string, ...any), dst string, pkgs ...string) error {
+	src, err := ensureRoot(ctx, cacheDir, pkgs, logf)
+	if err != nil {
+		return err
+	}
+	if out, err := exec.CommandContext(ctx, "cp", "-a", src, dst).CombinedOutput(); err != nil {
+		return fmt.Errorf("copy the root %s: %w: %s", src, err, out)
+	}
+	return nil
 }
 
 // key is a short digest of v's JSON encoding.
