@@ -69,9 +69,9 @@ func BenchmarkWireSenderLoopback(b *testing.B) {
 		for i := range bufs {
 			bufs[i] = make([]byte, wire.MaxDatagram)
 		}
-		lens := make([]int, rxBatch)
+		out := make([][]byte, rxBatch)
 		for {
-			n, err := w.Receive(ctx, 0, bufs, lens)
+			n, err := w.Receive(ctx, 0, bufs, out)
 			if err != nil {
 				return
 			}
