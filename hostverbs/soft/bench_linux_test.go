@@ -536,6 +536,8 @@ func benchPingPong(b *testing.B, kernel bool) {
 	}
 	rtts := make([]time.Duration, b.N)
 	var ratios, ratiosH, udpMeans, udpHandoffs []float64
+	var udpCPU time.Duration
+	udpRounds := 0
 	var udpRTTs []time.Duration
 	m := meter{f: env.f}
 	var d time.Duration
@@ -560,7 +562,10 @@ func benchPingPong(b *testing.B, kernel bool) {
 		}
 		b.StopTimer()
 		ours := dr.Seconds() / float64(n) * 1e6
+		c0 := processCPU()
 		udp, u := udpPingPong(b, env.ns, 2000, false)
+		udpCPU += processCPU() - c0
+		udpRounds += len(u) + 100 // and its warm-up
 		// The same program shape over UDP: each side's reader hands the
 		// datagram to another goroutine, which answers (what a verbs
 		// consumer does with a completion).
@@ -593,6 +598,14 @@ func benchPingPong(b *testing.B, kernel bool) {
 		b.ReportMetric(p50/u50, "x_udp_pingpong_p50")
 		b.ReportMetric(p99/u99, "x_udp_pingpong_p99")
 		b.ReportMetric(median(ratiosH), "x_udp_handoff")
+		// CPU per round trip, both ends and the kernel's work for them:
+		// what the transport's round trip costs beside plain UDP's,
+		// whatever the scheduling.
+		ourCPU := m.cpu.Seconds() * 1e6 / float64(b.N)
+		udpUs := udpCPU.Seconds() * 1e6 / float64(udpRounds)
+		b.ReportMetric(ourCPU, "cpu_us/rtt")
+		b.ReportMetric(udpUs, "udp_cpu_us/rtt")
+		b.ReportMetric(ourCPU/udpUs, "x_udp_pingpong_cpu")
 	}
 }
 
