@@ -488,10 +488,14 @@ type udpTxScratch struct {
 // TTL and segment size.
 var udpTxOOB = unix.CmsgSpace(unix.SizeofInet6Pktinfo) + 2*unix.CmsgSpace(4) + unix.CmsgSpace(2)
 
+// udpTxIovs is the most datagrams one sendmmsg carries (in at most
+// BatchSize messages).
+const udpTxIovs = 4 * BatchSize
+
 func newUDPTxScratch() *udpTxScratch {
 	return &udpTxScratch{
 		hdrs: make([]unix.Mmsghdr, BatchSize), segs: make([]int, BatchSize),
-		iovs:   make([]unix.Iovec, BatchSize),
+		iovs:   make([]unix.Iovec, udpTxIovs),
 		names4: make([]unix.RawSockaddrInet4, BatchSize), names6: make([]unix.RawSockaddrInet6, BatchSize),
 		oob: make([]byte, BatchSize*udpTxOOB), raw: newTxScratch(),
 	}
