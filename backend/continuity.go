@@ -1,6 +1,7 @@
 package backend
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -64,6 +65,8 @@ type keeping struct {
 
 	mu        sync.Mutex
 	inherited map[string]*os.File // handed back by the service manager, not yet taken
+	handed    map[string]handedVM // a predecessor's hand-over state (handoverstate.go)
+	recorded  map[string][]byte   // the registrations savedVMs read, by VM
 }
 
 func newKeeping(dir string, store *FDStore, state bool, inherited map[string]*os.File, log *slog.Logger) (*keeping, error) {
@@ -100,9 +103,21 @@ func (k *keeping) read(vm, name string) ([]byte, error) {
 }
 
 // saveVM records a registration, so that a restarted daemon registers the
-// VM again (its QEMU may be connected, or may connect later).
+// VM again (its QEMU may be connected, or may connect later). A record
+// that says it already (a restarted daemon registering its VMs again) is
+// left as it is.
 func (k *keeping) saveVM(req VMRequest) {
 	b, err := json.Marshal(req)
+	k.mu.Lock()
+	old, known := k.recorded[req.Name]
+	delete(k.recorded, req.Name)
+	k.mu.Unlock()
+	if !known {
+		old, _ = k.read(req.Name, stateVM)
+	}
+	if err == nil && bytes.Equal(old, b) {
+		return
+	}
 	if err == nil {
 		err = k.writeAtomic(req.Name, stateVM, b)
 	}
@@ -144,6 +159,12 @@ func (k *keeping) savedVMs() ([]VMRequest, error) {
 			continue
 		}
 		reqs = append(reqs, req)
+		k.mu.Lock()
+		if k.recorded == nil {
+			k.recorded = map[string][]byte{}
+		}
+		k.recorded[req.Name] = b
+		k.mu.Unlock()
 	}
 	sort.Slice(reqs, func(i, j int) bool { return reqs[i].Name < reqs[j].Name })
 	return reqs, nil
@@ -243,6 +264,13 @@ type connKeeper struct {
 
 	mu  sync.Mutex
 	fds map[string]int // the connection's own descriptors, by name (a hand-over passes them)
+	// session is the session as last written (a resumed connection's as
+	// read): the same session is not written again.
+	session []byte
+	// stored names the descriptors a resumed connection was handed from
+	// the store (or by a predecessor, which stored them): their files are
+	// in the store already, so keeping them again sends nothing.
+	stored map[string]bool
 }
 
 func (c *connKeeper) Keep(name string, fd int) error {
@@ -251,8 +279,10 @@ func (c *connKeeper) Keep(name string, fd int) error {
 		c.fds = map[string]int{}
 	}
 	c.fds[name] = fd
+	stored := c.stored[name]
+	delete(c.stored, name)
 	c.mu.Unlock()
-	if c.leaving.Load() || c.k.store == nil {
+	if c.leaving.Load() || c.k.store == nil || stored {
 		return nil
 	}
 	return c.k.store.Store(c.vm+"."+name, fd)
@@ -286,10 +316,17 @@ func (c *connKeeper) Saved(s *vfiouser.Session) {
 		return
 	}
 	b, err := json.Marshal(s)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err == nil && bytes.Equal(b, c.session) {
+		return
+	}
 	if err == nil {
 		err = c.k.writeAtomic(c.vm, stateSession, b)
 	}
-	if err != nil && !c.warned.Swap(true) {
+	if err == nil {
+		c.session = b
+	} else if !c.warned.Swap(true) {
 		c.k.log.Warn("cannot save the VM's vfio-user session: a restart will cut its connection", "vm", c.vm, "err", err)
 	}
 }
@@ -306,24 +343,23 @@ func (c *connKeeper) savePCI(b []byte) {
 
 // resumable is what a restarted daemon found of a VM's connection.
 type resumable struct {
-	conn    *net.UnixConn
-	session vfiouser.Session
-	files   map[string]int
-	pci     []byte
-	journal []byte
+	conn       *net.UnixConn
+	session    vfiouser.Session
+	sessionRaw []byte // as read
+	files      map[string]int
+	pci        []byte
+	journal    []byte
+	// counters are the VM's counters as the previous process left them.
+	counters map[string]uint64
+	// stored names the descriptors taken (connKeeper.stored).
+	stored map[string]bool
 	// rebuilt is called once the device is rebuilt (or cannot be).
 	rebuilt func()
 }
 
-// loadResumable gathers a VM's kept connection: its descriptors (taken
-// from the inherited set) and its state files. It returns nil, nil when
-// there is nothing to resume.
-func (k *keeping) loadResumable(vm string) (*resumable, error) {
-	fds := k.takeInherited(vm)
-	if len(fds) == 0 {
-		k.forgetConn(vm)
-		return nil, nil
-	}
+// loadResumable gathers a VM's kept connection: its descriptors fds (taken
+// from the inherited set, at least one) and its state files.
+func (k *keeping) loadResumable(vm string, fds map[string]*os.File) (*resumable, error) {
 	closeAll := func() {
 		for _, f := range fds {
 			_ = f.Close()
@@ -343,7 +379,10 @@ func (k *keeping) loadResumable(vm string) (*resumable, error) {
 		closeAll()
 		return nil, fmt.Errorf("session: %w", err)
 	}
-	if r.pci, err = k.read(vm, statePCI); err != nil && !errors.Is(err, os.ErrNotExist) {
+	r.sessionRaw = b
+	if h, ok := k.handedVM(vm); ok && len(h.PCI) > 0 {
+		r.pci = h.PCI
+	} else if r.pci, err = k.read(vm, statePCI); err != nil && !errors.Is(err, os.ErrNotExist) {
 		closeAll()
 		return nil, fmt.Errorf("PCI state: %w", err)
 	}
@@ -351,6 +390,7 @@ func (k *keeping) loadResumable(vm string) (*resumable, error) {
 		closeAll()
 		return nil, fmt.Errorf("device journal: %w", err)
 	}
+	r.counters = k.takeCounters(vm)
 	nc, err := net.FileConn(cf)
 	_ = cf.Close()
 	delete(fds, vfiouser.ConnName)
@@ -365,6 +405,10 @@ func (k *keeping) loadResumable(vm string) (*resumable, error) {
 		return nil, fmt.Errorf("connection is a %T, not a unix socket", nc)
 	}
 	r.conn = uc
+	r.stored = map[string]bool{vfiouser.ConnName: true}
+	for name := range fds {
+		r.stored[name] = true
+	}
 	r.files = map[string]int{}
 	for name, f := range fds {
 		fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
@@ -556,8 +600,12 @@ func (k *keeping) saveCounters(vm string, c map[string]uint64) {
 	}
 }
 
-// takeCounters reads and removes the counters a predecessor left.
+// takeCounters reads and removes the counters a predecessor left (in its
+// hand-over state, or in the VM's file).
 func (k *keeping) takeCounters(vm string) map[string]uint64 {
+	if h, ok := k.handedVM(vm); ok {
+		return h.Counters
+	}
 	path := filepath.Join(k.vmDir(vm), stateCounters)
 	b, err := os.ReadFile(path)
 	_ = os.Remove(path)

@@ -26,6 +26,21 @@ type Status struct {
 	Handover   *HandoverStatus `json:"handover,omitempty"`
 	KeepsState bool            `json:"keeps_state"`
 	PID        int             `json:"pid"`
+	// Supervisor is the daemon's own supervisor, which keeps its VMs'
+	// descriptors when no service manager does (nil: none).
+	Supervisor *SupervisorStatus `json:"supervisor,omitempty"`
+}
+
+// SupervisorStatus describes the supervisor `serve` runs when not run by
+// a service manager (package supervise): the process that holds the VMs'
+// descriptors and starts the daemon's process, its worker, again if it
+// dies.
+type SupervisorStatus struct {
+	PID int `json:"pid"`
+	// Restarts counts the workers it started after one died; LastExit
+	// says how the last one ended ("killed by signal SIGKILL").
+	Restarts int    `json:"restarts"`
+	LastExit string `json:"last_exit,omitempty"`
 }
 
 // FabricStatus describes how the daemon's devices reach the network.

@@ -85,6 +85,19 @@ type Config struct {
 	// Executable is the daemon's binary, which a live upgrade execs by
 	// default (its path: after a package upgrade it is the new binary).
 	Executable string
+	// Started is when the process's command began (before New), for the
+	// part of a hand-over's pause the new image's start takes before it
+	// (HandoverStatus.ExecMS); zero if not known.
+	Started time.Time
+	// OnResumed, if set, is called once the connections a previous
+	// process left are resumed: their devices rebuilt, or the wait for
+	// them (fabricResumeWait) over; at once if there were none.
+	OnResumed func()
+	// Supervisor, if set, says FDStore is the daemon's own supervisor's
+	// (package supervise), not a service manager's: it exits with the
+	// daemon, so an orderly stop ends the VMs' connections (as without a
+	// store) instead of leaving them to it.
+	Supervisor *SupervisorStatus
 	// OnReady, if set, is called once the daemon serves (VMs resumed,
 	// control socket listening).
 	OnReady func()
@@ -186,20 +199,22 @@ func New(cfg Config) (*Daemon, error) {
 	d.metrics = newMetricsRegistry(d)
 	d.adoptAddrs()
 	d.adoptReservations()
+	keep.takeHandoverState()
+	saved, savedErr := keep.savedVMs() // before AddVM: it need not write what is recorded
 	for _, vm := range cfg.VMs {
 		if _, err := d.AddVM(vm); err != nil {
 			d.close()
 			return nil, err
 		}
 	}
-	d.restore()
+	d.restore(saved, savedErr)
 	return d, nil
 }
 
 // restore registers the VMs a previous process had (their kept
-// registrations) and resumes the connections it left in the store.
-func (d *Daemon) restore() {
-	reqs, err := d.keep.savedVMs()
+// registrations reqs, or err reading them) and resumes the connections
+// it left in the store.
+func (d *Daemon) restore(reqs []VMRequest, err error) {
 	if err != nil {
 		d.log.Warn("cannot read the kept state: VMs registered before are not registered again", "dir", d.keep.dir, "err", err)
 	}
@@ -217,36 +232,52 @@ func (d *Daemon) restore() {
 		}
 		registered++
 	}
+	d.keep.mu.Lock()
+	d.keep.recorded = nil // later registrations check the files
+	d.keep.mu.Unlock()
 	d.mu.Lock()
 	sessions := make([]*vmSession, 0, len(d.vms))
 	for _, s := range d.vms {
 		sessions = append(sessions, s)
 	}
 	d.mu.Unlock()
-	// Gather first, then start: the hand-over bookkeeping must know how
-	// many VMs resume before the first of them is rebuilt.
+	// The VMs whose connections were kept, counted before any is
+	// resumed: the hand-over bookkeeping must know how many resume before
+	// the first of them is rebuilt. Each then reads its state and is
+	// rebuilt on a goroutine of its own.
 	type todo struct {
-		s *vmSession
-		r *resumable
+		s   *vmSession
+		fds map[string]*os.File
 	}
 	var todos []todo
 	for _, s := range sessions {
-		r, err := d.keep.loadResumable(s.name)
-		if err != nil {
-			d.log.Error("cannot resume the VM's connection: its QEMU sees it close", "vm", s.name, "err", err)
-			s.forgetStored(nil)
-			continue
-		}
-		if r != nil {
-			todos = append(todos, todo{s, r})
+		if fds := d.keep.takeInherited(s.name); len(fds) > 0 {
+			todos = append(todos, todo{s, fds})
+		} else {
+			d.keep.forgetConn(s.name)
 		}
 	}
 	resumed := len(todos)
-	d.ho.fromEnv(resumed)
+	d.ho.fromEnv(resumed, d.cfg.Started)
+	servers := make([]*vfiouser.Server, 0, len(todos))
+	for _, t := range todos {
+		servers = append(servers, t.s.srv)
+	}
+	d.ho.holdResumes(servers)
 	var devices sync.WaitGroup // resumed devices rebuilt (their GIDs bound again)
 	for _, t := range todos {
 		devices.Add(1)
-		t.s.resume(t.r, devices.Done)
+		go func() {
+			r, err := d.keep.loadResumable(t.s.name, t.fds)
+			if err != nil {
+				d.log.Error("cannot resume the VM's connection: its QEMU sees it close", "vm", t.s.name, "err", err)
+				t.s.forgetStored(nil)
+				d.ho.resumed(0, 0, 0)
+				devices.Done()
+				return
+			}
+			t.s.resume(r, devices.Done)
+		}()
 	}
 	// A fabric that took its sockets over receives again once the QPs
 	// their queued packets are for are back (bounded: a VM whose device
@@ -260,6 +291,10 @@ func (d *Daemon) restore() {
 			d.log.Warn("the fabric receives again before every VM's device is rebuilt", "waited", fabricResumeWait)
 		}
 		d.fabric.resumeReceive()
+		d.persistHanded()
+		if d.cfg.OnResumed != nil {
+			d.cfg.OnResumed()
+		}
 	}()
 	if am := d.fabric.addrs; am != nil {
 		go func() {
@@ -329,7 +364,7 @@ func (d *Daemon) close() {
 			exposed = append(exposed, s.name)
 		}
 	}
-	if d.keep.store != nil {
+	if d.keep.store != nil && d.cfg.Supervisor == nil {
 		// The service manager holds every connection: leave them to it,
 		// with their state, for the next daemon.
 		for _, s := range vms {
@@ -511,6 +546,10 @@ func (d *Daemon) Status() Status {
 		st.VMs = append(st.VMs, s.status())
 	}
 	st.KeepsState, st.PID = d.keep.active(), os.Getpid()
+	if sv := d.cfg.Supervisor; sv != nil {
+		c := *sv
+		st.Supervisor = &c
+	}
 	if h := d.ho.snapshot(); h.Generation > 0 || h.Error != "" {
 		st.Handover = &h
 	}

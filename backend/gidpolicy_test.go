@@ -92,7 +92,7 @@ func FuzzGIDPolicy(f *testing.F) {
 }
 
 // TestLinkLocalGID: the VM's own link-local GID is the one the stock
-// driver binds at index 0 (OBSERVED.md: fe80::5054:ff:fe12:3456 for
+// driver binds at index 0 (seen in our guests: fe80::5054:ff:fe12:3456 for
 // 52:54:00:12:34:56).
 func TestLinkLocalGID(t *testing.T) {
 	mac := []byte{0x52, 0x54, 0, 0x12, 0x34, 0x56}

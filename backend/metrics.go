@@ -165,7 +165,7 @@ func WriteMetrics(w io.Writer, st Status) error {
 type statusCollector struct {
 	status func() Status
 
-	connected, locked, gids, refusals, reserved, resources, events, qpRate, fabricEvents *prometheus.Desc
+	connected, locked, gids, refusals, reserved, resources, events, qpRate, fabricEvents, restarts *prometheus.Desc
 }
 
 func newStatusCollector(status func() Status) *statusCollector {
@@ -181,12 +181,14 @@ func newStatusCollector(status func() Status) *statusCollector {
 		events:       prometheus.NewDesc("pvrdma_vm_events_total", "Per-VM device counters (commands, doorbells, completions, errors).", []string{"vm", "event"}, nil),
 		qpRate:       prometheus.NewDesc("pvrdma_qp_rate_bits_per_second", "Current DCQCN rate of QPs that received a CNP.", []string{"vm", "qpn"}, nil),
 		fabricEvents: prometheus.NewDesc("pvrdma_fabric_events_total", "Fabric counters (packets, drops by reason, retransmissions, CNPs, CE-marked packets).", []string{"event"}, nil),
+		restarts: prometheus.NewDesc("pvrdma_supervisor_worker_restarts_total",
+			"Times the daemon's own supervisor (serve not run by a service manager) started the daemon again after it died, keeping its VMs.", nil, nil),
 	}
 }
 
 // Describe implements prometheus.Collector.
 func (c *statusCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.connected, c.locked, c.gids, c.refusals, c.reserved, c.resources, c.events, c.qpRate, c.fabricEvents} {
+	for _, d := range []*prometheus.Desc{c.connected, c.locked, c.gids, c.refusals, c.reserved, c.resources, c.events, c.qpRate, c.fabricEvents, c.restarts} {
 		ch <- d
 	}
 }
@@ -224,6 +226,9 @@ func (c *statusCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	for _, k := range sortedKeys(st.Counters) {
 		put(c.fabricEvents, counter, float64(st.Counters[k]), k)
+	}
+	if st.Supervisor != nil {
+		put(c.restarts, counter, float64(st.Supervisor.Restarts))
 	}
 }
 

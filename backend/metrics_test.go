@@ -237,3 +237,16 @@ func TestDaemonMetrics(t *testing.T) {
 		assert.NotContains(t, mfs, h, "the disconnected VM's series are gone")
 	}
 }
+
+// TestMetricsSupervisor: a daemon run by its own supervisor exports the
+// supervisor's restarts of it; one without exports no such family.
+func TestMetricsSupervisor(t *testing.T) {
+	st := fullStatus()
+	var b strings.Builder
+	require.NoError(t, WriteMetrics(&b, st))
+	assert.NotContains(t, b.String(), "pvrdma_supervisor_")
+	st.Supervisor = &SupervisorStatus{PID: 7, Restarts: 3, LastExit: "killed by signal SIGKILL"}
+	b.Reset()
+	require.NoError(t, WriteMetrics(&b, st))
+	assert.Contains(t, b.String(), "# TYPE pvrdma_supervisor_worker_restarts_total counter\npvrdma_supervisor_worker_restarts_total 3\n")
+}

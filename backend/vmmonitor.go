@@ -14,8 +14,6 @@ import (
 	"time"
 
 	"github.com/digitalocean/go-qemu/qmp"
-
-	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
 // The daemon's own QMP monitor of each VM. QEMU connects to the VM's
@@ -474,7 +472,7 @@ func (s *vmSession) monitorState() string {
 
 // listenMonitors opens the VM's QMP socket with the VM socket's access.
 func (s *vmSession) listenMonitors() (net.Listener, error) {
-	ln, err := vfiouser.Listen(s.qmpSocket)
+	ln, err := s.listen(qmpListenerPrefix, s.qmpSocket)
 	if err != nil {
 		return nil, fmt.Errorf("QMP socket: %w", err)
 	}

@@ -45,6 +45,10 @@ type vmSession struct {
 	// identity is what the VM's sockets require of a peer (admit).
 	identity vmIdentity
 
+	// listeners are the VM's listening sockets (vfio-user, QMP), which a
+	// hand-over passes to the successor by name (handoverListeners).
+	listeners map[string]*net.UnixListener
+
 	// The daemon's QMP monitors of the VM's QEMU (vmmonitor.go).
 	qmpSocket           string
 	qmpLn               net.Listener
@@ -114,7 +118,8 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode h
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: %w", name, err)
 	}
-	ln, err := vfiouser.Listen(s.socket)
+	s.listeners = map[string]*net.UnixListener{}
+	ln, err := s.listen(vmListenerPrefix, s.socket)
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: %w", name, err)
 	}
@@ -184,14 +189,23 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		machine: s.peerMachine(h)}
 	if s.d.keep.active() {
 		c.keeper = &connKeeper{k: s.d.keep, vm: s.name}
+		if pending != nil {
+			c.keeper.session, c.keeper.stored = pending.sessionRaw, pending.stored
+		}
 		h.Keeper = c.keeper
 	}
 	var mac [6]byte
 	copy(mac[:], s.mac)
 	var events eventRelay
+	// The provider sizes its key table by its MR limit: the device's
+	// (it never registers more), not the provider's own maximum.
+	maxMR := s.d.cfg.Limits.MaxMR
+	if maxMR <= 0 {
+		maxMR = vdev.DefaultLimits().MaxMR
+	}
 	verbs, err := s.d.fabric.provider.Open(hostverbs.DeviceConfig{
 		Name: s.name, Memory: h.Memory, NodeGUID: NodeGUID(s.mac), MAC: mac, RoCEMode: s.mode,
-		Events: events.deliver, Logger: h.Logger,
+		Events: events.deliver, Logger: h.Logger, Limits: hostverbs.Limits{MaxMR: maxMR},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("VM %s: open fabric device: %w", s.name, err)
@@ -214,12 +228,16 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		}
 	}
 	if pending != nil {
+		// The hand-over's pause ends for this VM once its device serves
+		// (newDevice returns), or cannot.
+		var continued, errored, lost int
+		defer func() { s.d.ho.resumed(continued, errored, lost) }()
 		c.replaying.Store(true)
 		dev, err = s.restoreDevice(vcfg, pending.journal)
 		c.replaying.Store(false)
 		if err == nil {
 			st := dev.Stats()
-			s.d.ho.resumed(int(st.RestoreContinuedQPs), int(st.RestoreErroredQPs), int(st.RestoreLostObjects))
+			continued, errored, lost = int(st.RestoreContinuedQPs), int(st.RestoreErroredQPs), int(st.RestoreLostObjects)
 		}
 		pending.rebuilt()
 	} else {
@@ -253,7 +271,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		return nil, fmt.Errorf("VM %s: %w", s.name, err)
 	}
 	if pending != nil {
-		c.base = s.d.keep.takeCounters(s.name)
+		c.base = pending.counters
 	}
 	if pending != nil && len(pending.pci) > 0 {
 		if err := fn.RestoreState(pending.pci); err != nil {

@@ -11,7 +11,7 @@ import (
 
 func TestNodeGUIDIsEUI64(t *testing.T) {
 	mac, _ := net.ParseMAC("52:54:00:12:34:56")
-	// The value OBSERVED.md shows the driver reporting for this MAC.
+	// The value the stock driver was seen to report for this MAC.
 	assert.Equal(t, uint64(0x505400fffe123456), NodeGUID(mac))
 	assert.Equal(t, uint64(0), NodeGUID(net.HardwareAddr{1, 2}))
 }

@@ -7,8 +7,8 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// The masks the stock guest stack really sends (OBSERVED.md, MODIFY_QP as
-// carried) must all pass.
+// The masks the stock guest stack really sends (MODIFY_QP as seen from
+// bookworm's ibv_rc_pingpong and the kernel's GSI QP) must all pass.
 func TestCheckQPModifyAcceptsObservedSequences(t *testing.T) {
 	for _, tc := range []struct {
 		name      string

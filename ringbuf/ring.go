@@ -31,8 +31,8 @@ const (
 // of two dividing slots (1024 for 3072): inc wraps to 0 when i+1 == 2n
 // because bit log2(2n) of 2*slots-1 is clear, and slot(i) == i & (n-1) for
 // every i < 2n. Geometry works in those effective terms, so the device
-// writes exactly the slots the driver reads (OBSERVED.md, "CQ-notify ring
-// arithmetic").
+// writes exactly the slots the driver reads (a natural modulo-slots producer
+// would write others, and after 2n entries write indices the driver refuses).
 type Geometry struct {
 	slots uint32 // count as the driver computes it
 	n     uint32 // effective element count: lowest set bit of slots

@@ -12,8 +12,8 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
-// One test per CVE class of QEMU's former pvrdma device (REFERENCE.md
-// 1.6), driven through the BARs as a malicious guest driver would.
+// One test per CVE class published against QEMU's former pvrdma device,
+// driven through the BARs as a malicious guest driver would.
 
 // loadDSR writes a DSR built by mutate and returns ERR after ACTIVATE.
 func loadHostileDSR(g *guest, mutate func(d *abi.DSR)) uint32 {

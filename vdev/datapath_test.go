@@ -190,7 +190,7 @@ func TestCQArmAndNotify(t *testing.T) {
 	assert.EqualValues(t, 4, g.irq.count(abi.VectorCQ))
 
 	// More notifications than the notify ring's 1024 usable slots: the
-	// driver's arithmetic keeps consuming them (OBSERVED.md).
+	// driver's arithmetic (indices masked with 2*slots-1) keeps consuming them.
 	got := 0
 	for i := 0; i < 2500; i++ {
 		u.rcq.arm(abi.UARCQArm)
@@ -422,7 +422,7 @@ func TestUDSend(t *testing.T) {
 		fq.finish(t, false, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCSend})
 		assert.EqualValues(t, wrid, u.scq.mustPoll().WRID)
 	}
-	send(1, 0, 1) // a 1-entry SQ: every WQE is slot 0 (OBSERVED.md pitfall 11)
+	send(1, 0, 1) // a 1-entry SQ: every WQE is slot 0 (a prototype once consumed zero-filled WQEs here)
 	sent(1)
 	send(2, 0, 1)
 	sends, _ := fq.take()

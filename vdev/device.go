@@ -171,7 +171,8 @@ type Stats struct {
 	// ErrorCQEs counts the CQEs written with an error status other than
 	// a flush, FlushCQEs those of work requests flushed because their QP
 	// is in ERR (whoever completed them: the provider or the device). Both
-	// are logged, rate-limited, with the QP and the work request.
+	// are logged, rate-limited, with the QP and the work request (flushes
+	// at debug level: every disconnect flushes the receives left posted).
 	ErrorCQEs, FlushCQEs uint64
 }
 

@@ -241,8 +241,8 @@ func TestGIDBinding(t *testing.T) {
 	assert.False(t, g.dev.GIDs()[3].GID != hostverbs.GID{}, "a refused bind is not recorded")
 }
 
-// TestKernelGSIProbe replays what ib_core's MAD agent does at probe
-// (OBSERVED.md section 2): PD, DMA MR, CQ of 1024 in 17 pages, the GSI QP
+// TestKernelGSIProbe replays what ib_core's MAD agent does at probe (as
+// seen from the 6.1 driver): PD, DMA MR, CQ of 1024 in 17 pages, the GSI QP
 // (wr 128/512, sge 2/1, 9 pages with 4 send pages), three MODIFY_QPs, an
 // ARM and 512 single-WQE RECV doorbells.
 func TestKernelGSIProbe(t *testing.T) {

@@ -320,10 +320,7 @@ func (m *fakeFRMR) Registration() (hostverbs.MRState, hostverbs.FastReg) {
 func (f *fakeVerbs) frmrs(t testing.TB) []*fakeFRMR {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	var out []*fakeFRMR
-	for _, m := range f.frs {
-		out = append(out, m)
-	}
+	out := append([]*fakeFRMR(nil), f.frs...)
 	if len(out) == 0 {
 		t.Fatal("no fast-reg MR")
 	}

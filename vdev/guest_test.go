@@ -482,7 +482,7 @@ func (q *gqp) mustModify(mask hostverbs.AttrMask, a abi.QPAttr) {
 }
 
 // toRTS takes an RC QP through INIT, RTR and RTS with the masks
-// ibv_rc_pingpong uses (OBSERVED.md), addressing the peer.
+// ibv_rc_pingpong uses (as seen from bookworm's), addressing the peer.
 func (q *gqp) toRTS(destQPN uint32, dgid hostverbs.GID, sgid uint8) {
 	q.mustModify(0x39, abi.QPAttr{State: 1, PortNum: 1, AccessFlags: 0xf})
 	q.mustModify(0x129181, abi.QPAttr{State: 2, PathMTU: 3, DestQPNum: destQPN, MaxDestRdAtomic: 1, MinRNRTimer: 12,

@@ -66,7 +66,8 @@ func (d *Device) liveQP(ctx uint64) *qp {
 }
 
 // WQE strides: the header plus max_sge SGEs, rounded up to a power of two,
-// with the SGE count exactly as CREATE_QP carries it (OBSERVED.md pitfall 4).
+// with the SGE count exactly as CREATE_QP carries it: rdma-core 44 and later
+// do not round it, and the stride must match theirs.
 func sqStride(sge uint32) uint32 { return pow2Ceil(abi.SQWQEHdrSize + abi.SGESize*sge) }
 func rqStride(sge uint32) uint32 { return pow2Ceil(abi.RQWQEHdrSize + abi.SGESize*sge) }
 

@@ -245,8 +245,8 @@ func TestSoftEventMode(t *testing.T) {
 
 // TestSoftUDAndGSI runs UD and the kernel's GSI QP (QPN 1) between the two
 // guests: the receiver gets a 40-byte GRH before the payload, with an IPv4
-// header for v4-mapped GIDs (OBSERVED.md "Delivery that the guest CM
-// accepted").
+// header for v4-mapped GIDs (the delivery the guest's rdma_cm was seen to
+// accept).
 func TestSoftUDAndGSI(t *testing.T) {
 	f := newSoftFabric(t)
 	ga, gb := newSoftGuest(t, f, "vm-a", gidA), newSoftGuest(t, f, "vm-b", gidB)

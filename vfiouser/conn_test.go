@@ -78,7 +78,8 @@ func cfgWrite(t testing.TB, c *vfiousertest.Client, off uint64, b ...byte) {
 }
 
 // TestQEMUSequence replays, step by step, what QEMU 11's vfio-user-pci
-// sends at realize and what the guest driver then does (OBSERVED.md §1-2),
+// sends at realize and what the guest driver then does (as seen from QEMU 11
+// and the 6.1 driver),
 // and checks every answer.
 func TestQEMUSequence(t *testing.T) {
 	srv, devs := newServer(t, nil)

@@ -4,7 +4,7 @@
 // serves region reads and writes to a device's callbacks, and signals the
 // device's interrupts through the eventfds the client assigns. It knows
 // nothing about PVRDMA. The protocol is QEMU's docs/interop/vfio-user.rst
-// (version 0.0); what QEMU 11 really sends is in OBSERVED.md.
+// (version 0.0); TestQEMUSequence replays what QEMU 11 was seen to send.
 //
 // # Use
 //

@@ -133,7 +133,7 @@ func checkOutput(t testing.TB, segs []vfiouser.Segment, out [][]byte) {
 	}
 }
 
-// Seed corpus: message sequences shaped like QEMU's (see OBSERVED.md).
+// Seed corpus: message sequences shaped like those QEMU 11 sends at realize.
 func fuzzSeeds() [][]byte {
 	var id uint16
 	msg := func(cmd vfiouser.Command, flags uint32, p []byte) []byte {

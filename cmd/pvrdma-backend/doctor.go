@@ -232,16 +232,19 @@ func checkVMs(ctx context.Context, socketDir string) checkResult {
 		return ok(name, "the daemon serves %d VMs, none connected now", len(st.VMs))
 	}
 	restart := "a daemon restart, upgrade (systemctl reload) or crash keeps them (its state and their connections are kept)"
-	if !st.KeepsState {
+	switch {
+	case st.Supervisor != nil:
+		restart = fmt.Sprintf("a crash or live upgrade of the daemon keeps them (its supervisor, pid %d, holds their connections); stopping the supervisor ends them", st.Supervisor.PID)
+	case !st.KeepsState:
 		restart = "a daemon stop, restart or crash leaves every connected VM's device dead until its QEMU is restarted " +
-			"(run the daemon as the packaged service, or serve --keep-state for live upgrades)"
+			"(run the daemon as the packaged service, or serve without --no-supervisor)"
 	}
 	if len(exposed) > 0 {
 		return warn(name, "start the VMs with the arguments qemu-args or libvirt-xml print (--qmp-monitor; --qemu-uid or --qemu-cgroup unless libvirt places the QEMU in a machine cgroup)",
 			"%d VMs connected; exposed: %s; %s", len(connected), strings.Join(exposed, "; "), restart)
 	}
 	if !st.KeepsState {
-		return warn(name, "run the daemon as the packaged service (systemd keeps its VMs' connections), or serve --keep-state",
+		return warn(name, "run the daemon as the packaged service (systemd keeps its VMs' connections), or serve without --no-supervisor (its own supervisor keeps them)",
 			"%d VMs connected, each with a verified QMP monitor and an identity of its own (uid, cgroup or libvirt machine); %s", len(connected), restart)
 	}
 	return ok(name, "%d VMs connected, each with a verified QMP monitor and an identity of its own (uid, cgroup or libvirt machine); %s", len(connected), restart)
@@ -253,7 +256,7 @@ var qemuVersionRE = regexp.MustCompile(`QEMU emulator version (\d+)\.(\d+)(?:\.(
 // and memfd memory backends.
 func checkQEMU(ctx context.Context, h hostEnv, path string) checkResult {
 	const name = "qemu"
-	const install = "install QEMU >= 10.1 with vfio-user (Debian: qemu-system-x86 from trixie or bookworm-backports' trixie-backports), or pass --qemu PATH"
+	const install = "install QEMU >= 10.1 with vfio-user-pci (Debian 13: qemu-system-x86 from trixie-backports; trixie's own 10.0 lacks it and Debian 12 cannot install it), or pass --qemu PATH"
 	if path == "" {
 		p, err := h.lookPath("qemu-system-x86_64")
 		if err != nil {

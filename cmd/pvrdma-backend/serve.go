@@ -10,14 +10,17 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime/debug"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/coreos/go-systemd/v22/activation"
 	"github.com/coreos/go-systemd/v22/daemon"
 	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/supervise"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 )
 
@@ -58,6 +61,7 @@ func (l *idList) Set(v string) error {
 }
 
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	started := time.Now()
 	fs := newFlags("serve", "[flags]", stderr)
 	socketDir := fs.String("socket-dir", defaultSocketDir, "directory for the per-VM vfio-user sockets and control.sock")
 	netdev := fs.String("fabric-netdev", "", "IP mode: add bound guest GIDs as addresses on this netdev and use UDP 4791 through it")
@@ -94,7 +98,11 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	var daemonBudget sizeFlag
 	fs.Var(&daemonBudget, "daemon-memory-budget", "daemon memory all VMs' objects may cost together (default: a quarter of the host's memory)")
 	socketGroup := fs.String("socket-group", "", "group (name or number) owning the socket directory (0750) and the VM sockets (0660): the group QEMU runs in")
-	keepState := fs.Bool("keep-state", false, "keep VMs' state in <socket-dir>/state for a live upgrade (pvrdma-backend upgrade) even when not run by systemd (under systemd's file descriptor store it is kept anyway, and a crash costs no VM either)")
+	keepState := fs.Bool("keep-state", false, "with --no-supervisor: keep VMs' state in <socket-dir>/state for a live upgrade (pvrdma-backend upgrade); under systemd's file descriptor store or the supervisor it is kept anyway, with the VMs' connections, and a crash costs them only the work in flight")
+	noSupervisor := fs.Bool("no-supervisor", false, "not run by systemd (no NOTIFY_SOCKET), serve in this process instead of under the supervisor that otherwise holds the VMs' descriptors and restarts the daemon's process if it dies: for running it under another supervisor (a crash then cuts every connected VM's device)")
+	restartDelay := fs.Duration("restart-delay", supervise.DefaultRestartDelay, "supervisor: wait this long after the daemon's process died before starting it again (QEMU waits 5 s for each reply)")
+	restartBurst := fs.Int("restart-burst", supervise.DefaultBurst, "supervisor: a daemon process started more than this many times within --restart-interval is not started again: the supervisor exits with an error and its VMs lose their devices")
+	restartInterval := fs.Duration("restart-interval", supervise.DefaultInterval, "supervisor: the interval of --restart-burst")
 	var allowUIDs, allowGIDs idList
 	fs.Var(&allowUIDs, "allow-uid", "also admit peers with these user IDs on the sockets (comma-separated; root, the daemon's user and --socket-group always are)")
 	fs.Var(&allowGIDs, "allow-gid", "also admit peers with these group IDs on the sockets (comma-separated)")
@@ -158,6 +166,9 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if *tos > 255 {
 		return fmt.Errorf("--default-tos %d: must be 0..255", *tos)
 	}
+	if *restartDelay <= 0 || *restartBurst < 1 || *restartInterval <= 0 {
+		return errors.New("--restart-delay and --restart-interval must be above 0, --restart-burst at least 1")
+	}
 	var lvl slog.Level
 	if err := lvl.UnmarshalText([]byte(*level)); err != nil {
 		return fmt.Errorf("--log-level: %w", err)
@@ -188,6 +199,28 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		maxLocked = sizeFlag(uint64(si.Totalram) * uint64(si.Unit) / 4 * 3)
 	}
+	// The binary by the path it was started from (after a package
+	// upgrade, the new one): a live upgrade's default, and what the
+	// supervisor starts.
+	exe := os.Args[0]
+	if p, err := exec.LookPath(exe); err == nil {
+		if abs, err := filepath.Abs(p); err == nil {
+			exe = abs
+		}
+	} else if p, err := os.Executable(); err == nil {
+		exe = p
+	}
+	// Started by the supervisor: takes the descriptors it hands back.
+	worker, supervised := supervise.Worker()
+	if !supervised && !*noSupervisor && os.Getenv("NOTIFY_SOCKET") == "" && !handedOver() {
+		// No service manager keeps the VMs' descriptors: the supervisor
+		// does, and runs this daemon as its worker.
+		return supervise.Run(ctx, supervise.Config{
+			Path: exe, Args: append([]string{exe, "serve"}, args...),
+			RestartDelay: *restartDelay, Burst: *restartBurst, Interval: *restartInterval,
+			Logger: log,
+		})
+	}
 	setMemlock(log, uint64(maxLocked))
 	// Sockets and files are created private and opened up deliberately
 	// (backend: the socket group's sockets 0660, the control socket 0600).
@@ -212,7 +245,11 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 			}
 		}
 		if len(inherited) > 0 {
-			log.Info("descriptors handed back by systemd", "count", len(inherited))
+			from := "systemd"
+			if supervised {
+				from = "the supervisor"
+			}
+			log.Info("descriptors handed back by "+from, "count", len(inherited))
 		}
 	}
 	// Exec'd by a predecessor (a live upgrade): its VMs' descriptors.
@@ -225,17 +262,27 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 		}
 		log.Info("descriptors handed over by the previous daemon", "count", len(hf))
 	}
-	exe := os.Args[0]
-	if p, err := exec.LookPath(exe); err == nil {
-		if abs, err := filepath.Abs(p); err == nil {
-			exe = abs
-		}
+	var sup *backend.SupervisorStatus
+	if supervised && store != nil {
+		sup = &backend.SupervisorStatus{PID: worker.SupervisorPID, Restarts: worker.Restarts, LastExit: worker.LastExit}
+	}
+	// Taking VMs over (after a crash, a restart or a live upgrade), the
+	// process rebuilds their devices: what it allocates then is what they
+	// hold, not garbage, so no collection runs until they are rebuilt
+	// (it would only lengthen their pause).
+	var onResumed func()
+	if len(inherited) > 0 {
+		gc := debug.SetGCPercent(-1)
+		onResumed = func() { debug.SetGCPercent(gc) }
 	}
 	d, err := backend.New(backend.Config{
 		FDStore:    store,
+		Supervisor: sup,
 		Inherited:  inherited,
 		KeepState:  *keepState,
 		Executable: exe,
+		Started:    started,
+		OnResumed:  onResumed,
 		OnReady: func() {
 			if store != nil {
 				_, _ = daemon.SdNotify(false, daemon.SdNotifyReady)
@@ -263,7 +310,18 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) erro
 	if store != nil {
 		_, _ = daemon.SdNotify(false, daemon.SdNotifyStopping)
 	}
+	if supervised {
+		supervise.WorkerDone(worker)
+	}
 	return err
+}
+
+// handedOver reports whether this process was exec'd by a daemon handing
+// its VMs over (a live upgrade): it serves in that process, whatever ran
+// it; a supervisor of its own would take the process from under its VMs.
+func handedOver() bool {
+	_, ok := os.LookupEnv(backend.EnvGeneration)
+	return ok
 }
 
 // setMemlock sets RLIMIT_MEMLOCK to the daemon's locked-memory cap (finite:

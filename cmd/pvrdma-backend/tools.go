@@ -259,6 +259,13 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 		return enc.Encode(st)
 	}
 	fmt.Fprintf(stdout, "transport %s, fabric %s%s, sockets in %s\n", st.Transport, st.Fabric.Mode, strings.TrimSuffix(" "+st.Fabric.Netdev, " "), st.SocketDir)
+	if sv := st.Supervisor; sv != nil {
+		fmt.Fprintf(stdout, "daemon pid %d under its supervisor (pid %d), which holds the VMs' descriptors; restarts: %d", st.PID, sv.PID, sv.Restarts)
+		if sv.LastExit != "" {
+			fmt.Fprintf(stdout, " (the previous process: %s)", sv.LastExit)
+		}
+		fmt.Fprintln(stdout)
+	}
 	fab := "RoCE " + st.Fabric.RoCEMode + " by default"
 	if st.Fabric.VLAN != 0 {
 		fab += fmt.Sprintf(", VLAN %d PCP %s", st.Fabric.VLAN, st.Fabric.PCP)

@@ -28,23 +28,44 @@ type Env struct {
 	Timeout time.Duration
 }
 
+// cases are the suite's cases in the order they run.
+var cases = []struct {
+	name string
+	run  func(*testing.T, Env)
+}{
+	{"DeviceAndPort", testDeviceAndPort},
+	{"SendRecvSizes", testSendRecvSizes},
+	{"WriteReadImm", testWriteReadImm},
+	{"Atomics", testAtomics},
+	{"UD", testUD},
+	{"RemoteAccessError", testRemoteAccessError},
+	{"LocalLengthError", testLocalLengthError},
+	{"RNRRetryExceeded", testRNR},
+	{"FlushOnError", testFlush},
+	{"Limits", testLimits},
+	{"SRQ", testSRQ},
+	{"SRQLimitEvent", testSRQLimit},
+	{"FastRegistration", testFastReg},
+}
+
+// Names lists the suite's cases (a test that runs the suite elsewhere,
+// in a guest for instance, checks that each of them passed).
+func Names() []string {
+	names := make([]string, len(cases))
+	for i, c := range cases {
+		names[i] = c.name
+	}
+	return names
+}
+
 // Run runs the suite.
 func Run(t *testing.T, env Env) {
 	if env.Timeout == 0 {
 		env.Timeout = 10 * time.Second
 	}
-	t.Run("DeviceAndPort", func(t *testing.T) { testDeviceAndPort(t, env) })
-	t.Run("SendRecvSizes", func(t *testing.T) { testSendRecvSizes(t, env) })
-	t.Run("WriteReadImm", func(t *testing.T) { testWriteReadImm(t, env) })
-	t.Run("Atomics", func(t *testing.T) { testAtomics(t, env) })
-	t.Run("UD", func(t *testing.T) { testUD(t, env) })
-	t.Run("RemoteAccessError", func(t *testing.T) { testRemoteAccessError(t, env) })
-	t.Run("LocalLengthError", func(t *testing.T) { testLocalLengthError(t, env) })
-	t.Run("RNRRetryExceeded", func(t *testing.T) { testRNR(t, env) })
-	t.Run("FlushOnError", func(t *testing.T) { testFlush(t, env) })
-	t.Run("Limits", func(t *testing.T) { testLimits(t, env) })
-	t.Run("SRQ", func(t *testing.T) { testSRQ(t, env) })
-	t.Run("SRQLimitEvent", func(t *testing.T) { testSRQLimit(t, env) })
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) { c.run(t, env) })
+	}
 }
 
 // chanCQ collects completions (the handler must not block: deep channel).
@@ -484,4 +505,59 @@ func testSRQLimit(t *testing.T, env Env) {
 	case <-time.After(env.Timeout):
 		t.Fatal("no SRQ limit event")
 	}
+}
+
+// testFastReg: a provider that advertises fast registration
+// (DeviceCapMemMgtExtensions) serves it: its PDs implement FastRegPD, a
+// registration under the consumer's key is what a peer's WRITE and READ
+// resolve, a SEND with invalidate frees it (the receive completion says so
+// with the key) and the key is refused afterwards. A provider that does
+// not advertise it must not half-offer it: MaxFastRegPageListLen is 0.
+func testFastReg(t *testing.T, env Env) {
+	a, b, qa, qb := pair(t, env, defaultRC())
+	attr := b.dev.Attr()
+	if attr.DeviceCapFlags&hostverbs.DeviceCapMemMgtExtensions == 0 {
+		require.Zero(t, attr.MaxFastRegPageListLen, "no fast registration advertised, no page list length either")
+		t.Log("the provider does not advertise fast registration")
+		return
+	}
+	require.Positive(t, attr.MaxFastRegPageListLen)
+	fpd, ok := b.pd.(hostverbs.FastRegPD)
+	require.True(t, ok, "fast registration advertised: the PDs implement FastRegPD")
+	fr, err := fpd.AllocFastRegMR(hostverbs.FastRegAttr{MaxPages: 4})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = fr.Dereg() })
+	key := fr.LKey()&^0xff | (fr.LKey()+1)&0xff
+	pages := []guestmem.GPA{0x5000, 0x2000, 0x9000}
+	const iova = 0xffff888000000100
+	const length = 3*4096 - 0x100
+	pl, err := guestmem.NewPageList(iova, length, pages)
+	require.NoError(t, err)
+	require.NoError(t, fr.Register(hostverbs.FastReg{Pages: pl, Access: hostverbs.AccessLocalWrite |
+		hostverbs.AccessRemoteWrite | hostverbs.AccessRemoteRead, Key: key}))
+	data := pattern(length, 9)
+	a.write(t, 0, data)
+	require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
+		SGL: a.sge(0, length), RemoteAddr: iova, RKey: key}))
+	a.waitOK(t, hostverbs.WCRDMAWrite)
+	got := make([]byte, length)
+	require.NoError(t, pl.ReadAt(b.mem, got, iova))
+	require.True(t, bytes.Equal(data, got), "the WRITE landed on the registration's pages")
+	require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: 2, Opcode: hostverbs.WRRDMARead, Flags: hostverbs.SendSignaled,
+		SGL: a.sge(64<<10, length), RemoteAddr: iova, RKey: key}))
+	a.waitOK(t, hostverbs.WCRDMARead)
+	require.True(t, bytes.Equal(data, a.read(t, 64<<10, length)))
+	require.NoError(t, qb.PostRecv(&hostverbs.RecvWR{WRID: 3, SGL: b.sge(0, 4096)}))
+	require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: 4, Opcode: hostverbs.WRSendWithInv, Flags: hostverbs.SendSignaled,
+		SGL: a.sge(0, 32), ImmData: key}))
+	wc := b.waitOK(t, hostverbs.WCRecv)
+	require.NotZero(t, wc.Flags&hostverbs.WCFlagWithInvalidate, "%+v", wc)
+	require.Equal(t, key, wc.ImmData, "the invalidated key")
+	a.waitOK(t, hostverbs.WCSend)
+	st, _ := fr.Registration()
+	require.Equal(t, hostverbs.MRFree, st)
+	require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: 5, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
+		SGL: a.sge(0, 64), RemoteAddr: iova, RKey: key}))
+	wc = a.wait(t)
+	require.Equal(t, hostverbs.WCRemAccessErr, wc.Status, "the invalidated key is refused: %+v", wc)
 }

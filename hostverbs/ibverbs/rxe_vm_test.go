@@ -16,6 +16,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/conformance"
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
 )
 
@@ -62,8 +63,11 @@ PVRDMA_IBDEV=rxe0 /usr/bin/ibverbs.test -test.v -test.count=1 -test.timeout 6m -
 		}
 	}
 	t.Logf("conformance through the relay over kernel rxe:\n%s", strings.Join(passed, "\n"))
-	require.Len(t, passed, 12)
-	require.Equal(t, 12, strings.Count(res.Output, "--- PASS: TestConformanceRelayBusyPoll/"), "the suite with busy polling")
+	for _, c := range conformance.Names() {
+		require.Contains(t, res.Output, "--- PASS: TestConformanceRelay/"+c+" ", "the suite's case %s", c)
+		require.Contains(t, res.Output, "--- PASS: TestConformanceRelayBusyPoll/"+c+" ", "the suite's case %s with busy polling", c)
+	}
+	require.Len(t, passed, len(conformance.Names()))
 }
 
 // benchCPUs is the relay benchmark guest's vCPU count: PVRDMA_BENCH_CPUS, or 1.

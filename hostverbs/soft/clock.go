@@ -7,8 +7,8 @@ import (
 )
 
 // Clock is the time source of a Fabric: the real clock, or a ManualClock
-// that tests advance by hand so retransmission and RNR timers fire
-// deterministically.
+// that tests advance by hand (or a simulation from event to event) so that
+// timers fire, and rates and intervals are measured, deterministically.
 type Clock interface {
 	// Now returns the current time.
 	Now() time.Time
@@ -76,6 +76,18 @@ func (c *ManualClock) Advance(d time.Duration) {
 	}
 	c.now = end
 	c.mu.Unlock()
+}
+
+// Next returns when the earliest armed timer falls due; ok is false when
+// no timer is armed. A simulation advances the clock to it (or to its own
+// next event, if sooner) and nowhere else.
+func (c *ManualClock) Next() (when time.Time, ok bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.timers) == 0 {
+		return time.Time{}, false
+	}
+	return c.timers[0].when, true
 }
 
 // Pending returns the number of armed timers.

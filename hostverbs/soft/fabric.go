@@ -21,7 +21,10 @@ type Config struct {
 	// Wire carries traffic to GIDs that no device of this fabric owns. Nil
 	// means an in-process fabric: only its own devices are reachable.
 	Wire wire.Wire
-	// Clock drives retransmission and RNR timers; nil means RealClock.
+	// Clock is the fabric's time: retransmission and RNR timers, pacing,
+	// DCQCN's timers, the CNP interval and window and the READ replay
+	// budget all read it. Nil means RealClock; tests of behaviour in time
+	// use a ManualClock.
 	Clock Clock
 	// DefaultTOS is the IP TOS (DSCP << 2 | ECN) of packets whose address
 	// vector has traffic class 0: the seeds' default_roce_tos.

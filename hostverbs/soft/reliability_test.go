@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -370,21 +371,27 @@ func TestFlushOnError(t *testing.T) {
 	assert.ErrorIs(t, p.qb.PostSend(&hostverbs.SendWR{Opcode: hostverbs.WRSend}), hostverbs.ErrInvalid)
 }
 
-// A lost atomic ACK makes the requester retry; the responder must answer
-// from its replay cache, not add twice. Likewise a lost READ response is
-// replayed from memory.
+// TestReplayCache: a lost atomic ACK makes the requester retry when its
+// timer fires; the responder must answer from its replay cache, not add
+// twice, and again when that answer is lost too. A lost READ response
+// makes the requester ask again from it at once (the next response shows
+// the gap), and the responder replays it from memory. The clock is
+// manual: each retry happens when the test moves it by the timeout, after
+// the loss, so no timer fires early on a slow machine.
 func TestReplayCache(t *testing.T) {
 	o := defaultRC()
 	o.timeout = 10
-	p, net := newMemNetPair(t, o, nil, 5)
-	dropped := 0
+	p, net, clk := newManualPair(t, o)
+	var lostAtomic, lostRead atomic.Int32
 	net.SetImpairment(wire.Impairment{Drop: func(pkt []byte) bool {
 		var rp roce.Packet
-		if rp.Parse(pkt) != nil {
-			return false
-		}
-		if (rp.Op == roce.RCAtomicAcknowledge || rp.Op == roce.RCReadResponseMiddle) && dropped < 2 {
-			dropped++
+		switch {
+		case rp.Parse(pkt) != nil:
+		case rp.Op == roce.RCAtomicAcknowledge && lostAtomic.Load() < 2:
+			lostAtomic.Add(1)
+			return true
+		case rp.Op == roce.RCReadResponseMiddle && lostRead.Load() < 1:
+			lostRead.Add(1)
 			return true
 		}
 		return false
@@ -394,9 +401,16 @@ func TestReplayCache(t *testing.T) {
 	p.b.write(t, p.b.iova+128, w[:])
 	require.NoError(t, p.qa.PostSend(&hostverbs.SendWR{WRID: 61, Opcode: hostverbs.WRAtomicFetchAndAdd, Flags: hostverbs.SendSignaled,
 		SGL: sge(p.a, 0, 8), RemoteAddr: p.b.iova + 128, RKey: p.b.mr.RKey(), CompareAdd: 5}))
+	for i := range int32(2) {
+		eventually(t, "the atomic's answer lost", func() bool { return lostAtomic.Load() == i+1 })
+		p.a.ccq.none(t, 0)
+		clk.Advance(roce.LocalACKTimeout(o.timeout))
+	}
 	require.Equal(t, hostverbs.WCSuccess, p.a.ccq.wait(t, 5*time.Second).Status)
 	assert.Equal(t, uint64(1000), binary.LittleEndian.Uint64(p.a.read(t, p.a.iova, 8)))
 	assert.Equal(t, uint64(1005), binary.LittleEndian.Uint64(p.b.read(t, p.b.iova+128, 8)), "executed once")
+	assert.Equal(t, uint64(2), ctr(p.a, "retransmit_timeouts"))
+	assert.Equal(t, uint64(2), ctr(p.b, "rx_duplicate_requests"), "the atomic twice")
 	src := make([]byte, 100000)
 	fill(src, 7)
 	p.b.write(t, p.b.iova+4096, src)
@@ -404,8 +418,9 @@ func TestReplayCache(t *testing.T) {
 		SGL: sge(p.a, 1<<20, len(src)), RemoteAddr: p.b.iova + 4096, RKey: p.b.mr.RKey()}))
 	require.Equal(t, hostverbs.WCSuccess, p.a.ccq.wait(t, 5*time.Second).Status)
 	assert.True(t, bytes.Equal(src, p.a.read(t, p.a.iova+1<<20, len(src))))
-	assert.Equal(t, 2, dropped)
-	assert.NotZero(t, ctr(p.b, "rx_duplicate_requests"))
+	assert.Equal(t, int32(1), lostRead.Load())
+	assert.Equal(t, uint64(3), ctr(p.b, "rx_duplicate_requests"), "and the READ once")
+	assert.Equal(t, uint64(2), ctr(p.a, "retransmit_timeouts"), "no timer for the READ")
 }
 
 func TestUDAndGSI(t *testing.T) {

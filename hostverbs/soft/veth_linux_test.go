@@ -90,7 +90,10 @@ func newTopo(t *testing.T, imp wire.Impairment, corrupt float64, keepGSO bool, s
 			fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))
 			require.NoError(t, err)
 			require.NoError(t, unix.Bind(fd, &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ALL), Ifindex: ifi.Index}))
-			require.NoError(t, unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Usec: 20000}))
+			// Wake every 2 ms when nothing comes, so that held frames
+			// leave at their hold time when traffic stops (a tail packet
+			// held longer waits for the sender's timer instead).
+			require.NoError(t, unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Usec: 2000}))
 			mmsg.SetBuffers(fd, 16<<20)
 			// Frames come with a virtio_net_hdr: a UDP GSO super-packet
 			// (veth passes them whole) is cut into its packets here, as
@@ -391,8 +394,18 @@ func TestVethNetnsImpaired(t *testing.T) {
 				if tc.name == "clean" && !v6 {
 					netemAvailable(t, tp.m)
 				}
-				fa := newKernelFabric(t, tp.a, Config{LinkMTU: 9000, DefaultTOS: 0x48})
-				fb := newKernelFabric(t, tp.b, Config{LinkMTU: 9000, DefaultTOS: 0x48})
+				// The kernel's network runs on the machine's clock, and so
+				// do the fabrics' timers: a retransmission timer that fires
+				// while a slow machine still works through a go-back-N
+				// window resends it all again, and enough of those in a row
+				// spend the retry budget without any loss (a loaded
+				// machine did, at 1 MiB windows and 33.5 ms). So the
+				// window is 256 KiB and the timeout 67 ms: only a machine
+				// that moves less than 4 MB/s through the impairer times
+				// out without a loss.
+				cfg := Config{LinkMTU: 9000, DefaultTOS: 0x48, Window: 64}
+				fa := newKernelFabric(t, tp.a, cfg)
+				fb := newKernelFabric(t, tp.b, cfg)
 				ipa, ipb := "10.99.0.1", "10.99.0.2"
 				if v6 {
 					ipa, ipb = "fd99::1", "fd99::2"
@@ -400,7 +413,7 @@ func TestVethNetnsImpaired(t *testing.T) {
 				a := newEndpoint(t, fa, "a", ipa, 16<<20)
 				b := newEndpoint(t, fb, "b", ipb, 16<<20)
 				o := defaultRC()
-				o.timeout = 13
+				o.timeout = 14
 				qa, qb := connectRC(t, a, b, o)
 				p := pair{a, b, qa, qb}
 				icmp0 := tp.b.snmp(t, "Icmp", "OutDestUnreachs")
@@ -447,8 +460,8 @@ func TestVethNetnsImpaired(t *testing.T) {
 	}
 }
 
-// checkWireHeaders asserts what rxe puts on the wire (VM-TESTBED.md, "rxe
-// on the wire"): DF, a non-zero IPv4 ID, the TOS of the traffic class
+// checkWireHeaders asserts what rxe puts on the wire (as captured from kernel
+// rxe in the test bed): DF, a non-zero IPv4 ID, the TOS of the traffic class
 // (with ECT(0): congestion control is on),
 // UDP checksum 0, a source port in the RoCE range, P_Key 0xFFFF, ICRC valid.
 func checkWireHeaders(t *testing.T, frame []byte, v6, udpWire bool) {

@@ -15,8 +15,8 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
-// One test per CVE class of QEMU's former pvrdma device (REFERENCE.md
-// 1.6), each played by a malicious driver through vfio-user against the
+// One test per CVE class published against QEMU's former pvrdma device,
+// each played by a malicious driver through vfio-user against the
 // whole stack, each ending with the daemon serving a fresh pair of VMs
 // and the process's goroutines, descriptors and locked memory back to
 // their baseline (env.healthy).

@@ -5,8 +5,8 @@
 // eventfds, the DSR, the command slot, page directories, rings, UAR
 // doorbells), first well-behaved and then malicious.
 //
-// Its tests reproduce every CVE class of QEMU's former pvrdma device
-// (REFERENCE.md 1.6) and the latent bugs listed there, the malformed
+// Its tests reproduce every CVE class published against QEMU's former
+// pvrdma device and the latent bugs found in its final code, the malformed
 // inputs of the project's issue (bad DSR addresses, zero and huge ring
 // page counts, nchunks/length mismatches, num_sge above max, commands
 // before the DSR, out-of-range and stale handles, invalid ring index

@@ -22,14 +22,14 @@ import (
 
 // This file is the "QEMU + vmw_pvrdma probe" half of the harness: a VM is
 // one vfio-user connection to the daemon with a memfd as its RAM, and the
-// driver's probe sequence of OBSERVED.md section 2 (config space, MSI-X
-// eventfds, DSR, DSRLOW/DSRHIGH, IMR, CTL ACTIVATE, ERR) and command
-// protocol of REFERENCE.md 2.4 (slot, REQUEST, ERR, vector 0, response).
+// driver's probe sequence as the 6.1 driver was seen to run it (config
+// space, MSI-X eventfds, DSR, DSRLOW/DSRHIGH, IMR, CTL ACTIVATE, ERR) and the
+// device's command protocol (slot, REQUEST, ERR, vector 0, response).
 
 const (
 	ramSize   = 16 << 20
 	firstPage = 1 << 20 // the page allocator starts above the first MiB
-	uarPFN    = 0xfe800 // BAR2 where the firmware placed it (OBSERVED.md)
+	uarPFN    = 0xfe800 // BAR2 where the firmware was seen to place it
 	ringPages = 4       // PVRDMA_NUM_RING_PAGES
 	// irqTimeout bounds every wait for an interrupt or a completion.
 	irqTimeout = 10 * time.Second
@@ -470,7 +470,7 @@ func (v *vm) failCmd(code uint32, req encoder, errno syscall.Errno) {
 
 // Device rings (async events and CQ notifications) with the driver's
 // arithmetic: (pages-1)*4096/size slots, not a power of two, indices
-// masked with 2*slots-1 (OBSERVED.md "CQ-notify ring arithmetic").
+// masked with 2*slots-1 (ringbuf.Geometry explains the arithmetic).
 
 func ringValid(idx, max uint32) bool { return idx&^(2*max-1) == 0 }
 func ringInc(idx, max uint32) uint32 { return (idx + 1) & (2*max - 1) }

@@ -3,6 +3,7 @@ package hostile
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 )
@@ -127,8 +129,9 @@ func upgradeDaemon(tb testing.TB, ctl *backend.ControlClient, gen int) backend.H
 // WRITEs (as BenchmarkScale) and a probe pair times single WRITEs while
 // the daemon hands itself over (pvrdma-backend upgrade, exec of its own
 // binary). It reports the daemon's pause (hold to the last device
-// rebuilt), the probe's longest doorbell-to-CQE time across the hand-over
-// against its median over the run (the reference, same run), and that every
+// rebuilt) and its parts with the CPU time each took (HandoverStatus),
+// the probe's longest doorbell-to-CQE time across the hand-over against
+// its median over the run (the reference, same run), and that every
 // stream carried on without an error completion.
 func BenchmarkHandover(b *testing.B) {
 	for _, n := range handoverVMs(b) {
@@ -140,10 +143,14 @@ func BenchmarkHandover(b *testing.B) {
 				b.ReportMetric(probeMax.Seconds()*1e3, "probe_max_ms")
 				b.ReportMetric(probeMed.Seconds()*1e3, "probe_p50_ms")
 				b.ReportMetric(float64(continued), "qps_continued")
+				b.ReportMetric(h.SaveMS, "save_ms")
+				b.ReportMetric(h.StartMS, "start_ms")
+				b.ReportMetric(h.ResumeMS, "resume_ms")
 				b.Logf("vms=%d: hand-over pause %.1f ms (daemon); probe WRITE longest %.1f ms across it, median %.3f ms (%.0fx); RC QPs kept %d",
 					n, pause, probeMax.Seconds()*1e3, probeMed.Seconds()*1e3, probeMax.Seconds()/probeMed.Seconds(), continued)
-				b.Logf("vms=%d: the pause's parts: saving %.1f ms, the new binary starting %.1f ms, devices rebuilt %.1f ms",
-					n, h.SaveMS, h.StartMS, h.ResumeMS)
+				b.Logf("vms=%d: the pause's parts: saving %.1f ms (holding %.1f, draining %.1f; CPU %.1f ms), "+
+					"the new binary starting %.1f ms (exec and runtime start %.1f; CPU %.1f ms), devices rebuilt %.1f ms (CPU %.1f ms)",
+					n, h.SaveMS, h.HoldMS, h.DrainMS, h.SaveCPUMS, h.StartMS, h.ExecMS, h.StartCPUMS, h.ResumeMS, h.ResumeCPUMS)
 			}
 		})
 	}
@@ -233,6 +240,21 @@ func handoverVMs(b *testing.B) []int {
 	return ns
 }
 
+// daemonCounter returns one device counter of VM vm, as the daemon behind
+// ctl reports it.
+func daemonCounter(t *testing.T, ctl *backend.ControlClient, vm, counter string) uint64 {
+	t.Helper()
+	st, err := ctl.Status(context.Background())
+	require.NoError(t, err)
+	for _, v := range st.VMs {
+		if v.Name == vm {
+			return v.Counters[counter]
+		}
+	}
+	t.Fatalf("no VM %s", vm)
+	return 0
+}
+
 // TestUpgradeRefusedServesOn: a binary that cannot take the daemon's state
 // (here one that answers check-state with a refusal) is not exec'd: the
 // daemon holds nothing, says why in status, and its VMs' RDMA carries on;
@@ -271,7 +293,156 @@ func TestUpgradeRefusedServesOn(t *testing.T) {
 	require.Zero(t, st.Handover.Generation, "no hand-over happened")
 	write(20) // the VMs were never held
 
+	doorbells := daemonCounter(t, ctl, "r0", "doorbells")
+	require.NotZero(t, doorbells)
 	h := upgradeDaemon(t, ctl, 1)
 	require.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
+	require.GreaterOrEqual(t, daemonCounter(t, ctl, "r0", "doorbells"), doorbells, "the counters carried over")
+	write(20)
+}
+
+// TestUpgradeExecFailsServesOn: a hand-over whose exec fails after the VMs
+// were held, drained and their RC QPs' transport state saved (here a
+// binary that passes check-state and then makes itself unexecutable)
+// undoes its stages: the daemon releases its VMs, the frozen QPs take
+// packets again, their RDMA carries on, and a real hand-over after it
+// keeps the QPs' connection.
+func TestUpgradeExecFailsServesOn(t *testing.T) {
+	dir := serveProcess(t, []string{"x0", "x1"}, daemonOpts{})
+	e := externalEnv(t, dir)
+	a, b := e.pairGIDs("x0", "x1", 1, 2, 12, 7)
+	write := func(n int) {
+		t.Helper()
+		var stop atomic.Bool
+		var done atomic.Int64
+		go func() {
+			for done.Load() < int64(n)*scaleMsg {
+				time.Sleep(time.Millisecond)
+			}
+			stop.Store(true)
+		}()
+		require.NoError(t, streamWrites(a, b, &stop, &done))
+	}
+	write(20)
+	vanishing := filepath.Join(t.TempDir(), "vanishing-daemon")
+	require.NoError(t, os.WriteFile(vanishing, []byte("#!/bin/sh\nchmod a-x \"$0\"\necho '"+backend.FeaturesLine()+"'\n"), 0o755))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ctl := backend.NewControlClient(filepath.Join(dir, "control.sock"))
+	require.NoError(t, ctl.Upgrade(ctx, vanishing))
+	var st backend.Status
+	require.Eventually(t, func() bool {
+		var err error
+		st, err = ctl.Status(ctx)
+		return err == nil && st.Handover != nil && st.Handover.Error != ""
+	}, 30*time.Second, 20*time.Millisecond)
+	require.Contains(t, st.Handover.Error, "exec "+vanishing)
+	require.Zero(t, st.Handover.Generation, "no hand-over happened")
+	write(20) // released, and the QPs frozen for the successor took packets again
+
+	doorbells := daemonCounter(t, ctl, "x0", "doorbells")
+	h := upgradeDaemon(t, ctl, 1)
+	require.GreaterOrEqual(t, daemonCounter(t, ctl, "x0", "doorbells"), doorbells, "the counters carried over")
+	require.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
+	write(20)
+}
+
+// TestUpgradeKeepsListeners: a hand-over passes each VM's listening
+// sockets (vfio-user and QMP) to the new image, which serves on them
+// without binding new ones (the socket files are the same inodes, so a
+// QEMU connecting meanwhile would wait in the backlog, not be refused), and
+// a QEMU that connects after it is served.
+func TestUpgradeKeepsListeners(t *testing.T) {
+	dir := serveProcess(t, []string{"k0", "k1"}, daemonOpts{})
+	e := externalEnv(t, dir)
+	// A socket file bound again may get the inode number of the one
+	// removed; its birth time is new.
+	born := func(path string) unix.StatxTimestamp {
+		t.Helper()
+		var st unix.Statx_t
+		require.NoError(t, unix.Statx(unix.AT_FDCWD, path, 0, unix.STATX_BTIME|unix.STATX_INO, &st), path)
+		if st.Mask&unix.STATX_BTIME == 0 {
+			t.Skipf("the file system of %s keeps no birth times", path)
+		}
+		return st.Btime
+	}
+	sockets := []string{filepath.Join(dir, "k0.sock"), filepath.Join(dir, "k1.sock"), filepath.Join(dir, "k1.qmp")}
+	before := map[string]unix.StatxTimestamp{}
+	for _, p := range sockets {
+		before[p] = born(p)
+	}
+	upgradeDaemon(t, e.ctl, 1)
+	for _, p := range sockets {
+		require.Equal(t, before[p], born(p), "%s was bound again", p)
+	}
+	c, err := net.Dial("unix", filepath.Join(dir, "k1.qmp"))
+	require.NoError(t, err, "the QMP socket listens")
+	_ = c.Close()
+	a, b := e.pairGIDs("k0", "k1", 1, 2, 12, 7)
+	var stop atomic.Bool
+	var done atomic.Int64
+	go func() {
+		for done.Load() < 20*scaleMsg {
+			time.Sleep(time.Millisecond)
+		}
+		stop.Store(true)
+	}()
+	require.NoError(t, streamWrites(a, b, &stop, &done), "VMs connected after the hand-over")
+}
+
+// TestUpgradeToOlderSuccessor: a successor that lists none of the newer
+// hand-over features (here the daemon's own binary behind a script that
+// strips vm-listeners and handover-state from check-state's answer) gets
+// what an older binary takes: the PCI states and counters in the VMs'
+// files, no listening sockets. Its RC QPs keep their connection and the
+// counters carry over; the next hand-over, to a successor taking
+// everything, works as well.
+func TestUpgradeToOlderSuccessor(t *testing.T) {
+	bin := daemonBinary(t)
+	dir := serveProcess(t, []string{"o0", "o1"}, daemonOpts{bin: bin})
+	e := externalEnv(t, dir)
+	a, b := e.pairGIDs("o0", "o1", 1, 2, 12, 7)
+	write := func(n int) {
+		t.Helper()
+		var stop atomic.Bool
+		var done atomic.Int64
+		go func() {
+			for done.Load() < int64(n)*scaleMsg {
+				time.Sleep(time.Millisecond)
+			}
+			stop.Store(true)
+		}()
+		require.NoError(t, streamWrites(a, b, &stop, &done))
+	}
+	write(20)
+	older := filepath.Join(t.TempDir(), "older-daemon")
+	script := "#!/bin/sh\nif [ \"$1\" = check-state ]; then\n" +
+		"\t" + bin + " \"$@\" | sed -e 's/ " + backend.FeatureVMListeners + "//' -e 's/ " + backend.FeatureHandoverState + "//'\n" +
+		"\texit 0\nfi\nexec " + bin + " \"$@\"\n"
+	require.NoError(t, os.WriteFile(older, []byte(script), 0o755))
+	out, err := exec.Command(older, "check-state", "--state-dir", filepath.Join(dir, "state")).Output()
+	require.NoError(t, err)
+	require.NotContains(t, string(out), backend.FeatureHandoverState)
+	require.Contains(t, string(out), backend.FeatureFabricSockets)
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ctl := backend.NewControlClient(filepath.Join(dir, "control.sock"))
+	doorbells := daemonCounter(t, ctl, "o0", "doorbells")
+	require.NoError(t, ctl.Upgrade(ctx, older))
+	var h *backend.HandoverStatus
+	for h == nil || h.Generation < 1 || h.PauseMS == 0 {
+		time.Sleep(20 * time.Millisecond)
+		if st, err := ctl.Status(ctx); err == nil {
+			h = st.Handover
+		}
+		require.NoError(t, ctx.Err(), "the new daemon did not serve: last hand-over status %+v", h)
+	}
+	require.Equal(t, 2, h.Continued, "both RC QPs kept their connection")
+	require.GreaterOrEqual(t, daemonCounter(t, ctl, "o0", "doorbells"), doorbells, "the counters carried over")
+	write(20)
+
+	h2 := upgradeDaemon(t, ctl, 2)
+	require.Equal(t, 2, h2.Continued)
 	write(20)
 }

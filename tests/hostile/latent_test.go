@@ -13,7 +13,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 )
 
-// The latent bugs REFERENCE.md 1.6 lists in QEMU's final pvrdma code, one
+// The latent bugs found in QEMU's final pvrdma code (beside its CVEs), one
 // test each: an error WQE that never left its slot (a spin), a negative
 // ERR, an unvalidated UC pfn, nchunks caps, handles at or above the caps,
 // and a second DSRHIGH.

@@ -218,7 +218,7 @@ func TestHostileFastReg(t *testing.T) {
 		{func(f *abi.WRFastReg) { f.Length = 4*4096 + 1 }, hostverbs.WCLocLenErr},                        // longer than the list
 		{func(f *abi.WRFastReg) { f.IOVAStart, f.Length = ^uint64(0)-100, 4096 }, hostverbs.WCLocLenErr}, // wraps
 		{func(f *abi.WRFastReg) { f.PLPDirDMA = outsideRAM }, hostverbs.WCLocProtErr},
-		{func(f *abi.WRFastReg) { f.RKey = 0x12345600 }, hostverbs.WCLocProtErr},            // no such MR
+		{func(f *abi.WRFastReg) { f.RKey = 0x12345600 }, hostverbs.WCLocQPOpErr},            // no such MR (rxe answers the same)
 		{func(f *abi.WRFastReg) { f.AccessFlags = accRemoteWrite }, hostverbs.WCLocQPOpErr}, // remote write without local
 	} {
 		fr := good

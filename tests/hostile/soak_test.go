@@ -28,7 +28,8 @@ const rssSlack = 4 << 20
 // descriptors and locked memory are exactly back to their idle baseline
 // and the RSS is within a small constant of where it was after the first
 // sessions (issue 12: three rounds of traffic left the RSS at 9.2, 11.6,
-// 13.7 and 15.0 MB).
+// 13.7 and 15.0 MB); under the race detector, whose own memory grows with
+// the goroutines it has seen, the RSS is logged only.
 func TestSoakSessions(t *testing.T) {
 	if testing.Short() {
 		t.Skip("soak")
@@ -65,6 +66,10 @@ func TestSoakSessions(t *testing.T) {
 	end := rss(t)
 	t.Logf("%d sessions: RSS %d kB -> %d kB (%+d kB); %v (idle baseline %v)", n, start>>10, end>>10,
 		(end-start)>>10, measure(t), e.base)
+	if raceDetector {
+		t.Log("the RSS is not judged under the race detector: its own memory grows with every goroutine it has seen")
+		return
+	}
 	require.LessOrEqual(t, end, start+rssSlack, "RSS after %d sessions", n)
 }
 

@@ -15,8 +15,8 @@ import (
 
 // This file is the "verbs" half of the driver: user contexts, PDs, MRs,
 // CQs and QPs laid out in guest RAM as rdma-core's vmw_pvrdma provider and
-// the kernel driver lay them out (REFERENCE.md 2.5-2.8 and OBSERVED.md
-// "Layouts actually used"), WQEs, doorbells and CQ polling.
+// the kernel driver lay them out (the ABI's headers, and the layouts the
+// stock driver was seen to use), WQEs, doorbells and CQ polling.
 
 // Access flags (ib_access_flags).
 const (
@@ -296,7 +296,7 @@ func (q *gqp) mustModify(mask hostverbs.AttrMask, a abi.QPAttr) {
 }
 
 // toRTS takes an RC QP through INIT, RTR and RTS with ibv_rc_pingpong's
-// masks (OBSERVED.md "MODIFY_QP as carried"), addressing the peer.
+// masks (as seen from bookworm's), addressing the peer.
 func (q *gqp) toRTS(destQPN uint32, dgid hostverbs.GID) { q.toRTSRetry(destQPN, dgid, 12, 7) }
 
 // toRTSRetry is toRTS with the responder's RNR timer code and the

@@ -305,12 +305,13 @@ func previousBinary(t *testing.T) []byte {
 	out, err := arch.CombinedOutput()
 	require.NoError(t, err, "git archive HEAD~1:\n%s", out)
 	bin := filepath.Join(t.TempDir(), "pvrdma-backend")
-	// -trimpath: the source tree's path (a new temporary directory each
-	// run) stays out of the build cache's keys, so unchanged packages are
-	// not compiled again.
+	// Built as `make deb` builds the package's binary (cgo, -trimpath): the
+	// source tree's path (a new temporary directory each run) stays out of the
+	// build cache's keys, and the packages that did not change since HEAD~1
+	// come from the cache that `make deb` filled.
 	build := exec.Command("go", "build", "-trimpath", "-o", bin, "./cmd/pvrdma-backend")
 	build.Dir = src
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	build.Env = append(os.Environ(), "CGO_ENABLED=1")
 	out, err = build.CombinedOutput()
 	require.NoError(t, err, "build the previous commit:\n%s", out)
 	b, err := os.ReadFile(bin)

@@ -17,12 +17,6 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
 )
 
-// relayPackages are what the relay needs in the root besides the package: libibverbs
-// and its rxe provider, modprobe (systemd-modules-load uses libkmod; the kernel's
-// module autoloading runs /sbin/modprobe) and iproute2's rdma (the relay test counts
-// the host device's objects with it).
-var relayPackages = []string{"kmod", "libibverbs1", "ibverbs-providers", "iproute2"}
-
 // relayScenario runs in the guest under systemd, after multi-user.target: the packaged
 // unit, with README's drop-in and modules, relays a VM (hostile's driver over vfio-user)
 // to kernel rxe; then the unit without the drop-in must fail, naming /dev/infiniband.
@@ -76,7 +70,7 @@ pvt_retry 120 ibv_ud_pingpong -d rxe0 -g $g -n 100 -s 1024 -r 50 -p 18516 10.77.
 func TestPackagedRelay(t *testing.T) {
 	img, err := vm.EnsureImage(context.Background(), t.Logf)
 	require.NoError(t, err)
-	root := rootWith(t, relayPackages...)
+	root := rootWith(t, relayPackages()...)
 	deb := builtDeb(t)
 	dropIn := readmeBlock(t, "pvrdma-backend.service.d/relay.conf")
 	modulesLoad := readmeBlock(t, "/etc/modules-load.d/pvrdma-relay.conf")
@@ -165,18 +159,4 @@ func TestPackagedRelay(t *testing.T) {
 	noDropIn := steps["no-dropin-journal"].out
 	require.Regexp(t, `/dev/infiniband/uverbs\d+ is missing`, noDropIn)
 	t.Logf("without the drop-in: %s", regexp.MustCompile(`.*/dev/infiniband.*`).FindString(noDropIn))
-}
-
-// readmeBlock returns the first fenced code block of README.md after the first line
-// that mentions what: the test installs what the documentation says, verbatim.
-func readmeBlock(t *testing.T, what string) string {
-	t.Helper()
-	b, err := os.ReadFile(filepath.Join(repoRoot(t), "README.md"))
-	require.NoError(t, err)
-	s := string(b)
-	i := strings.Index(s, what)
-	require.GreaterOrEqual(t, i, 0, "README.md does not mention %s", what)
-	m := regexp.MustCompile("(?s)\n```[a-z]*\n(.*?)\n```\n").FindStringSubmatch(s[i:])
-	require.NotNil(t, m, "README.md has no code block after %s", what)
-	return m[1] + "\n"
 }

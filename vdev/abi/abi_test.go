@@ -8,8 +8,8 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// The offsets and sizes below are written out from REFERENCE.md section 2,
-// OBSERVED.md and the C headers, independently of the constants in the
+// The offsets and sizes below are written out from the PVRDMA ABI's C headers
+// and what the stock driver was seen to use, independently of the constants in the
 // package, so a slip in either shows up here (the prototype's SRQ failure
 // was a caps-offset slip).
 
