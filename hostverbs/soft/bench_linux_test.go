@@ -5,6 +5,7 @@ package soft
 import (
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/internal/mmsg"
 	"net"
+	"os"
 	"runtime"
 	"slices"
 	"sync"
@@ -38,6 +39,12 @@ import (
 //     of x_udp_blast.
 //
 // Run: go test -run XXX -bench . -benchtime 3s ./hostverbs/soft/ (root).
+// With PVRDMA_BENCH_PROFILE=1 the loopback benchmarks skip their
+// references, so that a CPU profile (-cpuprofile, perf record) holds the
+// transport alone; they then print no ratios.
+
+// benchProfile is set by PVRDMA_BENCH_PROFILE: no reference runs.
+var benchProfile = os.Getenv("PVRDMA_BENCH_PROFILE") != ""
 
 type benchEnv struct {
 	ns   *netns
@@ -377,7 +384,7 @@ func benchBulkLayout(b *testing.B, op hostverbs.WROpcode, size int, kernel, cont
 		dr := env.stream(b, op, size, depth, n)
 		m.stop()
 		d += dr
-		if !kernel {
+		if !kernel || benchProfile {
 			continue
 		}
 		b.StopTimer()
@@ -529,6 +536,8 @@ func benchPingPong(b *testing.B, kernel bool) {
 	}
 	rtts := make([]time.Duration, b.N)
 	var ratios, ratiosH, udpMeans, udpHandoffs []float64
+	var udpCPU time.Duration
+	udpRounds := 0
 	var udpRTTs []time.Duration
 	m := meter{f: env.f}
 	var d time.Duration
@@ -548,12 +557,15 @@ func benchPingPong(b *testing.B, kernel bool) {
 		m.stop()
 		d += dr
 		done += n
-		if !kernel {
+		if !kernel || benchProfile {
 			continue
 		}
 		b.StopTimer()
 		ours := dr.Seconds() / float64(n) * 1e6
+		c0 := processCPU()
 		udp, u := udpPingPong(b, env.ns, 2000, false)
+		udpCPU += processCPU() - c0
+		udpRounds += len(u) + 100 // and its warm-up
 		// The same program shape over UDP: each side's reader hands the
 		// datagram to another goroutine, which answers (what a verbs
 		// consumer does with a completion).
@@ -574,7 +586,7 @@ func benchPingPong(b *testing.B, kernel bool) {
 	p50, p99 := percentiles(rtts)
 	b.ReportMetric(p50, "rtt_p50_us")
 	b.ReportMetric(p99, "rtt_p99_us")
-	if kernel {
+	if kernel && !benchProfile {
 		u50, u99 := percentiles(udpRTTs)
 		b.ReportMetric(median(udpMeans), "udp_rtt_us")
 		b.ReportMetric(u50, "udp_rtt_p50_us")
@@ -584,7 +596,16 @@ func benchPingPong(b *testing.B, kernel bool) {
 		b.ReportMetric(slices.Min(ratios), "x_udp_pingpong_min")
 		b.ReportMetric(slices.Max(ratios), "x_udp_pingpong_max")
 		b.ReportMetric(p50/u50, "x_udp_pingpong_p50")
+		b.ReportMetric(p99/u99, "x_udp_pingpong_p99")
 		b.ReportMetric(median(ratiosH), "x_udp_handoff")
+		// CPU per round trip, both ends and the kernel's work for them:
+		// what the transport's round trip costs beside plain UDP's,
+		// whatever the scheduling.
+		ourCPU := m.cpu.Seconds() * 1e6 / float64(b.N)
+		udpUs := udpCPU.Seconds() * 1e6 / float64(udpRounds)
+		b.ReportMetric(ourCPU, "cpu_us/rtt")
+		b.ReportMetric(udpUs, "udp_cpu_us/rtt")
+		b.ReportMetric(ourCPU/udpUs, "x_udp_pingpong_cpu")
 	}
 }
 

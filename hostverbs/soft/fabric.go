@@ -319,7 +319,7 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 	for i := range bufs {
 		bufs[i] = backing[i*wire.MaxDatagram : (i+1)*wire.MaxDatagram : (i+1)*wire.MaxDatagram]
 	}
-	lens := make([]int, rxBatch)
+	out := make([][]byte, rxBatch)
 	tx := newTxBatch(f)
 	tx.rx = true
 	pw, _ := f.wire.(wire.PollingWire)
@@ -327,7 +327,7 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 	var rp roce.Packet
 	var p packet
 	for {
-		n, err := f.wire.Receive(ctx, queue, bufs, lens)
+		n, err := f.wire.Receive(ctx, queue, bufs, out)
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, hostverbs.ErrClosed) {
 				return
@@ -344,10 +344,10 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 		for i := range n {
 			if lw != nil {
 				fi := lw.Frame(queue, i)
-				f.receive(tx, bufs[i][:lens[i]], &fi, &rp, &p)
+				f.receive(tx, out[i], &fi, &rp, &p)
 				continue
 			}
-			f.receive(tx, bufs[i][:lens[i]], nil, &rp, &p)
+			f.receive(tx, out[i], nil, &rp, &p)
 		}
 		// Before sending the ACKs this work produced, let the goroutines
 		// its completions woke run (a consumer answering a message is
@@ -361,12 +361,12 @@ func (f *Fabric) receiveLoop(ctx context.Context, queue int) {
 			if pw == nil || got >= drain || time.Since(t0) >= drainTime {
 				break
 			}
-			n, err := pw.TryReceive(queue, bufs, lens)
+			n, err := pw.TryReceive(queue, bufs, out)
 			if err != nil || n == 0 {
 				break
 			}
 			for i := range n {
-				f.receiveDatagram(tx, bufs[i][:lens[i]], &rp, &p)
+				f.receiveDatagram(tx, out[i], &rp, &p)
 			}
 			got += n
 		}

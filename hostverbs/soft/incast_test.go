@@ -181,7 +181,7 @@ func markCE(pkt []byte) bool {
 
 func (p *fwdPort) Queues() int { return 1 }
 
-func (p *fwdPort) Receive(ctx context.Context, _ int, bufs [][]byte, lens []int) (int, error) {
+func (p *fwdPort) Receive(ctx context.Context, _ int, bufs, out [][]byte) (int, error) {
 	var first []byte
 	select {
 	case first = <-p.q:
@@ -190,12 +190,12 @@ func (p *fwdPort) Receive(ctx context.Context, _ int, bufs [][]byte, lens []int)
 	case <-ctx.Done():
 		return 0, ctx.Err()
 	}
-	lens[0] = copy(bufs[0], first)
+	out[0] = bufs[0][:copy(bufs[0], first)]
 	k := 1
 	for ; k < len(bufs); k++ {
 		select {
 		case pkt := <-p.q:
-			lens[k] = copy(bufs[k], pkt)
+			out[k] = bufs[k][:copy(bufs[k], pkt)]
 		default:
 			return k, nil
 		}

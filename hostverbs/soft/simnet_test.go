@@ -191,7 +191,7 @@ func (p *simPort) Transmit(pkts []wire.Datagram) (int, error) {
 func (p *simPort) Queues() int { return 1 }
 
 // Receive waits for the end: the simulator delivers datagrams itself.
-func (p *simPort) Receive(ctx context.Context, _ int, _ [][]byte, _ []int) (int, error) {
+func (p *simPort) Receive(ctx context.Context, _ int, _, _ [][]byte) (int, error) {
 	select {
 	case <-p.closed:
 		return 0, hostverbs.ErrClosed

@@ -38,8 +38,14 @@ type txSlot struct {
 // few QPs. A producer finding it full drains it itself.
 const txRingSlots = 1024
 
+// txDrainMax is the most datagrams a drainer hands the wire at once: a
+// quarter of the ring, so that runs of one flow reach the wire whole (the
+// UDP wire sends up to 15 full-MTU packets as one super-packet, and a cut
+// batch cuts a run).
+const txDrainMax = txRingSlots / 4
+
 func newTxRing(f *Fabric) *txRing {
-	r := &txRing{f: f, slots: make([]txSlot, txRingSlots), dgs: make([]wire.Datagram, txMax),
+	r := &txRing{f: f, slots: make([]txSlot, txRingSlots), dgs: make([]wire.Datagram, txDrainMax),
 		wake: make(chan struct{}, 1)}
 	backing := make([]byte, txRingSlots*wire.MaxDatagram)
 	for i := range r.slots {

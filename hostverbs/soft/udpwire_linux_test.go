@@ -250,7 +250,7 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 	p.ns.do(t, func() { w1, err = wire.NewUDPWire(wire.UDPWireConfig{Interface: "rt0", QueuesPerFamily: 2}) })
 	require.NoError(t, err)
 	w1.PauseReceive()
-	bufs, lens := make([][]byte, 64), make([]int, 64)
+	bufs, out := make([][]byte, 64), make([][]byte, 64)
 	for i := range bufs {
 		bufs[i] = make([]byte, 65536)
 	}
@@ -260,7 +260,7 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 		require.NoError(t, err)
 	}
 	time.Sleep(50 * time.Millisecond)
-	got, err := w1.TryReceive(0, bufs, lens)
+	got, err := w1.TryReceive(0, bufs, out)
 	require.NoError(t, err)
 	assert.Zero(t, got, "a paused wire takes nothing from the kernel")
 
@@ -285,7 +285,7 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 	assert.Equal(t, 4, w2.Adopted())
 	assert.Equal(t, w2.Adopted(), w2.Queues(), "no socket opened beside those taken over")
 	for q := range w2.Queues() {
-		got, err = w2.TryReceive(q, bufs, lens)
+		got, err = w2.TryReceive(q, bufs, out)
 		require.NoError(t, err)
 		assert.Zero(t, got, "paused until the successor resumes it")
 	}
@@ -298,7 +298,7 @@ func TestUDPWireInheritKeepsQueued(t *testing.T) {
 	w2.PauseReceive()
 	done := make(chan error, 1)
 	go func() {
-		_, err := w2.Receive(t.Context(), 0, bufs, lens)
+		_, err := w2.Receive(t.Context(), 0, bufs, out)
 		done <- err
 	}()
 	_, err = p.tun.Write(buildDatagram("10.98.0.2", "10.98.0.1", roce.RCWriteOnly, 256, 0, n))
@@ -534,7 +534,7 @@ func receiveQPs(t *testing.T, w *wire.UDPWire, n int) map[int]map[uint32][]uint3
 // test if fewer arrive.
 func receiveEach(t *testing.T, w *wire.UDPWire, n int, within time.Duration, each func(q int, rp *roce.Packet)) {
 	t.Helper()
-	bufs, lens := make([][]byte, 64), make([]int, 64)
+	bufs, out := make([][]byte, 64), make([][]byte, 64)
 	for i := range bufs {
 		bufs[i] = make([]byte, wire.MaxDatagram)
 	}
@@ -542,11 +542,11 @@ func receiveEach(t *testing.T, w *wire.UDPWire, n int, within time.Duration, eac
 	for deadline := time.Now().Add(within); got < n && time.Now().Before(deadline); {
 		idle := true
 		for q := range w.Queues() {
-			k, err := w.TryReceive(q, bufs, lens)
+			k, err := w.TryReceive(q, bufs, out)
 			require.NoError(t, err)
 			for i := range k {
 				var rp roce.Packet
-				require.NoError(t, rp.Parse(bufs[i][:lens[i]]))
+				require.NoError(t, rp.Parse(out[i]))
 				each(q, &rp)
 			}
 			got += k

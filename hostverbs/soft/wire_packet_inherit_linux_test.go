@@ -99,7 +99,7 @@ func (p *bridgePeer) captured(t *testing.T) []byte {
 // returns their PSNs in order of arrival.
 func receivePSNs(t *testing.T, w *wire.PacketWire, n int) []uint32 {
 	t.Helper()
-	bufs, lens := make([][]byte, 64), make([]int, 64)
+	bufs, out := make([][]byte, 64), make([][]byte, 64)
 	for i := range bufs {
 		bufs[i] = make([]byte, wire.MaxDatagram)
 	}
@@ -111,13 +111,13 @@ func receivePSNs(t *testing.T, w *wire.PacketWire, n int) []uint32 {
 	defer stop.Stop()
 	var psns []uint32
 	for len(psns) < n && ctx.Err() == nil {
-		k, err := w.Receive(ctx, 0, bufs, lens)
+		k, err := w.Receive(ctx, 0, bufs, out)
 		if err != nil {
 			break
 		}
 		for i := range k {
 			var rp roce.Packet
-			require.NoError(t, rp.Parse(bufs[i][:lens[i]]))
+			require.NoError(t, rp.Parse(out[i]))
 			psns = append(psns, uint32(rp.BTH.PSN()))
 		}
 	}
@@ -128,10 +128,10 @@ func receivePSNs(t *testing.T, w *wire.PacketWire, n int) []uint32 {
 // (its context's end).
 func receivesNothing(t *testing.T, w *wire.PacketWire, d time.Duration, msg string) {
 	t.Helper()
-	bufs, lens := [][]byte{make([]byte, wire.MaxDatagram)}, make([]int, 1)
+	bufs, out := [][]byte{make([]byte, wire.MaxDatagram)}, make([][]byte, 1)
 	ctx, cancel := context.WithTimeout(t.Context(), d)
 	defer cancel()
-	k, err := w.Receive(ctx, 0, bufs, lens)
+	k, err := w.Receive(ctx, 0, bufs, out)
 	assert.ErrorIs(t, err, context.DeadlineExceeded, msg)
 	assert.Zero(t, k, msg)
 }
@@ -225,8 +225,8 @@ func TestPacketWireInheritKeepsQueued(t *testing.T) {
 	w2.PauseReceive()
 	done := make(chan error, 1)
 	go func() {
-		bufs, lens := [][]byte{make([]byte, wire.MaxDatagram)}, make([]int, 1)
-		_, err := w2.Receive(context.Background(), 0, bufs, lens)
+		bufs, out := [][]byte{make([]byte, wire.MaxDatagram)}, make([][]byte, 1)
+		_, err := w2.Receive(context.Background(), 0, bufs, out)
 		done <- err
 	}()
 	p.send(t, n, 0)

@@ -1,9 +1,11 @@
 package soft
 
 import (
-	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
+	"encoding/binary"
 
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/internal/crc"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/roce"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 )
 
 // txBatch collects what one goroutine's work produces: packets for devices
@@ -108,15 +110,39 @@ func (t *txBatch) encode(p *packet) (ect bool) {
 	} else {
 		d, off = roce.Build(slot.buf, &net, &tf, int(p.n))
 	}
+	if !p.v1 && p.n > 0 {
+		// RoCE v2 with a payload: the ICRC runs over the payload as it
+		// is copied in (one pass over the data), then over the pad.
+		ipLen := roce.IPv4HeaderSize
+		if !v4 {
+			ipLen = roce.IPv6HeaderSize
+		}
+		c := roce.ICRCPrefix(d, ipLen, off)
+		pl := d[off : off+int(p.n)]
+		if p.data != nil {
+			c = crc.CopyUpdate(c, pl, p.data)
+		} else {
+			var err error
+			if c, err = gatherCRC(pl, p.segs, p.dataOff, c); err != nil {
+				// The sender's memory went away under it (unmapped or
+				// deregistered): send nothing; retransmission or the
+				// local checks at completion time surface the error.
+				f.ctrs.inc(cntTxErrors)
+				slot.commit(wire.Datagram{})
+				return false
+			}
+		}
+		c = crc.Update(c, d[off+int(p.n):len(d)-roce.ICRCSize])
+		binary.LittleEndian.PutUint32(d[len(d)-roce.ICRCSize:], c)
+		slot.commit(wire.Datagram{Packet: d, SrcMAC: p.smac, DstMAC: p.dmac})
+		return ect
+	}
 	switch {
 	case p.n == 0:
 	case p.data != nil:
 		copy(d[off:off+int(p.n)], p.data)
 	default:
 		if err := gather(d[off:off+int(p.n)], p.segs, p.dataOff); err != nil {
-			// The sender's memory went away under it (unmapped or
-			// deregistered): send nothing; retransmission or the local
-			// checks at completion time surface the error.
 			f.ctrs.inc(cntTxErrors)
 			slot.commit(wire.Datagram{})
 			return false
@@ -172,4 +198,34 @@ func (t *txBatch) flush() {
 		return
 	}
 	r.flushInline()
+}
+
+// gatherCRC is gather that continues the CRC state c (hash/crc32's
+// convention) over the bytes it copies, in the same pass: each page run is
+// checksummed while it is copied out of guest memory. A run without one
+// host mapping (memory served through the client, or a run across two
+// regions) is copied and then checksummed.
+func gatherCRC(dst []byte, segs []seg, off uint64, c uint32) (uint32, error) {
+	done := uint64(0)
+	err := walkSegs(segs, off, uint64(len(dst)), func(s *seg, iova, cnt uint64) error {
+		for cnt > 0 {
+			gpa, n := pageRun(&s.mr.pages, iova, cnt)
+			if n == 0 {
+				return errShortPages
+			}
+			d := dst[done : done+n]
+			if src, pin, err := s.mr.mem.Slice(gpa, n, false); err == nil {
+				c = crc.CopyUpdate(c, d, src)
+				pin.Release()
+			} else {
+				if err := s.mr.mem.ReadAt(d, gpa); err != nil {
+					return err
+				}
+				c = crc.Update(c, d)
+			}
+			done, iova, cnt = done+n, iova+n, cnt-n
+		}
+		return nil
+	})
+	return c, err
 }

@@ -3,6 +3,8 @@ package roce
 import (
 	"encoding/binary"
 	"hash/crc32"
+
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/internal/crc"
 )
 
 // The invariant CRC (IBA 7.8.1 and Annex A17.3.3) is CRC-32 (IEEE 802.3)
@@ -23,6 +25,16 @@ var icrcSeed = crc32.Update(0, crc32.IEEETable, []byte{0xff, 0xff, 0xff, 0xff, 0
 // pad and the 4-byte ICRC field, which is not covered. d must hold at least
 // ipLen + UDPHeaderSize + BTHSize + ICRCSize bytes.
 func ICRC(d []byte, ipLen int) uint32 {
+	n := ipLen + UDPHeaderSize + BTHSize
+	return crc.Update(ICRCPrefix(d, ipLen, n), d[n:len(d)-ICRCSize])
+}
+
+// ICRCPrefix returns the invariant CRC's state (hash/crc32's convention)
+// after d[:end]: the masked IP, UDP and base transport headers (ipLen is
+// 20 or 40), then d up to end, which is at or past the BTH's end. A sender
+// continues it over the payload as it writes it (crc.CopyUpdate) and over
+// the pad, and stores the result little-endian in the ICRC field.
+func ICRCPrefix(d []byte, ipLen, end int) uint32 {
 	var ps [IPv6HeaderSize + UDPHeaderSize + BTHSize]byte
 	n := copy(ps[:], d[:ipLen+UDPHeaderSize+BTHSize])
 	if ipLen == IPv4HeaderSize {
@@ -37,15 +49,7 @@ func ICRC(d []byte, ipLen int) uint32 {
 	u := ipLen
 	ps[u+6], ps[u+7] = 0xff, 0xff // UDP checksum
 	ps[u+UDPHeaderSize+bthResv8a] = 0xff
-	// The masked header is CRCed byte by byte here rather than through
-	// crc32.Update, which would move ps to the heap; the payload, where
-	// speed matters, goes through crc32's vectorised path.
-	tab := crc32.IEEETable
-	c := ^icrcSeed
-	for _, b := range ps[:n] {
-		c = tab[byte(c)^b] ^ (c >> 8)
-	}
-	return crc32.Update(^c, crc32.IEEETable, d[n:len(d)-ICRCSize])
+	return crc.Update(crc.Update(icrcSeed, ps[:n]), d[n:end])
 }
 
 // SealICRC computes the ICRC of datagram d and stores it in its last four
@@ -67,12 +71,7 @@ func ICRCv1(d []byte) uint32 {
 	ps[1], ps[2], ps[3] = 0xff, 0xff, 0xff
 	ps[7] = 0xff // hop limit
 	ps[GRHSize+bthResv8a] = 0xff
-	tab := crc32.IEEETable
-	c := ^icrcSeed
-	for _, b := range ps[:n] {
-		c = tab[byte(c)^b] ^ (c >> 8)
-	}
-	return crc32.Update(^c, crc32.IEEETable, d[n:len(d)-ICRCSize])
+	return crc.Update(crc.Update(icrcSeed, ps[:n]), d[n:len(d)-ICRCSize])
 }
 
 // SealICRCv1 computes the ICRC of RoCE v1 packet d and stores it in its

@@ -345,7 +345,7 @@ func (s *rawSock) initRecv(n int) {
 }
 
 // Receive reads a batch from queue's socket.
-func (w *KernelWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error) {
+func (w *KernelWire) Receive(ctx context.Context, queue int, bufs, out [][]byte) (int, error) {
 	if queue < 0 || queue >= len(w.rx) {
 		return 0, fmt.Errorf("kernel wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
 	}
@@ -360,7 +360,7 @@ func (w *KernelWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 	if rerr != nil {
 		return 0, fmt.Errorf("kernel wire: recvmmsg: %w", rerr)
 	}
-	w.finishRecv(s, bufs, lens, n)
+	w.finishRecv(s, bufs, out, n)
 	return n, nil
 }
 
@@ -387,18 +387,19 @@ func (w *KernelWire) prepareRecv(s *rawSock, bufs [][]byte) int {
 	return k
 }
 
-// finishRecv sets the lengths of the n datagrams received.
-func (w *KernelWire) finishRecv(s *rawSock, bufs [][]byte, lens []int, n int) {
+// finishRecv cuts the n datagrams received to their lengths.
+func (w *KernelWire) finishRecv(s *rawSock, bufs, out [][]byte, n int) {
 	for i := range n {
-		lens[i] = int(s.hdrs[i].Len)
+		l := int(s.hdrs[i].Len)
 		if s.v6 {
-			lens[i] = s.rebuildIPv6(bufs[i], i, lens[i])
+			l = s.rebuildIPv6(bufs[i], i, l)
 		}
+		out[i] = bufs[i][:l]
 	}
 }
 
 // TryReceive is Receive without waiting.
-func (w *KernelWire) TryReceive(queue int, bufs [][]byte, lens []int) (int, error) {
+func (w *KernelWire) TryReceive(queue int, bufs, out [][]byte) (int, error) {
 	if queue < 0 || queue >= len(w.rx) {
 		return 0, fmt.Errorf("kernel wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
 	}
@@ -411,7 +412,7 @@ func (w *KernelWire) TryReceive(queue int, bufs [][]byte, lens []int) (int, erro
 	if err != nil {
 		return 0, fmt.Errorf("kernel wire: recvmmsg: %w", err)
 	}
-	w.finishRecv(s, bufs, lens, n)
+	w.finishRecv(s, bufs, out, n)
 	return n, nil
 }
 

@@ -197,7 +197,7 @@ func (p *memPort) Transmit(pkts []Datagram) (int, error) {
 
 func (p *memPort) Queues() int { return 1 }
 
-func (p *memPort) Receive(ctx context.Context, _ int, bufs [][]byte, lens []int) (int, error) {
+func (p *memPort) Receive(ctx context.Context, _ int, bufs, out [][]byte) (int, error) {
 	var first []byte
 	select {
 	case first = <-p.q:
@@ -206,12 +206,12 @@ func (p *memPort) Receive(ctx context.Context, _ int, bufs [][]byte, lens []int)
 	case <-ctx.Done():
 		return 0, ctx.Err()
 	}
-	lens[0] = copy(bufs[0], first)
+	out[0] = bufs[0][:copy(bufs[0], first)]
 	k := 1
 	for k < len(bufs) {
 		select {
 		case pkt := <-p.q:
-			lens[k] = copy(bufs[k], pkt)
+			out[k] = bufs[k][:copy(bufs[k], pkt)]
 			k++
 		default:
 			return k, nil

@@ -466,10 +466,10 @@ func (w *PacketWire) Frame(queue, i int) FrameInfo {
 }
 
 // Receive reads a batch of frames, scattering each Ethernet header aside
-// so that bufs[i] starts at the IP header. While receiving is paused it
+// so that each datagram starts at the IP header. While receiving is paused it
 // waits, leaving frames in the kernel, until it resumes, the wire closes
 // or ctx is done.
-func (w *PacketWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error) {
+func (w *PacketWire) Receive(ctx context.Context, queue int, bufs, out [][]byte) (int, error) {
 	if queue != 0 {
 		return 0, fmt.Errorf("packet wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
 	}
@@ -500,23 +500,20 @@ func (w *PacketWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens
 		if rerr != nil {
 			return 0, fmt.Errorf("packet wire: recvmmsg: %w", rerr)
 		}
-		out := 0
+		k := 0
 		for i := range n {
 			l := int(w.rxHdrs[i].Len) - ethHeaderSize
 			if l <= 0 || w.rxHdrs[i].Hdr.Flags&unix.MSG_TRUNC != 0 {
 				continue // runt, or larger than MaxDatagram: not ours to take
 			}
-			if out != i {
-				bufs[out], bufs[i] = bufs[i], bufs[out]
-			}
-			lens[out] = l
+			out[k] = bufs[i][:l]
 			eth := &w.rxEth[i]
-			w.rxFrame[out] = FrameInfo{DstMAC: [6]byte(eth[0:6]),
+			w.rxFrame[k] = FrameInfo{DstMAC: [6]byte(eth[0:6]),
 				RoCEv1: binary.BigEndian.Uint16(eth[12:]) == roce.EtherTypeRoCEv1}
-			out++
+			k++
 		}
-		if out > 0 {
-			return out, nil
+		if k > 0 {
+			return k, nil
 		}
 		if ctx.Err() != nil {
 			return 0, ctx.Err()

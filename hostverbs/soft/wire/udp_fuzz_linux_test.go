@@ -3,6 +3,7 @@
 package wire
 
 import (
+	"bytes"
 	"encoding/binary"
 	"testing"
 	"unsafe"
@@ -16,7 +17,9 @@ import (
 // kernel report of any segment size, with or without the addresses:
 // nothing may panic, no packet may exceed MaxDatagram, and every packet
 // handed on that parses as RoCE must carry a valid ICRC (the wire checked
-// it, the fabric does not).
+// it, the fabric does not). The message is received twice, into slots of
+// the default size and into slots of the reported segment size (so that
+// segments are handed on in place), and both hand on the same packets.
 func FuzzUDPWireSplit(f *testing.F) {
 	payloads, seg := fuzzSeedRun()
 	f.Add(payloads, seg, false, true, uint8(0x6a))
@@ -27,7 +30,16 @@ func FuzzUDPWireSplit(f *testing.F) {
 		if len(payload) > 65507 {
 			return
 		}
-		splitAll(t, &UDPWire{}, payload, gso, v6, pktinfo, tos)
+		a := splitAll(t, &UDPWire{}, payload, gso, v6, pktinfo, tos, rxDefaultStride)
+		b := splitAll(t, &UDPWire{}, payload, gso, v6, pktinfo, tos, int(gso))
+		if len(a) != len(b) {
+			t.Fatalf("%d packets with %d-byte slots, %d with %d-byte ones", len(a), rxDefaultStride, len(b), gso)
+		}
+		for i := range a {
+			if !bytes.Equal(a[i], b[i]) {
+				t.Fatalf("packet %d differs between slot sizes", i)
+			}
+		}
 	})
 }
 
@@ -37,7 +49,7 @@ func FuzzUDPWireSplit(f *testing.F) {
 func TestUDPWireSplitCoalesced(t *testing.T) {
 	payloads, seg := fuzzSeedRun()
 	w := &UDPWire{}
-	pkts := splitAll(t, w, payloads, seg, false, true, 0)
+	pkts := splitAll(t, w, payloads, seg, false, true, 0, int(seg))
 	if len(pkts) != 3 {
 		t.Fatalf("%d packets, want 3", len(pkts))
 	}
@@ -52,7 +64,7 @@ func TestUDPWireSplitCoalesced(t *testing.T) {
 		t.Errorf("counters %v", m)
 	}
 	payloads[int(seg)+100] ^= 0x10
-	if pkts := splitAll(t, w, payloads, seg, false, true, 0); len(pkts) != 2 {
+	if pkts := splitAll(t, w, payloads, seg, false, true, 0, int(seg)); len(pkts) != 2 {
 		t.Fatalf("%d packets after corrupting the second, want 2", len(pkts))
 	}
 	w.Counters(m)
@@ -80,13 +92,20 @@ func fuzzSeedRun() ([]byte, uint16) {
 }
 
 // splitAll runs the receive path over one message as a UDP socket would
-// report it and returns the packets handed on, checking they are sound.
-func splitAll(t *testing.T, w *UDPWire, payload []byte, gso uint16, v6, pktinfo bool, tos uint8) (out [][]byte) {
+// report it, into slots of stride bytes (the default if out of range),
+// and returns the packets handed on, checking they are sound.
+func splitAll(t *testing.T, w *UDPWire, payload []byte, gso uint16, v6, pktinfo bool, tos uint8, stride int) (out [][]byte) {
 	t.Helper()
 	net := roce.NetFields{Src: [16]byte{10: 0xff, 11: 0xff, 12: 10, 15: 1}, Dst: [16]byte{10: 0xff, 11: 0xff, 12: 10, 15: 2}}
-	s := &udpRx{rawSock: rawSock{v6: v6, hdrs: make([]unix.Mmsghdr, 1), iovs: make([]unix.Iovec, 1),
-		names: make([]unix.RawSockaddrInet6, 1), oob: make([]byte, udpRxOOB)}, bufs: [][]byte{make([]byte, 65536)}}
-	copy(s.bufs[0], payload)
+	s := newUDPRxState(v6)
+	if stride >= rxMinStride && stride <= rxMaxStride {
+		s.want = stride
+		s.layout()
+	}
+	// What recvmsg does with the message's iovecs: fill slot after slot.
+	for k, rest := 0, payload; len(rest) > 0; k++ {
+		rest = rest[copy(s.slot(0, k), rest):]
+	}
 	s.hdrs[0].Len = uint32(len(payload))
 	n := 0
 	if gso != 0 {
@@ -120,21 +139,21 @@ func splitAll(t *testing.T, w *UDPWire, payload []byte, gso uint16, v6, pktinfo 
 	for i := range bufs {
 		bufs[i] = make([]byte, MaxDatagram)
 	}
-	lens := make([]int, len(bufs))
+	got := make([][]byte, len(bufs))
 	for rounds := 0; s.cur < s.msgs; rounds++ {
 		if rounds > 65536 {
 			t.Fatal("split does not advance")
 		}
-		k := w.split(s, bufs, lens)
+		k := w.split(s, bufs, got)
 		for i := range k {
-			if lens[i] > MaxDatagram || lens[i] > len(bufs[i]) {
-				t.Fatalf("packet of %d bytes", lens[i])
+			if len(got[i]) > MaxDatagram {
+				t.Fatalf("packet of %d bytes", len(got[i]))
 			}
 			var p roce.Packet
-			if p.Parse(bufs[i][:lens[i]]) == nil && !p.ICRCValid() {
+			if p.Parse(got[i]) == nil && !p.ICRCValid() {
 				t.Fatalf("packet %d handed on with a bad ICRC", i)
 			}
-			out = append(out, append([]byte(nil), bufs[i][:lens[i]]...))
+			out = append(out, append([]byte(nil), got[i]...))
 		}
 	}
 	return out

@@ -488,10 +488,14 @@ type udpTxScratch struct {
 // TTL and segment size.
 var udpTxOOB = unix.CmsgSpace(unix.SizeofInet6Pktinfo) + 2*unix.CmsgSpace(4) + unix.CmsgSpace(2)
 
+// udpTxIovs is the most datagrams one sendmmsg carries (in at most
+// BatchSize messages).
+const udpTxIovs = 4 * BatchSize
+
 func newUDPTxScratch() *udpTxScratch {
 	return &udpTxScratch{
 		hdrs: make([]unix.Mmsghdr, BatchSize), segs: make([]int, BatchSize),
-		iovs:   make([]unix.Iovec, BatchSize),
+		iovs:   make([]unix.Iovec, udpTxIovs),
 		names4: make([]unix.RawSockaddrInet4, BatchSize), names6: make([]unix.RawSockaddrInet6, BatchSize),
 		oob: make([]byte, BatchSize*udpTxOOB), raw: newTxScratch(),
 	}
@@ -722,12 +726,79 @@ func sendError(call string, err error) error {
 
 // udpRx is a port 4791 receive socket, polled by the Go runtime, with the
 // messages of its last recvmmsg that Receive has not handed out yet.
+//
+// Each message of a recvmmsg lands in its own part of arena, cut into
+// slots by one iovec each: slot k holds bytes [k*stride, (k+1)*stride) of
+// the message's UDP payload, with rxHeadroom bytes free before it. When the
+// message's segments are stride bytes long (as the bulk of a stream's are:
+// the queue learns the size from what it receives), segment k is slot k,
+// and its IP and UDP headers are rebuilt in the headroom in front of it:
+// the packet is checked and handed on where the kernel put it, not copied.
+// Segments of another size are copied out into the caller's buffers.
 type udpRx struct {
 	rawSock // the descriptor, recvmmsg state and headers
-	bufs    [][]byte
+	arena   []byte
+	// stride is the slot size the iovecs are laid out for; want is the
+	// segment size last seen coalesced, which the next recvmmsg uses.
+	stride, want int
 	// Messages not yet split: cur of msgs, from byte off.
 	msgs, cur, off int
 	meta           rxMeta
+}
+
+// The receive arena's geometry.
+const (
+	// rxHeadroom is the room for a rebuilt IPv6 and UDP header (IPv4's
+	// takes 28 of it) in front of each slot.
+	rxHeadroom = roce.IPv6HeaderSize + roce.UDPHeaderSize
+	// rxMinStride and rxMaxStride bound the slot size: segments shorter
+	// than rxMinStride would need too many iovecs, and a packet in place
+	// must fit MaxDatagram with its rebuilt header.
+	rxMinStride = 1024
+	rxMaxStride = MaxDatagram - rxHeadroom
+	// rxDefaultStride is a full 4096-byte-MTU packet without an extended
+	// header (the middle packets of WRITEs, SENDs and READ responses).
+	rxDefaultStride = roce.BTHSize + 4096 + roce.ICRCSize
+	// rxMaxMsg is the largest UDP payload a message can hold.
+	rxMaxMsg = 65536
+	// rxMaxSlots is the most slots (iovecs) a message is cut into.
+	rxMaxSlots = (rxMaxMsg + rxMinStride - 1) / rxMinStride
+	// rxMsgArena is a message's part of the arena: enough for rxMaxMsg
+	// bytes in slots of any allowed stride, with their headroom.
+	rxMsgArena = rxMaxMsg + rxMaxStride + rxMaxSlots*(rxHeadroom+16)
+)
+
+// slotLen is the arena bytes a slot of stride bytes takes, headroom
+// included, rounded up to 16.
+func slotLen(stride int) int { return (rxHeadroom + stride + 15) &^ 15 }
+
+// slotOff is the arena offset of slot k of message m.
+func (s *udpRx) slotOff(m, k int) int { return m*rxMsgArena + k*slotLen(s.stride) + rxHeadroom }
+
+// slot returns slot k of message m: the stride bytes its iovec points at.
+func (s *udpRx) slot(m, k int) []byte {
+	o := s.slotOff(m, k)
+	return s.arena[o : o+s.stride : o+s.stride]
+}
+
+// layout points every message's iovecs at its slots for s.want.
+func (s *udpRx) layout() {
+	s.stride = s.want
+	n := (rxMaxMsg + s.stride - 1) / s.stride
+	for m := range len(s.hdrs) {
+		for k := range n {
+			mmsg.SetIov(&s.iovs[m*rxMaxSlots+k], s.slot(m, k))
+		}
+	}
+}
+
+// copyOut copies n bytes from offset o of message m's payload into dst.
+func (s *udpRx) copyOut(dst []byte, m, o int) {
+	for len(dst) > 0 {
+		k, in := o/s.stride, o%s.stride
+		c := copy(dst, s.slot(m, k)[in:])
+		dst, o = dst[c:], o+c
+	}
 }
 
 // rxMeta is what the kernel reports about one received message.
@@ -847,16 +918,21 @@ func newUDPRx(fd, fam int) (*udpRx, error) {
 		f.Close()
 		return nil, err
 	}
-	s := &udpRx{rawSock: rawSock{fd: fd, file: f, rc: rc, v6: fam == unix.AF_INET6,
-		hdrs: make([]unix.Mmsghdr, udpRxMsgs), iovs: make([]unix.Iovec, udpRxMsgs),
-		names: make([]unix.RawSockaddrInet6, udpRxMsgs), oob: make([]byte, udpRxMsgs*udpRxOOB)},
-		bufs: make([][]byte, udpRxMsgs)}
-	backing := make([]byte, udpRxMsgs*65536)
-	for i := range s.bufs {
-		s.bufs[i] = backing[i*65536 : (i+1)*65536 : (i+1)*65536]
-	}
+	s := newUDPRxState(fam == unix.AF_INET6)
+	s.fd, s.file, s.rc = fd, f, rc
 	s.rxFn = s.recvReady
 	return s, nil
+}
+
+// newUDPRxState is a receive socket's buffers and headers, laid out for
+// rxDefaultStride.
+func newUDPRxState(v6 bool) *udpRx {
+	s := &udpRx{rawSock: rawSock{v6: v6,
+		hdrs: make([]unix.Mmsghdr, udpRxMsgs), iovs: make([]unix.Iovec, udpRxMsgs*rxMaxSlots),
+		names: make([]unix.RawSockaddrInet6, udpRxMsgs), oob: make([]byte, udpRxMsgs*udpRxOOB)},
+		arena: make([]byte, udpRxMsgs*rxMsgArena), want: rxDefaultStride}
+	s.layout()
+	return s
 }
 
 // adoptUDPRx takes over a predecessor's receive socket if it is one this
@@ -910,12 +986,15 @@ func isUDPRx(fd, fam int, iface string) bool {
 }
 
 func (s *udpRx) prepare() {
+	if s.want != s.stride {
+		s.layout()
+	}
+	n := (rxMaxMsg + s.stride - 1) / s.stride
 	for i := range s.hdrs {
 		h := &s.hdrs[i].Hdr
 		*h = unix.Msghdr{}
-		mmsg.SetIov(&s.iovs[i], s.bufs[i])
-		h.Iov = &s.iovs[i]
-		h.SetIovlen(1)
+		h.Iov = &s.iovs[i*rxMaxSlots]
+		h.SetIovlen(n)
 		mmsg.SetName6(h, &s.names[i])
 		oob := s.oob[i*udpRxOOB : (i+1)*udpRxOOB]
 		h.Control = &oob[0]
@@ -924,26 +1003,28 @@ func (s *udpRx) prepare() {
 }
 
 // Receive returns the next packets from queue's socket, waiting for some
-// if none is left from the last system call.
-func (w *UDPWire) Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error) {
-	return w.receive(queue, bufs, lens, true)
+// if none is left from the last system call. Packets whose segments fit
+// the queue's slots are handed on in place (out[i] a view of the wire's
+// arena), others copied into bufs.
+func (w *UDPWire) Receive(ctx context.Context, queue int, bufs, out [][]byte) (int, error) {
+	return w.receive(queue, bufs, out, true)
 }
 
 // TryReceive is Receive without waiting.
-func (w *UDPWire) TryReceive(queue int, bufs [][]byte, lens []int) (int, error) {
-	return w.receive(queue, bufs, lens, false)
+func (w *UDPWire) TryReceive(queue int, bufs, out [][]byte) (int, error) {
+	return w.receive(queue, bufs, out, false)
 }
 
 // receive hands out what is left of the last system call's messages, or
 // makes another (waiting for datagrams if wait, else returning 0).
-func (w *UDPWire) receive(queue int, bufs [][]byte, lens []int, wait bool) (int, error) {
+func (w *UDPWire) receive(queue int, bufs, out [][]byte, wait bool) (int, error) {
 	if queue < 0 || queue >= len(w.rx) {
 		return 0, fmt.Errorf("udp wire: no receive queue %d: %w", queue, hostverbs.ErrInvalid)
 	}
 	s := w.rx[queue]
 	for {
 		if s.cur < s.msgs {
-			if n := w.split(s, bufs, lens); n > 0 {
+			if n := w.split(s, bufs, out); n > 0 {
 				return n, nil
 			}
 			continue
@@ -1020,14 +1101,24 @@ func (s *udpRx) readMeta(i int) {
 		fam = unix.AF_INET6
 	}
 	m.ok = haveDst && s.names[i].Family == fam && h.Flags&unix.MSG_TRUNC == 0
+	if m.seg >= rxMinStride && m.seg <= rxMaxStride && m.seg < m.received {
+		// A coalesced run: the size the next system call's slots take.
+		s.want = m.seg
+	}
 	s.meta = m
 }
 
 // split cuts the pending messages into packets with rebuilt IP headers,
-// filling bufs; it returns how many it filled (0 when it only dropped).
-func (w *UDPWire) split(s *udpRx, bufs [][]byte, lens []int) int {
+// in place where a segment is one slot, else copied into bufs; it sets
+// out and returns how many it set (0 when it only dropped).
+func (w *UDPWire) split(s *udpRx, bufs, out [][]byte) int {
+	hl := roce.IPv4HeaderSize
+	if s.v6 {
+		hl = roce.IPv6HeaderSize
+	}
+	hdr := hl + roce.UDPHeaderSize
 	n := 0
-	for n < len(bufs) && s.cur < s.msgs {
+	for n < len(out) && n < len(bufs) && s.cur < s.msgs {
 		m := &s.meta
 		if !m.ok {
 			w.inc(udpRxDropNoInfo, 1)
@@ -1042,13 +1133,28 @@ func (w *UDPWire) split(s *udpRx, bufs [][]byte, lens []int) int {
 			s.next()
 			continue
 		}
-		payload := s.bufs[s.cur][s.off : s.off+seg]
+		o := s.off
 		s.off += seg
 		if s.off == seg && s.off < m.received {
 			w.inc(udpRxCoalesced, 1) // the first of several segments
 		}
-		if l := w.rebuild(s, bufs[n], payload); l > 0 {
-			lens[n] = l
+		var d []byte
+		switch dlen := hdr + seg; {
+		case dlen > MaxDatagram:
+			w.inc(udpRxDropOversize, 1)
+		case o%s.stride == 0 && seg <= s.stride:
+			// The segment is slot o/stride: its header goes in the
+			// headroom in front of it.
+			start := s.slotOff(s.cur, o/s.stride)
+			d = s.arena[start-hdr : start+seg : start+seg]
+		case dlen > len(bufs[n]):
+			w.inc(udpRxDropOversize, 1)
+		default:
+			d = bufs[n][:dlen]
+			s.copyOut(d[hdr:], s.cur, o)
+		}
+		if d != nil && w.rebuild(s, d) {
+			out[n] = d
 			n++
 		}
 		if s.off >= m.received {
@@ -1067,24 +1173,22 @@ func (s *udpRx) next() {
 	}
 }
 
-// rebuild writes the IP and UDP headers in front of one packet's UDP
-// payload in b and returns the datagram length, 0 if it is dropped.
-func (w *UDPWire) rebuild(s *udpRx, b, payload []byte) int {
+// rebuild writes the IP and UDP headers at the front of datagram d, whose
+// UDP payload is in place after them, and checks its ICRC (for IPv4,
+// finding the ID and DF it was computed over); it reports false, and
+// counts, when the packet is dropped.
+func (w *UDPWire) rebuild(s *udpRx, d []byte) bool {
 	m := &s.meta
 	src := &s.names[s.cur]
 	hl := roce.IPv4HeaderSize
 	if s.v6 {
 		hl = roce.IPv6HeaderSize
 	}
-	dlen := hl + roce.UDPHeaderSize + len(payload)
-	if dlen > len(b) || dlen > MaxDatagram {
-		w.inc(udpRxDropOversize, 1)
-		return 0
-	}
-	d := b[:dlen]
+	dlen := len(d)
+	plen := dlen - hl - roce.UDPHeaderSize
 	if s.v6 {
 		binary.BigEndian.PutUint32(d[0:], 6<<28|uint32(m.tclass)<<20)
-		binary.BigEndian.PutUint16(d[4:], uint16(roce.UDPHeaderSize+len(payload)))
+		binary.BigEndian.PutUint16(d[4:], uint16(roce.UDPHeaderSize+plen))
 		d[6] = unix.IPPROTO_UDP
 		d[7] = m.hop
 		copy(d[8:24], src.Addr[:])
@@ -1105,29 +1209,28 @@ func (w *UDPWire) rebuild(s *udpRx, b, payload []byte) int {
 	u := d[hl:]
 	copy(u[0:2], (*[2]byte)(unsafe.Pointer(&src.Port))[:]) // network order already
 	binary.BigEndian.PutUint16(u[2:], roce.UDPPort)
-	binary.BigEndian.PutUint16(u[4:], uint16(roce.UDPHeaderSize+len(payload)))
+	binary.BigEndian.PutUint16(u[4:], uint16(roce.UDPHeaderSize+plen))
 	u[6], u[7] = 0, 0
-	copy(u[roce.UDPHeaderSize:], payload)
-	if len(payload) < roce.BTHSize+roce.ICRCSize {
-		return dlen // too short to be RoCE: the fabric's parser drops it
+	if plen < roce.BTHSize+roce.ICRCSize {
+		return true // too short to be RoCE: the fabric's parser drops it
 	}
 	if s.v6 {
 		if binary.LittleEndian.Uint32(d[dlen-roce.ICRCSize:]) != roce.ICRC(d, roce.IPv6HeaderSize) {
 			w.inc(udpRxDropICRC, 1)
-			return 0
+			return false
 		}
-		return dlen
+		return true
 	}
 	guess := m.nextID
 	if !w.ids.RecoverIPv4ID(d) {
 		m.nextID++
 		w.inc(udpRxDropICRC, 1)
-		return 0
+		return false
 	}
 	id := binary.BigEndian.Uint16(d[4:])
 	if id != guess {
 		w.inc(udpRxIDSolved, 1)
 	}
 	m.nextID = id + 1
-	return dlen
+	return true
 }

@@ -29,12 +29,15 @@ type Wire interface {
 	// Queues is the number of independent receive queues (sockets); the
 	// fabric runs one receive goroutine per queue.
 	Queues() int
-	// Receive blocks until at least one datagram arrives on queue, fills
-	// bufs (each a buffer of MaxDatagram bytes) and returns how many it
-	// filled; the datagrams are bufs[i][:lens[i]], each a whole IP datagram.
+	// Receive blocks until at least one datagram arrives on queue and
+	// returns how many it got, k: datagram i is out[i] (i < k), a whole IP
+	// datagram, which is either bufs[i] (each a buffer of MaxDatagram
+	// bytes that the caller owns) cut to its length, or a view of the
+	// wire's own memory (UDPWire hands packets on where the kernel put
+	// them). Both stay valid until the queue's next Receive or TryReceive.
 	// It returns an error once the wire is closed or ctx is done. Each
 	// queue has at most one caller at a time.
-	Receive(ctx context.Context, queue int, bufs [][]byte, lens []int) (int, error)
+	Receive(ctx context.Context, queue int, bufs, out [][]byte) (int, error)
 	// Close releases the wire and unblocks Receive.
 	Close() error
 }
@@ -44,7 +47,7 @@ type Wire interface {
 // sends the ACKs its work produced.
 type PollingWire interface {
 	// TryReceive is Receive that returns 0 at once if nothing is queued.
-	TryReceive(queue int, bufs [][]byte, lens []int) (int, error)
+	TryReceive(queue int, bufs, out [][]byte) (int, error)
 }
 
 // CountingWire is implemented by wires that keep statistics of their own
