@@ -16,6 +16,8 @@ var haveWide = haveFold && cpu.X86.HasAVX2 && func() bool { _, ecx := cpuid7(); 
 // foldK are the folding constants the assembly reads: for a distance of
 // 1024 bits (eight lanes) and of 128 bits (one lane), each a pair
 // (x^(D+63) mod P, x^(D-1) mod P), bit-reflected in 64 bits.
+//
+//lint:ignore U1000 read by the assembly (fold_amd64.s) only
 var foldK = [4]uint64{
 	reflectedPow(1024 + 63), reflectedPow(1024 - 1),
 	reflectedPow(128 + 63), reflectedPow(128 - 1),
