@@ -352,5 +352,21 @@ int main(int argc, char **argv)
 		if (v == 0xffffffffu)
 			peer_done = 1;
 	}
+	/*
+	 * Close in order: the peer may still report reposts after its 'done'.
+	 * A socket closed with unread data sends a reset, which can discard
+	 * what the peer has not read yet (our 'done'), so each side stops
+	 * writing, then reads until the other has stopped too.
+	 */
+	if (shutdown(sock, SHUT_WR))
+		fail("%s %ld", "tcp shutdown", errno);
+	for (;;) {
+		char drain[256];
+		ssize_t r = read(sock, drain, sizeof(drain));
+		if (r == 0)
+			break;
+		if (r < 0 && errno != EINTR)
+			fail("%s %ld", "tcp read at close", errno);
+	}
 	return recvd == (uint32_t)o.count && !dups && !badflags ? 0 : 3;
 }
