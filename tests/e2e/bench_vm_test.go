@@ -39,6 +39,7 @@ func pairFigures(b *testing.B, img *vm.Image, cfgs [2]vm.Config) map[string]floa
 		cfgs[i].NoErrExit = true
 		cfgs[i].Timeout = 10 * time.Minute
 		cfgs[i].QuietConsole = true
+		cfgs[i].MemLock = true // as production runs them
 	}
 	vms, err := vm.StartAll(ctx, b, img, nw, cfgs[0], cfgs[1])
 	require.NoError(b, err)
@@ -103,8 +104,8 @@ func BenchmarkVMvsRxe(b *testing.B) {
 
 // guestPerfSteps are the guest workloads of BenchmarkGuestPerf.
 var guestPerfSteps = []step{
-	{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 1000 -s 4096", "ibv_rc_pingpong -d $dev -g $g -n 1000 -s 4096 $peer"},
-	{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 5000 -s 65536", "ib_write_bw -d $dev -x $g -F -n 5000 -s 65536 $peer"},
+	{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 5000 -s 4096", "ibv_rc_pingpong -d $dev -g $g -n 5000 -s 4096 $peer"},
+	{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 50000 -s 65536", "ib_write_bw -d $dev -x $g -F -n 50000 -s 65536 $peer"},
 }
 
 // BenchmarkGuestPerf is two stock guests through pvrdma-backend and
@@ -113,7 +114,11 @@ var guestPerfSteps = []step{
 // REV_A REV_B): TCG guests on this machine swing 1.8x between runs of the
 // same binary, so one run says nothing and alternating pairs do. It
 // reports the client's ibv_rc_pingpong -s 4096 time per iteration
-// (pingpong_us) and ib_write_bw 64 KiB average bandwidth (write_MB/s).
+// (pingpong_us, 5000 iterations) and ib_write_bw 64 KiB average bandwidth
+// (write_MB/s, 50000 writes, seconds of traffic): a window of a fraction of
+// a second (the 5000 writes it ran before) swung as much between repeats
+// in one boot as between boots. The guests lock their RAM as production's
+// qemu-args has them do (vm.Config.MemLock).
 //
 // With PVRDMA_BENCH_DAEMON=PATH the guests use a daemon binary run as a
 // process of its own (`PATH serve`) instead of the daemon of this test
@@ -137,6 +142,7 @@ func BenchmarkGuestPerf(b *testing.B) {
 		}
 		for i := range cfgs {
 			cfgs[i].NoErrExit, cfgs[i].Timeout, cfgs[i].QuietConsole = true, 10*time.Minute, true
+			cfgs[i].MemLock = true // as production runs them
 		}
 		vms, err := vm.StartAll(ctx, b, img, nw, cfgs...)
 		require.NoError(b, err)

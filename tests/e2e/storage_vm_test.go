@@ -259,6 +259,7 @@ func BenchmarkStorageVsRxe(b *testing.B) {
 			cfgs := storagePair(b, tr, d, names, 64, run)
 			for i := range cfgs {
 				cfgs[i].NoErrExit, cfgs[i].Timeout, cfgs[i].QuietConsole = true, 10*time.Minute, true
+				cfgs[i].MemLock = true // as production runs them
 			}
 			vms, err := vm.StartAll(ctx, b, img, nw, cfgs[0], cfgs[1])
 			require.NoError(b, err)

@@ -57,8 +57,16 @@ func (n NIC) model() string {
 type Config struct {
 	// Name identifies the VM in logs and is its hostname ([a-z0-9-]).
 	Name string
-	// MemMiB is the guest RAM (memfd-backed, shared, locked); 0 means DefaultMemMiB.
+	// MemMiB is the guest RAM (memfd-backed, shared); 0 means DefaultMemMiB.
 	MemMiB int
+	// MemLock starts QEMU with -overcommit mem-lock=on, the setting qemu-args
+	// gives production VMs: QEMU faults in and locks all of guest RAM at start
+	// (1-3 s of CPU per guest on the test machine). Benchmarks set it, so that
+	// they measure the configuration users run: guests without it run the
+	// device path measurably slower (docs/BENCHMARKS.md, guest section). Tests
+	// leave it off, since the daemon locks the pages its device touches itself
+	// (guestmem.MapFD).
+	MemLock bool
 	// CPUs is the number of vCPUs (0 means 1: guests run under TCG and
 	// boot in parallel on a small host).
 	CPUs int
@@ -315,10 +323,7 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 		"-smp", strconv.Itoa(max(v.cfg.CPUs, 1)),
 		"-m", strconv.Itoa(v.cfg.MemMiB) + "M",
 		"-object", fmt.Sprintf("memory-backend-memfd,id=ram,size=%dM,share=on", v.cfg.MemMiB),
-		// No -overcommit mem-lock=on (which qemu-args gives production VMs):
-		// locking faults in and zeroes all of guest RAM at start, 1-3 s of
-		// CPU per guest on the test machine; the daemon locks the pages its
-		// device touches itself (guestmem.MapFD).
+		"-overcommit", "mem-lock=" + onOff(v.cfg.MemLock),
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
 		// qboot reaches the PVH kernel ~1.5 s sooner than SeaBIOS under TCG.
 		"-bios", "qboot.rom",
@@ -715,4 +720,12 @@ func randomMAC() string {
 	b := make([]byte, 3)
 	_, _ = rand.Read(b)
 	return fmt.Sprintf("52:54:00:%02x:%02x:%02x", b[0], b[1], b[2])
+}
+
+// onOff spells a QEMU boolean option.
+func onOff(b bool) string {
+	if b {
+		return "on"
+	}
+	return "off"
 }
