@@ -66,8 +66,10 @@ var sections = []Section{
 			"in the same run (`BenchmarkVMvsRxe`: `ib_write_bw` and `ib_send_bw` 64 KiB, `ibv_rc_pingpong " +
 			"-s 4096`, `ib_write_lat` 2 B; the table it prints has both sides and the ratio), and the two " +
 			"guests through the daemon alone (`BenchmarkGuestPerf`: time per `ibv_rc_pingpong` iteration and " +
-			"`ib_write_bw` bandwidth, the figures `scripts/bench-ab` compares). Every figure is dominated by " +
-			"TCG: compare the ratios, not the absolute values.",
+			"`ib_write_bw` bandwidth over seconds of traffic, the figures `scripts/bench-ab` and " +
+			"`scripts/bench-guard` compare). The guests lock their RAM as production's `qemu-args` has them " +
+			"do (`-overcommit mem-lock=on`). Every figure is dominated by TCG: compare the ratios, not the " +
+			"absolute values.",
 		Args: []string{"-tags", "vm", "-run", "^$", "-bench", "VMvsRxe|GuestPerf", "-benchtime", "1x", "-timeout", "30m", "./tests/e2e"},
 	},
 	{
