@@ -61,11 +61,11 @@ type Config struct {
 	MemMiB int
 	// MemLock starts QEMU with -overcommit mem-lock=on, the setting qemu-args
 	// gives production VMs: QEMU faults in and locks all of guest RAM at start
-	// (1-3 s of CPU per guest on the test machine). Benchmarks set it, so that
-	// they measure the configuration users run: guests without it run the
-	// device path measurably slower (docs/BENCHMARKS.md, guest section). Tests
-	// leave it off, since the daemon locks the pages its device touches itself
-	// (guestmem.MapFD).
+	// (seconds of CPU per guest on the test machine). Benchmarks set it, so
+	// that they measure the configuration users run: without it, perftest's
+	// short runs (BenchmarkVMvsRxe) measured slower, though seconds of traffic
+	// (BenchmarkGuestPerf) did not. Tests leave it off, since the daemon locks
+	// the pages its device touches itself (guestmem.MapFD).
 	MemLock bool
 	// CPUs is the number of vCPUs (0 means 1: guests run under TCG and
 	// boot in parallel on a small host).
