@@ -23,7 +23,7 @@ VM_TIMEOUT ?= 40m
 # $PVRDMA_VM_CACHE, else $XDG_CACHE_HOME/pvrdma-backend, else /var/cache/pvrdma-backend.
 VM_CACHE := $(or $(PVRDMA_VM_CACHE),$(if $(XDG_CACHE_HOME),$(XDG_CACHE_HOME)/pvrdma-backend),/var/cache/pvrdma-backend)
 
-.PHONY: all build bin deps image roots nfpm testbed test unit vmtest demo bench bench-vm bench-scale bench-handover bench-hosts bench-report bench-guard soak check clean-cache deb
+.PHONY: all build bin deps image roots nfpm testbed testbed-update testbed-lock test unit vmtest demo bench bench-vm bench-scale bench-handover bench-hosts bench-report bench-guard soak check clean-cache deb
 
 all: build
 
@@ -72,6 +72,17 @@ roots: deps
 testbed: deps
 	@$(MAKE) --no-print-directory -j3 image roots nfpm
 
+# The test bed lock (tests/vm/testbed.lock.json) pins every package the test bed and the
+# demo use. `make testbed-update` moves it to what the Debian mirror serves now and
+# rewrites it only if a smoke set of VM tests passes on the new versions (KERNEL=ABI
+# pins another guest kernel); `make testbed-lock` pins only what the lock lacks (after a
+# package list changed). Both print what changed.
+testbed-update: deps
+	./scripts/testbed-update all
+
+testbed-lock: deps
+	./scripts/testbed-update missing
+
 unit:
 	$(GO) test -timeout $(UNIT_TIMEOUT) ./...
 
@@ -96,6 +107,9 @@ VM_ORDER = $(foreach p,$(VM_FIRST),$(filter $(p),$(VM_PKGS))) $(filter-out $(VM_
 UNIT_PKGS = $(filter-out $(VM_PKGS),$(shell $(GO) list -f '{{.Dir}}/' ./... | sed 's|^$(CURDIR)/|./|'))
 TESTLOG ?= test-logs
 HEARTBEAT ?= 30s
+# A test that prints nothing for IDLE (its guests' consoles and output included) is taken
+# as hung: testrun stops its command with the goroutines' stacks and reports it.
+IDLE ?= 5m
 TESTRUN_FLAGS ?=
 
 # The test bed is built (`testbed`, a group of its own whose lines testrun prints as they
@@ -105,7 +119,7 @@ TESTRUN_FLAGS ?=
 # testrun, so that the downloads start at once rather than after the tests' compilation.
 test: deps
 	@$(GO) build -o bin/ ./tests/cmd/testrun ./tests/vm/cmd/vmimage ./tests/packaging/cmd/pkgroots
-	@bin/testrun -logdir $(TESTLOG) -tests vm -heartbeat $(HEARTBEAT) $(TESTRUN_FLAGS) \
+	@bin/testrun -logdir $(TESTLOG) -tests vm -heartbeat $(HEARTBEAT) -idle $(IDLE) $(TESTRUN_FLAGS) \
 		-run 'testbed=$(MAKE) --no-print-directory testbed' \
 		-run 'unit=$(GO) test -json -count=1 -timeout $(UNIT_TIMEOUT) $(UNIT_PKGS)' \
 		-run 'vm=$(GO) test -json -tags vm -count=1 -p $(VM_PARALLEL) -timeout $(VM_TIMEOUT) $(VM_ORDER)'

@@ -25,7 +25,11 @@ func cleanRoot(t *testing.T) string {
 // before the tests run.
 func rootWith(t *testing.T, pkgs ...string) string {
 	t.Helper()
-	base, err := ensureRoot(context.Background(), "", pkgs, t.Logf)
+	plan, err := pinnedPlan()
+	if err != nil {
+		t.Fatal(err)
+	}
+	base, err := ensureRoot(context.Background(), "", plan, pkgs, t.Logf)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -166,7 +166,7 @@ func (a *aptRoot) fetch(ctx context.Context, pkgs []Package) ([]string, error) {
 	}
 	if len(missing) > 0 {
 		a.logf("downloading %d packages (%s)", len(missing), filepath.Base(a.dir))
-		if _, err := a.run(ctx, a.archives(), "apt-get", append([]string{"-q", "download"}, missing...)...); err != nil {
+		if err := a.download(ctx, missing); err != nil {
 			return nil, err
 		}
 	}
@@ -176,6 +176,49 @@ func (a *aptRoot) fetch(ctx context.Context, pkgs []Package) ([]string, error) {
 		}
 	}
 	return paths, nil
+}
+
+// download runs apt-get download for name=version pins. When a pinned version is not in
+// the indices it fetches them once more (they may be older than the lock); if the mirror
+// still does not serve it, the error names every pin it lacks and the command that moves
+// the pins.
+func (a *aptRoot) download(ctx context.Context, pins []string) error {
+	_, err := a.run(ctx, a.archives(), "apt-get", append([]string{"-q", "download"}, pins...)...)
+	if err == nil {
+		return nil
+	}
+	unserved, cerr := a.unserved(ctx, pins)
+	if cerr != nil || len(unserved) == 0 {
+		return err
+	}
+	a.logf("%d pinned packages are not in the cached indices (%s): fetching them again", len(unserved), filepath.Base(a.dir))
+	if uerr := a.update(ctx); uerr != nil {
+		return fmt.Errorf("%w (and updating the indices failed: %v)", err, uerr)
+	}
+	if _, err = a.run(ctx, a.archives(), "apt-get", append([]string{"-q", "download"}, pins...)...); err == nil {
+		return nil
+	}
+	if unserved, cerr = a.unserved(ctx, pins); cerr == nil && len(unserved) > 0 {
+		return fmt.Errorf("the mirror (%s) no longer serves %d package versions the test bed lock pins: %s; %s",
+			strings.Join(a.sources, "; "), len(unserved), strings.Join(unserved, " "), updateHint)
+	}
+	return err
+}
+
+// unserved returns the name=version pins whose version the indices do not have.
+func (a *aptRoot) unserved(ctx context.Context, pins []string) ([]string, error) {
+	var out []string
+	for _, pin := range pins {
+		name, version, _ := strings.Cut(pin, "=")
+		vs, err := a.candidates(ctx, name)
+		if err != nil {
+			return nil, err
+		}
+		if !contains(vs, version) {
+			out = append(out, pin)
+		}
+	}
+	return out, nil
 }
 
 // candidates returns the versions of pkg in the indices, newest first.

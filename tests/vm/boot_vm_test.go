@@ -71,3 +71,34 @@ uname -r
 		res.Timings.Total.Round(time.Millisecond))
 	require.False(t, strings.Contains(out, "@@PVT@@"), "frames are not output")
 }
+
+// TestKernelFaultFailsFast: a guest whose console reports a kernel fault fails at once
+// with the excerpt, whatever its scenario still waits for, rather than at its deadline
+// (an hour here, so that only the fault watch can end the wait). "oops" writes a
+// kernel-level BUG report into the kernel log (the console path of a real oops) and then
+// waits, as a guest whose peer died would; "panic" crashes the kernel through sysrq.
+func TestKernelFaultFailsFast(t *testing.T) {
+	img := image(t)
+	for _, tc := range []struct {
+		name, scenario, want string
+	}{
+		{"oops", `echo '<1>BUG: kernel NULL pointer dereference, address: 0000000000000000 (pvt fault watch test)' >/dev/kmsg
+echo '<4>Call Trace:' >/dev/kmsg
+sleep 3600`, "BUG: kernel NULL pointer dereference, address: 0000000000000000 (pvt fault watch test)"},
+		{"panic", `echo c >/proc/sysrq-trigger; sleep 3600`, "Kernel panic"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			g, err := vm.Start(ctx, t, img, nil, vm.Config{Name: "fault-" + tc.name, Modules: []string{},
+				Timeout: time.Hour, Scenario: tc.scenario})
+			require.NoError(t, err)
+			start := time.Now()
+			_, err = g.Wait(ctx)
+			var fault *vm.KernelFaultError
+			require.ErrorAs(t, err, &fault, "the guest fails with its kernel fault, not at its deadline")
+			require.Equal(t, "fault-"+tc.name, fault.VM)
+			require.Contains(t, fault.Excerpt, tc.want)
+			t.Logf("failed %v after the boot began, with:\n%s", time.Since(start).Round(time.Millisecond), fault.Excerpt)
+		})
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 )
@@ -41,6 +42,12 @@ type Image struct {
 	Layers map[Layer]*LayerImage `json:"layers"`
 	// Recipe is the image recipe version.
 	Recipe string `json:"recipe"`
+	// LockDigest is a digest of the image's part of the test bed lock it was built from:
+	// a cached image built from another lock is not used.
+	LockDigest string `json:"lock_digest"`
+	// Lock is the lock the image was built from (with ImageOptions.Update, the new
+	// pins). It is not saved in image.json.
+	Lock *Lock `json:"-"`
 }
 
 func (img *Image) qemu() qemuInstall { return qemuPaths(img.QEMUDir) }
@@ -84,12 +91,32 @@ type ImageOptions struct {
 	// Mirror and SecurityMirror default to $PVRDMA_DEBIAN_MIRROR /
 	// $PVRDMA_DEBIAN_SECURITY_MIRROR, else deb.debian.org.
 	Mirror, SecurityMirror string
-	// Refresh fetches the package indices again (also set by PVRDMA_VM_REFRESH=1) and
-	// rebuilds the components whose package versions changed.
+	// Refresh fetches the package indices again (also set by PVRDMA_VM_REFRESH=1) before
+	// the image is checked and built; the versions still come from the lock.
 	Refresh bool
 	// Logf receives progress messages; nil discards them.
 	Logf func(format string, args ...any)
+	// Lock pins the packages (nil: LoadLock's).
+	Lock *Lock
+	// Update, when not UpdateNone, resolves packages from the mirror's indices instead
+	// of taking the lock's (UpdateAll: every component, the newest the mirror serves;
+	// UpdateMissing: only the components the lock does not pin for the code's request)
+	// and builds the image from them; the image's Lock field then holds the new pins.
+	Update LockUpdate
+	// KernelABI, with Update, pins this guest kernel ABI (e.g. 6.1.0-50-amd64) rather
+	// than the newest complete one the indices have.
+	KernelABI string
 }
+
+// LockUpdate says which pins a build may move (ImageOptions.Update).
+type LockUpdate string
+
+// The LockUpdate values.
+const (
+	UpdateNone    LockUpdate = ""
+	UpdateAll     LockUpdate = "all"
+	UpdateMissing LockUpdate = "missing"
+)
 
 // EnsureImage returns the cached image, building whatever is missing. A warm cache is
 // used without any network access or apt call. logf (e.g. t.Logf) receives progress; it
@@ -111,6 +138,9 @@ func (o ImageOptions) withDefaults() ImageOptions {
 	if os.Getenv(EnvRefresh) == "1" {
 		o.Refresh = true
 	}
+	if o.Update != UpdateNone {
+		o.Refresh = true
+	}
 	if o.Logf == nil {
 		o.Logf = func(string, ...any) {}
 	}
@@ -127,14 +157,24 @@ func envOr(k, def string) string {
 // Ensure is EnsureImage with options.
 func (o ImageOptions) Ensure(ctx context.Context) (*Image, error) {
 	o = o.withDefaults()
+	if o.Lock == nil {
+		l, src, err := LoadLock()
+		if err != nil {
+			return nil, err
+		}
+		o.Lock = l
+		o.Logf("test bed lock: %s (kernel %s, %s)", src, l.Kernel.ABI, l.Kernel.Version)
+	}
+	digest := o.Lock.imageDigest()
 	if !o.Refresh {
 		l, err := lockCache(o.CacheDir, false)
 		if err != nil {
 			return nil, err
 		}
-		img, err := loadImage(o.CacheDir)
+		img, err := loadImage(o.CacheDir, digest)
 		l.unlock()
 		if err == nil {
+			img.Lock = o.Lock
 			return img, nil
 		}
 	}
@@ -145,7 +185,8 @@ func (o ImageOptions) Ensure(ctx context.Context) (*Image, error) {
 	defer l.unlock()
 	if !o.Refresh {
 		// Another process may have built it while we waited for the lock.
-		if img, err := loadImage(o.CacheDir); err == nil {
+		if img, err := loadImage(o.CacheDir, digest); err == nil {
+			img.Lock = o.Lock
 			return img, nil
 		}
 	}
@@ -160,8 +201,9 @@ func (o ImageOptions) Ensure(ctx context.Context) (*Image, error) {
 
 func imagePath(cacheDir string) string { return filepath.Join(cacheDir, "image.json") }
 
-// loadImage reads image.json and checks that everything it names is still there.
-func loadImage(cacheDir string) (*Image, error) {
+// loadImage reads image.json and checks that it was built from the lock whose image
+// digest is lockDigest and that everything it names is still there.
+func loadImage(cacheDir, lockDigest string) (*Image, error) {
 	b, err := os.ReadFile(imagePath(cacheDir))
 	if err != nil {
 		return nil, err
@@ -172,6 +214,9 @@ func loadImage(cacheDir string) (*Image, error) {
 	}
 	if img.Recipe != fullRecipe() {
 		return nil, errors.New("image recipe changed")
+	}
+	if img.LockDigest != lockDigest {
+		return nil, errors.New("image built from another test bed lock")
 	}
 	q := img.qemu()
 	need := []string{img.Kernel, img.Initramfs, q.Binary, q.Loader}
@@ -221,8 +266,23 @@ func (o ImageOptions) build(ctx context.Context) (*Image, error) {
 		}
 	}
 
+	// The pins: the lock's, or (Update) what the indices resolve to.
+	lock := o.Lock.clone()
+	pick := func(what string, set *LockedSet, apt *aptRoot, request []string) ([]Package, error) {
+		if o.Update == UpdateAll || (o.Update == UpdateMissing && !set.pins(request)) {
+			pkgs, err := apt.resolve(ctx, request)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", what, err)
+			}
+			*set = LockedSet{Request: slices.Clone(request), Packages: PackageStrings(pkgs)}
+		}
+		// Always in the lock's order: the components' keys are the same whether the
+		// packages were just resolved or taken from the lock.
+		return set.Resolve(what, request)
+	}
+
 	// QEMU.
-	qpkgs, err := trixie.resolve(ctx, qemuPackages)
+	qpkgs, err := pick("qemu", &lock.QEMU, trixie, qemuPackages)
 	if err != nil {
 		return nil, err
 	}
@@ -236,8 +296,14 @@ func (o ImageOptions) build(ctx context.Context) (*Image, error) {
 	}
 
 	// Kernel.
-	kc, err := chooseKernel(ctx, bookworm)
-	if err != nil {
+	var kc kernelChoice
+	if o.Update == UpdateAll || (o.Update == UpdateMissing && lock.Kernel.ABI == "") || (o.Update != UpdateNone && o.KernelABI != "") {
+		if kc, err = chooseKernel(ctx, bookworm, o.KernelABI); err != nil {
+			return nil, err
+		}
+		lock.Kernel = LockedKernel{ABI: kc.ABI, Version: kc.Version, Packages: PackageStrings(kc.Packages)}
+	}
+	if kc, err = lock.lockedKernel(); err != nil {
 		return nil, err
 	}
 	kcomp := newComponent(o.CacheDir, "kernel", kernelRecipe+" "+layerKernelRecipe(), pkgStrings(kc.Packages))
@@ -254,7 +320,7 @@ func (o ImageOptions) build(ctx context.Context) (*Image, error) {
 	}
 
 	// Initramfs.
-	upkgs, err := bookworm.resolve(ctx, guestPackages)
+	upkgs, err := pick("guest", &lock.Guest, bookworm, guestPackages)
 	if err != nil {
 		return nil, err
 	}
@@ -277,10 +343,15 @@ func (o ImageOptions) build(ctx context.Context) (*Image, error) {
 	built := map[Layer]*LayerImage{}
 	for _, name := range sortedKeys(layers) {
 		spec := layers[name]
-		lpkgs, err := bookworm.resolve(ctx, spec.packages)
-		if err != nil {
-			return nil, fmt.Errorf("layer %s: %w", name, err)
+		if lock.Layers == nil {
+			lock.Layers = map[Layer]LockedSet{}
 		}
+		set := lock.Layers[name]
+		lpkgs, err := pick("layer "+string(name), &set, bookworm, spec.packages)
+		if err != nil {
+			return nil, err
+		}
+		lock.Layers[name] = set
 		lc := newComponent(o.CacheDir, "layer-"+string(name), layerRecipe+" "+spec.recipe,
 			append(pkgStrings(lpkgs), "kernel="+kcomp.key, "initramfs="+ic.key))
 		if !lc.exists() {
@@ -307,6 +378,8 @@ func (o ImageOptions) build(ctx context.Context) (*Image, error) {
 		Packages:      upkgs,
 		Layers:        built,
 		Recipe:        fullRecipe(),
+		LockDigest:    lock.imageDigest(),
+		Lock:          lock,
 	}
 	b, err := json.MarshalIndent(img, "", "  ")
 	if err != nil {

@@ -65,10 +65,10 @@ func (k kernelChoice) pkg(prefix string) Package {
 
 var imageNameRE = regexp.MustCompile(`^linux-image-(6\.1\.0-(\d+)-amd64)$`)
 
-// chooseKernel picks the newest bookworm(-security) 6.1.0-N ABI for which the image, the
-// headers (amd64 and common), linux-kbuild-6.1 and linux-source-6.1 all exist in the
-// same version.
-func chooseKernel(ctx context.Context, apt *aptRoot) (kernelChoice, error) {
+// chooseKernel picks the newest bookworm(-security) 6.1.0-N ABI (only abi, if it is not
+// empty) for which the image, the headers (amd64 and common), linux-kbuild-6.1 and
+// linux-source-6.1 all exist in the same version.
+func chooseKernel(ctx context.Context, apt *aptRoot, abi string) (kernelChoice, error) {
 	names, err := apt.names(ctx, "linux-image-6.1.0-")
 	if err != nil {
 		return kernelChoice{}, err
@@ -80,7 +80,7 @@ func chooseKernel(ctx context.Context, apt *aptRoot) (kernelChoice, error) {
 	var cands []cand
 	for _, name := range names {
 		m := imageNameRE.FindStringSubmatch(name)
-		if m == nil {
+		if m == nil || (abi != "" && m[1] != abi) {
 			continue
 		}
 		n, _ := strconv.Atoi(m[2])
@@ -116,6 +116,9 @@ func chooseKernel(ctx context.Context, apt *aptRoot) (kernelChoice, error) {
 				{Name: "linux-source-6.1", Version: v, Arch: "all"},
 			}}, nil
 		}
+	}
+	if abi != "" {
+		return kernelChoice{}, fmt.Errorf("no linux-image-%s with matching headers, kbuild and linux-source-6.1 in the indices", abi)
 	}
 	return kernelChoice{}, errors.New("no linux-image-6.1.0-N-amd64 with matching headers, kbuild and linux-source-6.1 in the indices")
 }

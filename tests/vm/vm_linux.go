@@ -210,6 +210,7 @@ type VM struct {
 
 	console  capBuffer
 	output   capBuffer
+	faults   *faultWatch
 	initC    chan frame // INIT
 	setupC   chan frame // SETUP
 	endC     chan frame // END
@@ -265,7 +266,7 @@ func Start(ctx context.Context, t TB, img *Image, nw *Network, cfg Config) (*VM,
 	}
 	v := &VM{
 		cfg: cfg, t: t, dir: dir, qmp: filepath.Join(dir, "qmp.sock"), nonce: randomHex(16),
-		console: capBuffer{max: maxConsole}, output: capBuffer{max: maxOutput},
+		console: capBuffer{max: maxConsole}, output: capBuffer{max: maxOutput}, faults: newFaultWatch(),
 		initC: make(chan frame, 1), setupC: make(chan frame, 1), endC: make(chan frame, 1),
 		exited: make(chan struct{}),
 	}
@@ -309,7 +310,10 @@ func (v *VM) launch(ctx context.Context, img *Image, nw *Network) error {
 	if err := v.writeInitrd(img, initrd); err != nil {
 		return fmt.Errorf("initrd: %w", err)
 	}
-	kargs := "console=ttyS0 quiet loglevel=3 panic=-1 no_timer_check rdinit=/init"
+	// loglevel=5 puts KERN_WARNING and more severe messages on the console (/init sets
+	// the same once it runs): the kernel fault watch reads the console, and an oops's
+	// trace and a hung task's report are among them.
+	kargs := "console=ttyS0 quiet loglevel=5 panic=-1 no_timer_check rdinit=/init"
 	if v.cfg.Root != "" {
 		// No login prompt on the console: a root without udev would wait 90 s for the
 		// serial port's device unit before giving up on it.
@@ -476,8 +480,14 @@ func appendFile(out *os.File, src string) error {
 
 // copyLines copies QEMU's stdout (the guest console) or stderr into the console buffer
 // and, unless quiet, the test log.
+// The guest console's lines go through the kernel fault watch: the first fault line
+// starts the excerpt, and the guest is stopped once it is complete (or after
+// faultExcerptWait), which fails Wait with the excerpt.
 func (v *VM) copyLines(r io.Reader, what string, quiet bool) {
 	defer v.readers.Done()
+	if what == "console" {
+		defer v.faults.finish()
+	}
 	_ = readLines(r, func(line string) {
 		if what == "qemu" {
 			line = "qemu: " + line
@@ -486,8 +496,25 @@ func (v *VM) copyLines(r io.Reader, what string, quiet bool) {
 		if !quiet {
 			v.t.Logf("[%s %s] %s", v.cfg.Name, what, line)
 		}
+		if what == "console" && v.faults.line(line) {
+			v.t.Logf("vm %s: kernel fault on the console; stopping the guest", v.cfg.Name)
+			if quiet {
+				v.t.Logf("[%s console] %s", v.cfg.Name, line)
+			}
+			go func() {
+				select {
+				case <-v.faults.done:
+				case <-time.After(faultExcerptWait):
+				}
+				v.stop()
+			}()
+		}
 	})
 }
+
+// faultExcerptWait is how long the harness waits for a fault's trace on the console
+// before it stops the guest.
+const faultExcerptWait = 5 * time.Second
 
 // readResults accepts QEMU's connection to the result socket and parses it.
 func (v *VM) readResults() {
@@ -555,8 +582,20 @@ func (v *VM) wait(ctx context.Context) (Result, error) {
 		return res, fmt.Errorf("vm %s: %s\n--- guest output ---\n%s\n--- console (tail) ---\n%s",
 			v.cfg.Name, fmt.Sprintf(format, args...), lastLines(res.Output, 50), lastLines(res.Console, 50))
 	}
+	faulted := func() (Result, error) {
+		select {
+		case <-v.faults.done:
+		case <-time.After(faultExcerptWait):
+		}
+		v.stop()
+		res.Output, res.Console = v.output.String(), v.console.String()
+		return res, fmt.Errorf("%w\n--- guest output (tail) ---\n%s", &KernelFaultError{VM: v.cfg.Name, Excerpt: v.faults.fault()},
+			lastLines(res.Output, 30))
+	}
 	for {
 		select {
+		case <-v.faults.triggered:
+			return faulted()
 		case fr := <-v.initC:
 			initAt = time.Now()
 			res.Timings.BootToInit = initAt.Sub(v.started)
@@ -567,6 +606,9 @@ func (v *VM) wait(ctx context.Context) (Result, error) {
 			// channels, so SETUP may be handled before INIT.
 			setupAt = time.Now()
 		case fr := <-v.endC:
+			if v.faults.fault() != "" {
+				return faulted()
+			}
 			now := time.Now()
 			switch {
 			case !setupAt.IsZero() && !initAt.IsZero():
@@ -600,6 +642,9 @@ func (v *VM) wait(ctx context.Context) (Result, error) {
 				v.endC <- fr
 				continue
 			case <-time.After(500 * time.Millisecond):
+			}
+			if v.faults.fault() != "" {
+				return faulted()
 			}
 			return fail("QEMU exited (%v) before the guest reported a result", v.exitErr)
 		case <-boot.C:

@@ -12,7 +12,12 @@
 // everything printed on the console to LOGDIR/testrun.log. A command that prints no JSON
 // (a build step run beside the tests) is shown line by line the same way.
 //
-//	testrun [-logdir DIR] [-tests GROUP,...] [-heartbeat 30s] [-v] \
+// A test that prints nothing for -idle (its subtests and the guests it logs included) is
+// taken as hung: its command is stopped at once (SIGQUIT, so that the test binary prints
+// every goroutine's stack, then SIGKILL), its tests are reported as failed, and the run
+// goes on with the other commands. No run sits idle longer than that.
+//
+//	testrun [-logdir DIR] [-tests GROUP,...] [-heartbeat 30s] [-idle 5m] [-v] \
 //		-run 'unit=go test -json ./a/ ./b/' -run 'vm=go test -json -tags vm -p 2 ./c/'
 //
 // `make test` runs it with the unit packages and the VM packages as two groups.
@@ -52,6 +57,7 @@ func main() {
 	logDir := flag.String("logdir", "test-logs", "directory for the full output (emptied first)")
 	tests := flag.String("tests", "", "comma-separated groups whose tests are reported as they start and finish (the others: packages and failures)")
 	heartbeat := flag.Duration("heartbeat", 30*time.Second, "say what is running when nothing was printed for this long (0: never)")
+	idle := flag.Duration("idle", 5*time.Minute, "stop a command when one of its tests printed nothing for this long (0: never)")
 	verbose := flag.Bool("v", false, "also print every line of the tests' output, prefixed with its package")
 	headLines := flag.Int("head", 50, "lines printed from the start of a failed test's output")
 	tailLines := flag.Int("tail", 250, "lines printed from the end of a failed test's output")
@@ -63,6 +69,7 @@ func main() {
 	opts := options{
 		logDir:    *logDir,
 		heartbeat: *heartbeat,
+		idle:      *idle,
 		verbose:   *verbose,
 		head:      *headLines,
 		tail:      *tailLines,

@@ -44,12 +44,13 @@ type pkg struct {
 
 // test is a test or subtest.
 type test struct {
-	name   string
-	start  time.Time // when it started, or continued after a pause
-	done   bool
-	paused bool   // a parallel test waiting for the serial ones (t.Parallel)
-	out    *lines // top-level tests only: their output and their subtests'
-	last   string // its last output line, for a skip's reason
+	name    string
+	start   time.Time // when it started, or continued after a pause
+	done    bool
+	paused  bool      // a parallel test waiting for the serial ones (t.Parallel)
+	lastOut time.Time // when it (or a subtest) last printed, started or continued
+	out     *lines    // top-level tests only: their output and their subtests'
+	last    string    // its last output line, for a skip's reason
 }
 
 // failure is what the summary prints about one failed test or package.
@@ -81,7 +82,8 @@ type reporter struct {
 	failed   []string // every failed test's line for the closing list
 	problems []string // commands that failed without a failed test
 	exits    map[string]*exitInfo
-	stopped  bool // interrupted
+	idled    map[string]bool // groups stopped as hung
+	stopped  bool            // interrupted
 }
 
 func newReporter(out io.Writer, l *logs, opts options, begin time.Time) *reporter {
@@ -89,6 +91,7 @@ func newReporter(out io.Writer, l *logs, opts options, begin time.Time) *reporte
 		out: out, logs: l, opts: opts, begin: begin, lastPrint: begin,
 		module: modulePath(filepath.Join(opts.dir, "go.mod")),
 		pkgs:   map[string]*pkg{}, builds: map[string]*lines{}, exits: map[string]*exitInfo{},
+		idled: map[string]bool{},
 	}
 }
 
@@ -223,7 +226,10 @@ func (r *reporter) event(group string, ev event, now time.Time) {
 		r.output(p, ev, now)
 	case "run":
 		r.announce(p, now)
-		t := &test{name: ev.Test, start: now}
+		t := &test{name: ev.Test, start: now, lastOut: now}
+		if root := p.tests[rootName(ev.Test)]; root != nil {
+			root.lastOut = now
+		}
 		if !strings.Contains(ev.Test, "/") {
 			t.out = newLines(r.opts.head, r.opts.tail)
 			p.running = append(p.running, t)
@@ -235,7 +241,7 @@ func (r *reporter) event(group string, ev event, now time.Time) {
 	case "pause", "cont":
 		if t := p.tests[ev.Test]; t != nil {
 			t.paused = ev.Action == "pause"
-			t.start = now
+			t.start, t.lastOut = now, now
 		}
 	case "pass", "fail", "skip":
 		if ev.Test == "" {
@@ -278,8 +284,11 @@ func (r *reporter) output(p *pkg, ev event, now time.Time) {
 	if l := strings.TrimSpace(ev.Output); l != "" && !strings.HasPrefix(l, "---") && !strings.HasPrefix(l, "===") {
 		t.last = l
 	}
-	if root := p.tests[rootName(ev.Test)]; root != nil && root.out != nil {
-		root.out.write(ev.Output)
+	if root := p.tests[rootName(ev.Test)]; root != nil {
+		root.lastOut = now
+		if root.out != nil {
+			root.out.write(ev.Output)
+		}
 	}
 }
 
@@ -459,6 +468,36 @@ func (r *reporter) heartbeat(now time.Time) {
 		}
 	}
 	r.printf(now, "", "...", "running: %s", strings.Join(parts, "; "))
+}
+
+// idleGroups returns the groups that have a running test silent for opts.idle, each
+// once, and reports the test: its command is to be stopped.
+func (r *reporter) idleGroups(now time.Time) []string {
+	if r.opts.idle <= 0 {
+		return nil
+	}
+	var out []string
+	for _, p := range r.pkgList {
+		if p.done || r.idled[p.group] {
+			continue
+		}
+		for _, t := range p.running {
+			if t.paused || now.Sub(t.lastOut) < r.opts.idle {
+				continue
+			}
+			r.idled[p.group] = true
+			msg := fmt.Sprintf("%s %s printed nothing for %s: taken as hung, stopping the %s command (SIGQUIT: its goroutines' stacks follow in the package's output)",
+				p.short, t.name, short(now.Sub(t.lastOut)), p.group)
+			r.printf(now, p.group, "IDLE", "%s", msg)
+			r.problems = append(r.problems, msg)
+			if t.out != nil {
+				t.out.write(fmt.Sprintf("testrun: %s\n", msg))
+			}
+			out = append(out, p.group)
+			break
+		}
+	}
+	return out
 }
 
 // interrupted notes a signal; the commands end their runs and the summary follows.

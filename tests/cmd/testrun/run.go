@@ -25,6 +25,7 @@ type options struct {
 	dir       string // where the commands run and go.mod is ("" for the current directory)
 	logDir    string // relative to dir unless absolute
 	heartbeat time.Duration
+	idle      time.Duration // a running test silent this long stops its command (0: never)
 	verbose   bool
 	head      int             // lines kept from the start of a failed test's output
 	tail      int             // lines kept from its end
@@ -67,18 +68,21 @@ func run(groups []group, opts options, stdout io.Writer) (bool, error) {
 	defer signal.Stop(sigs)
 
 	lines := make(chan line, 256)
+	procs := map[string]*os.Process{}
 	for _, g := range groups {
 		rep.header(g)
-		if err := start(g, opts.dir, lines); err != nil {
+		p, err := start(g, opts.dir, lines)
+		if err != nil {
 			rep.commandFailed(g.name, fmt.Sprintf("did not start: %v", err))
 			continue
 		}
+		procs[g.name] = p
 		rep.running++
 	}
 
 	var tick <-chan time.Time
-	if opts.heartbeat > 0 {
-		t := time.NewTicker(tickEvery(opts.heartbeat))
+	if every := tickEvery(opts.heartbeat, opts.idle); every > 0 {
+		t := time.NewTicker(every)
 		defer t.Stop()
 		tick = t.C
 	}
@@ -88,35 +92,64 @@ func run(groups []group, opts options, stdout io.Writer) (bool, error) {
 			rep.line(l, time.Now())
 		case now := <-tick:
 			rep.heartbeat(now)
+			for _, g := range rep.idleGroups(now) {
+				if p := procs[g]; p != nil {
+					stopGroup(p, 10*time.Second)
+				}
+			}
 		case s := <-sigs:
 			rep.interrupted(s, time.Now())
+			// Each command is a process group of its own: pass the signal on.
+			for _, p := range procs {
+				_ = syscall.Kill(-p.Pid, s.(syscall.Signal))
+			}
 		}
 	}
 	return rep.summary(time.Now()), nil
 }
 
-// tickEvery is how often the heartbeat checks whether it is due.
-func tickEvery(heartbeat time.Duration) time.Duration {
-	if d := heartbeat / 5; d > time.Second {
+// tickEvery is how often the heartbeat and the idle check look whether they are due (0:
+// neither is on).
+func tickEvery(heartbeat, idle time.Duration) time.Duration {
+	d := heartbeat
+	if d <= 0 || (idle > 0 && idle < d) {
+		d = idle
+	}
+	if d <= 0 {
+		return 0
+	}
+	if d /= 5; d > time.Second {
 		return d
 	}
 	return time.Second
 }
 
-// start runs g's command and sends its output, line by line, then its exit, to lines.
-func start(g group, dir string, lines chan<- line) error {
+// stopGroup ends a command's process group: SIGQUIT first, so that a Go test binary
+// prints its goroutines' stacks, then SIGKILL after grace.
+func stopGroup(p *os.Process, grace time.Duration) {
+	_ = syscall.Kill(-p.Pid, syscall.SIGQUIT)
+	go func() {
+		time.Sleep(grace)
+		_ = syscall.Kill(-p.Pid, syscall.SIGKILL)
+	}()
+}
+
+// start runs g's command, in a process group of its own, and sends its output, line by
+// line, then its exit, to lines.
+func start(g group, dir string, lines chan<- line) (*os.Process, error) {
 	cmd := exec.Command(g.args[0], g.args[1:]...)
 	cmd.Dir = dir
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if err := cmd.Start(); err != nil {
-		return err
+		return nil, err
 	}
 	done := make(chan struct{}, 2)
 	pump := func(r io.Reader, isErr bool) {
@@ -151,7 +184,7 @@ func start(g group, dir string, lines chan<- line) error {
 		}
 		lines <- line{group: g.name, exit: info}
 	}()
-	return nil
+	return cmd.Process, nil
 }
 
 // commandLine is the command as printed in the header.

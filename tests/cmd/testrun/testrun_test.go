@@ -231,3 +231,42 @@ func TestRunFlag(t *testing.T) {
 	require.Error(t, r.Set("nocommand="))
 	require.Error(t, r.Set("go test"))
 }
+
+// TestIdleStopsCommand: a running test that prints nothing for -idle is taken as hung:
+// its command is stopped at once (with its goroutines' stacks), the test is reported as
+// failed, and the run ends long before the test's own timeout.
+func TestIdleStopsCommand(t *testing.T) {
+	out, ok, logDir := fixture(t, options{idle: 3 * time.Second, tests: map[string]bool{"vm": true}},
+		"vm=go test -json -count=1 -timeout 10m ./silent/")
+	require.False(t, ok, out)
+	require.Regexp(t, `(?m)vm +IDLE +silent TestSilent printed nothing for \d+s: taken as hung, stopping the vm command`, out)
+	require.Contains(t, out, "FAIL silent TestSilent (did not finish)")
+	require.Regexp(t, `(?m)^FAIL: 0 passed, 1 failed`, lastLines(out, 1)[0])
+	log, err := os.ReadFile(filepath.Join(logDir, "silent.log"))
+	require.NoError(t, err)
+	require.Contains(t, string(log), "SIGQUIT", "the test binary printed its stacks")
+	require.Contains(t, string(log), "silent_test.go", "the stacks show where the test waited")
+}
+
+// TestIdleCheck: only a running, unpaused test's silence counts, from its last output
+// (a subtest's included), and a group is stopped once.
+func TestIdleCheck(t *testing.T) {
+	logDir := t.TempDir()
+	l, err := newLogs(logDir)
+	require.NoError(t, err)
+	defer l.close()
+	var out bytes.Buffer
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	r := newReporter(&out, l, options{logDir: logDir, idle: 5 * time.Minute, head: 5, tail: 5}, t0)
+	r.header(group{name: "vm", args: []string{"go", "test"}})
+	r.running = 1
+	r.event("vm", event{Action: "run", Package: "example.com/p", Test: "TestA"}, t0)
+	r.event("vm", event{Action: "run", Package: "example.com/p", Test: "TestA/sub"}, t0.Add(time.Minute))
+	r.event("vm", event{Action: "output", Package: "example.com/p", Test: "TestA/sub", Output: "guest: hello\n"}, t0.Add(2*time.Minute))
+	r.event("vm", event{Action: "run", Package: "example.com/p", Test: "TestPar"}, t0)
+	r.event("vm", event{Action: "pause", Package: "example.com/p", Test: "TestPar"}, t0)
+	require.Empty(t, r.idleGroups(t0.Add(6*time.Minute)), "TestA printed 4m ago; TestPar is paused")
+	require.Equal(t, []string{"vm"}, r.idleGroups(t0.Add(7*time.Minute+time.Second)))
+	require.Contains(t, out.String(), "example.com/p TestA printed nothing for 5m01s")
+	require.Empty(t, r.idleGroups(t0.Add(20*time.Minute)), "stopped once")
+}

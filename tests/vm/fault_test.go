@@ -1,0 +1,61 @@
+package vm
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestFaultWatch: each kind of fault line triggers the watch once and starts the
+// excerpt; ordinary lines and an RCU stall's stack trace do not.
+func TestFaultWatch(t *testing.T) {
+	for _, line := range []string{
+		"[   12.3] BUG: kernel NULL pointer dereference, address: 0000000000000008",
+		"[   12.3] Oops: 0000 [#1] PREEMPT SMP NOPTI",
+		"[   99.0] Kernel panic - not syncing: Fatal exception",
+		"[    5.0] Call Trace:",
+		"[  243.1] INFO: task kworker/0:1:42 blocked for more than 120 seconds.",
+		"[   30.0] watchdog: BUG: soft lockup - CPU#0 stuck for 22s! [init:1]",
+	} {
+		f := newFaultWatch()
+		require.False(t, f.line("[    1.0] vmw_pvrdma 0000:00:05.1: device version 20"))
+		require.True(t, f.line(line), line)
+		require.False(t, f.line(" <TASK>"), "only the first fault line reports")
+		require.Equal(t, line+"\n <TASK>", f.fault())
+		select {
+		case <-f.triggered:
+		default:
+			t.Fatal("not triggered")
+		}
+	}
+
+	f := newFaultWatch()
+	require.False(t, f.line("[   40.0] rcu: INFO: rcu_preempt self-detected stall on CPU"))
+	require.False(t, f.line("[   40.0] Call Trace:"), "an RCU stall's trace is the host starving the guest")
+	require.True(t, f.line("[   41.0] BUG: unable to handle page fault for address: ffff"), "a BUG still counts")
+
+	// The excerpt stops after faultExcerptLines and is then complete.
+	f = newFaultWatch()
+	require.True(t, f.line("Oops"))
+	for range faultExcerptLines + 10 {
+		f.line("trace")
+	}
+	select {
+	case <-f.done:
+	default:
+		t.Fatal("excerpt not complete")
+	}
+	require.Len(t, splitLines(f.fault()), faultExcerptLines+1)
+}
+
+func splitLines(s string) []string {
+	var out []string
+	start := 0
+	for i := range len(s) {
+		if s[i] == '\n' {
+			out = append(out, s[start:i])
+			start = i + 1
+		}
+	}
+	return append(out, s[start:])
+}
