@@ -123,11 +123,10 @@ var guestPerfSteps = []step{
 // With PVRDMA_BENCH_DAEMON=PATH the guests use a daemon binary run as a
 // process of its own (`PATH serve`) instead of the daemon of this test
 // binary: the guard (scripts/bench-guard) and bisections run one harness,
-// this one, against daemons built from other versions. It logs which
+// this one, against daemons built from other versions. It then logs which
 // daemon served the guests ("bench daemon: process exe=... sha256=...
-// vcs.revision=..." from the process's /proc/PID/exe, or "in-process" and
-// this test binary's), which the guard checks against the binaries it
-// built for each side.
+// vcs.revision=...", from the process's /proc/PID/exe), which the guard
+// checks against the binary it built for each side.
 func BenchmarkGuestPerf(b *testing.B) {
 	img := image(b)
 	for i := 0; i < b.N; i++ {
@@ -140,9 +139,6 @@ func BenchmarkGuestPerf(b *testing.B) {
 			b.Logf("bench daemon: process %s", id)
 		} else {
 			dir = filepath.Dir(daemon(b, backend.Config{Logger: quietLogger()}, "gp1", "gp2").SocketPath("gp1"))
-			id, err := binaryIdentity("/proc/self/exe")
-			require.NoError(b, err, "this test binary")
-			b.Logf("bench daemon: in-process %s", id)
 		}
 		ctx := context.Background()
 		nw, err := vm.NewNetwork(b, vm.NetworkConfig{})
