@@ -176,12 +176,14 @@ bench-vm: image
 # regenerates only those sections (the others stay as they are). Run it on a machine
 # nothing else is using.
 BENCH_SECTIONS ?= all
-# Is the working tree slower than the last release (the newest tag v*)? Alternated pairs
-# of the guests' and the soft transport's benchmarks, a table, exit 1 on a regression
-# (docs/DEVELOPING.md). GUARD_PAIRS pairs per benchmark; needs a quiet machine.
+# Is the working tree slower than the last release (the commit RELEASE names)? Alternated
+# pairs of the guests' and the soft transport's benchmarks, a table, exit 1 on a regression
+# or a failed run (docs/DEVELOPING.md). GUARD_PAIRS pairs per benchmark; GUARD_FLAGS more
+# options (--slow-candidate, --candidate REV, -s guest); needs a quiet machine.
 GUARD_PAIRS ?= 5
+GUARD_FLAGS ?=
 bench-guard: image
-	./scripts/bench-guard -n $(GUARD_PAIRS)
+	./scripts/bench-guard -n $(GUARD_PAIRS) $(GUARD_FLAGS)
 
 bench-report: deps
 	$(GO) run ./tests/benchreport -sections '$(BENCH_SECTIONS)' -report docs/BENCHMARKS.md -raw out/bench

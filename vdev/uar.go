@@ -18,6 +18,7 @@ func (d *Device) doorbell(off uint64, v uint32) {
 	h := v & abi.UARHandleMask
 	switch off % abi.UARPageSize {
 	case abi.UARQPOffset:
+		guardSlow()
 		q, ok := d.qps.get(h)
 		if !ok || q.uar != page || q.sq == nil { // no rings: lost in a restore
 			d.stats.badDoorbells.Add(1)
@@ -48,6 +49,7 @@ func (d *Device) doorbell(off uint64, v uint32) {
 			d.resumeStalled()
 		}
 	case abi.UARSRQOffset:
+		guardSlow()
 		s, ok := d.srqs.get(h)
 		if !ok || s.uar != page || s.ring == nil {
 			d.stats.badDoorbells.Add(1)

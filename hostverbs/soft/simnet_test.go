@@ -276,16 +276,49 @@ func (n *simNet) handle(e simEvent) {
 
 // runUntil steps the simulation until the clock reaches end, calling
 // after (if set) after each step. It fails the test if the simulation
-// ends before: nothing left to happen and nothing armed.
+// ends before: nothing left to happen and nothing armed (the traffic
+// stalled, or was never started).
 func (n *simNet) runUntil(t testing.TB, end time.Time, after func()) {
 	t.Helper()
 	for n.clock.Now().Before(end) {
 		if !n.step() {
-			n.clock.Advance(end.Sub(n.clock.Now()))
+			t.Fatalf("simulation ended at %v, %v before its end: nothing left to happen and no timer armed",
+				n.clock.Now().Sub(simEpoch), end.Sub(n.clock.Now()))
 			return
 		}
 		if after != nil {
 			after()
 		}
 	}
+}
+
+// fatalRecorder is a testing.TB whose Fatalf records the message and returns.
+type fatalRecorder struct {
+	testing.TB
+	msg string
+}
+
+func (f *fatalRecorder) Helper() {}
+func (f *fatalRecorder) Fatalf(format string, args ...any) {
+	f.msg = fmt.Sprintf(format, args...)
+}
+
+// TestSimNetRunUntil: a simulation that has nothing left to happen before its end
+// fails the test (a stalled run would otherwise pass with whatever it had counted);
+// one whose timers carry it to the end does not.
+func TestSimNetRunUntil(t *testing.T) {
+	n := newSimNet(time.Microsecond)
+	var rec fatalRecorder
+	n.runUntil(&rec, n.clock.Now().Add(time.Second), nil)
+	require.Contains(t, rec.msg, "simulation ended at 0s, 1s before its end")
+
+	n = newSimNet(time.Microsecond)
+	ticks := 0
+	var tick func()
+	tick = func() { ticks++; n.clock.AfterFunc(100*time.Millisecond, tick) }
+	n.clock.AfterFunc(100*time.Millisecond, tick)
+	rec = fatalRecorder{}
+	n.runUntil(&rec, n.clock.Now().Add(time.Second), nil)
+	require.Empty(t, rec.msg)
+	require.Equal(t, 10, ticks)
 }

@@ -123,13 +123,20 @@ var guestPerfSteps = []step{
 // With PVRDMA_BENCH_DAEMON=PATH the guests use a daemon binary run as a
 // process of its own (`PATH serve`) instead of the daemon of this test
 // binary: the guard (scripts/bench-guard) and bisections run one harness,
-// this one, against daemons built from other versions.
+// this one, against daemons built from other versions. It then logs which
+// daemon served the guests ("bench daemon: process exe=... sha256=...
+// vcs.revision=...", from the process's /proc/PID/exe), which the guard
+// checks against the binary it built for each side.
 func BenchmarkGuestPerf(b *testing.B) {
 	img := image(b)
 	for i := 0; i < b.N; i++ {
 		var dir string
 		if bin := os.Getenv("PVRDMA_BENCH_DAEMON"); bin != "" {
-			dir = daemonProcess(b, bin, "gp1", "gp2")
+			var pid int
+			dir, pid = daemonProcess(b, bin, "gp1", "gp2")
+			id, err := binaryIdentity(fmt.Sprintf("/proc/%d/exe", pid))
+			require.NoError(b, err, "the daemon's binary")
+			b.Logf("bench daemon: process %s", id)
 		} else {
 			dir = filepath.Dir(daemon(b, backend.Config{Logger: quietLogger()}, "gp1", "gp2").SocketPath("gp1"))
 		}
@@ -160,9 +167,9 @@ func BenchmarkGuestPerf(b *testing.B) {
 
 // daemonProcess runs `bin serve` with the named VMs registered, the test
 // bed's address pool and warnings only, in the test's network namespace
-// (the guests' fabric is in process), and returns its socket directory.
-// It stops at cleanup.
-func daemonProcess(b testing.TB, bin string, names ...string) string {
+// (the guests' fabric is in process), and returns its socket directory and
+// its process ID. It stops at cleanup.
+func daemonProcess(b testing.TB, bin string, names ...string) (string, int) {
 	b.Helper()
 	dir := b.TempDir()
 	args := []string{"serve", "--socket-dir", dir, "--gid-allow", "10.77.0.0/24", "--log-level", "warn"}
@@ -187,5 +194,5 @@ func daemonProcess(b testing.TB, bin string, names ...string) string {
 		_, err := os.Stat(filepath.Join(dir, "control.sock"))
 		return err == nil
 	}, 30*time.Second, 20*time.Millisecond, "%s serve did not start", bin)
-	return dir
+	return dir, cmd.Process.Pid
 }

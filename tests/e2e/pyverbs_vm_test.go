@@ -51,11 +51,13 @@ echo "=== end"
 // TestPyverbsSuite runs rdma-core's own Python test suite (rdma-core 44, the guest's)
 // in a stock guest over our device and over kernel rxe on the guest's vmxnet3 (the
 // control), and compares them test by test: our device has no failure or error that
-// rxe does not have, except the stock stack's own (stockStackFailures, each with the
-// source line that causes it). The guest boots a bookworm root with python3-pyverbs
-// under systemd (vm.Config.Root): the suite needs python3 and the bindings, which a
-// cached root layer installs with apt as a user would, where the busybox initramfs
-// would need the interpreter's whole closure copied in by hand.
+// rxe does not have but the stock stack's own, and every failure both share has its
+// reason (testdata/pyverbs-failures.md lists both kinds, each by test and cause: the
+// source line its traceback ends at and the exception it raises). The guest boots a
+// bookworm root with python3-pyverbs under systemd (vm.Config.Root): the suite needs
+// python3 and the bindings, which a cached root layer installs with apt as a user
+// would, where the busybox initramfs would need the interpreter's whole closure copied
+// in by hand.
 func TestPyverbsSuite(t *testing.T) {
 	img := image(t)
 	root := filepath.Join(t.TempDir(), "root")
@@ -77,26 +79,7 @@ func TestPyverbsSuite(t *testing.T) {
 	}
 	ours, rxe := runs["pvrdma"], runs["rxe"]
 	require.Equal(t, rxe.Ran, ours.Ran, "the same suite ran on both")
-	for _, id := range ours.IDs {
-		o := ours.Tests[id]
-		if !o.failed() || rxe.Tests[id].failed() {
-			continue
-		}
-		if cause, ok := stockStackFailures[id]; ok {
-			t.Logf("stock stack: %s %s (%s)", id, o.Outcome, cause)
-			continue
-		}
-		t.Errorf("%s: %s over our device, %s over rxe:\n%s", id, o.Outcome, rxe.Tests[id].Outcome, o.Detail)
-	}
-	for id := range stockStackFailures {
-		if o := ours.Tests[id]; o == nil {
-			t.Errorf("%s is listed as the stock stack's own failure, but the suite has no such test", id)
-		} else if !o.failed() {
-			t.Errorf("%s is listed as the stock stack's own failure, but it was %s over our device", id, o.Outcome)
-		} else if rxe.Tests[id].failed() {
-			t.Errorf("%s is listed as the stock stack's own failure, but it fails over rxe too", id)
-		}
-	}
+	checkPyverbsFailures(t, ours, rxe)
 	// Every skip over our device has its explanation in testdata/pyverbs-skips.md.
 	classes, err := skipClasses("testdata/pyverbs-skips.md", pvrdmaName(out))
 	require.NoError(t, err)
@@ -119,23 +102,3 @@ func pvrdmaName(out string) string {
 	}
 	return m[1]
 }
-
-// stockStackFailures are the suite's failures over our device that the stock driver or
-// provider cause whatever the device answers, each with the source line (Debian's
-// linux-source-6.1, the guest's kernel; rdma-core 44.0, the guest's user space).
-var stockStackFailures = map[string]string{
-	"tests.test_qp.QPTest.test_query_rc_qp":                                    queryResetQP,
-	"tests.test_qp.QPTest.test_query_ud_qp":                                    queryResetQP,
-	"tests.test_qp.QPTest.test_create_raw_qp_ex_with_illegal_caps_max_send_wr": illegalCaps + " (max_send_wr: qp.c:219-220)",
-	"tests.test_qp.QPTest.test_create_raw_qp_ex_with_illegal_caps_max_recv_wr": illegalCaps + " (max_recv_wr: qp.c:224-225)",
-}
-
-const (
-	queryResetQP = "vmw_pvrdma answers QUERY_QP of a QP in RESET without asking the device and " +
-		"reports its caps as zero: drivers/infiniband/hw/vmw_pvrdma/pvrdma_qp.c:987 " +
-		"`if (qp->state == IB_QPS_RESET) { attr->qp_state = IB_QPS_RESET; goto out; }`, then :1046 " +
-		"`init_attr->cap = attr->cap` (never filled); the suite wants max_recv_wr >= what it asked for"
-	illegalCaps = "libvmw_pvrdma rounds the size up to a power of two in an int " +
-		"(providers/vmw_pvrdma/pvrdma.h:186 `static inline int align_next_power2(int size)`): " +
-		"0xffffffff is -1 and comes back as 1, a legal size, so the QP is created and the device never sees 0xffffffff"
-)

@@ -75,17 +75,17 @@ func checkStorage(t *testing.T, row string, res []vm.Result, runs ...vm.StorageR
 }
 
 // storageKinds are the consumers to run: all, or those E2E_STORAGE names (e.g.
-// E2E_STORAGE=nvme,srp).
-func storageKinds() []string {
+// E2E_STORAGE=nvme,srp). A name that is not a consumer fails the test (a typo would
+// otherwise run nothing and pass), and so does a list that names none.
+func storageKinds(t testing.TB) []string {
+	t.Helper()
 	only := os.Getenv("E2E_STORAGE")
 	if only == "" {
 		return vm.StorageConsumers
 	}
-	var kinds []string
-	for _, k := range vm.StorageConsumers {
-		if strings.Contains(","+only+",", ","+k+",") {
-			kinds = append(kinds, k)
-		}
+	kinds, err := selectStorageKinds(only, vm.StorageConsumers)
+	if err != nil {
+		t.Fatalf("E2E_STORAGE=%q: %v", only, err)
 	}
 	return kinds
 }
@@ -107,7 +107,7 @@ func TestStorageConsumers(t *testing.T) {
 	img := image(t)
 	ctx := context.Background()
 	var runs []vm.StorageRun
-	for _, k := range storageKinds() {
+	for _, k := range storageKinds(t) {
 		runs = append(runs, vm.StorageRun{Kind: k})
 	}
 	matrix := map[string]map[string]vm.StorageResult{}
@@ -167,7 +167,7 @@ func TestStorageTwoHosts(t *testing.T) {
 	ctlB := backend.NewControlClient(filepath.Join(dirB, "control.sock"))
 
 	var runs []vm.StorageRun
-	for _, k := range storageKinds() {
+	for _, k := range storageKinds(t) {
 		runs = append(runs, vm.StorageRun{Kind: k})
 	}
 	type upgrade struct {
@@ -177,7 +177,7 @@ func TestStorageTwoHosts(t *testing.T) {
 	}
 	upgrades := map[string]upgrade{}
 	gens := map[string]int{}
-	for i, k := range storageKinds() {
+	for i, k := range storageKinds(t) {
 		sec := "upgrade-" + k
 		runs = append(runs, vm.StorageRun{Kind: k, Section: sec, Secs: 15})
 		who, ctl := "A", ctlA

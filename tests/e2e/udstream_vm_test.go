@@ -32,6 +32,15 @@ var udStreams = []struct{ name, args string }{
 	{"one-cq-depth-4", "-c -1 -r 4 -t 4 -m 2 -n 3000"},
 }
 
+// The lossy stream: 3000 datagrams each way without flow control, each side posting
+// 256 receives and reposting until it has posted lossyRecvs in all, then none, so that
+// at least udCount - lossyRecvs datagrams each way find no receive, whatever the
+// machine's speed: the loss path is exercised by construction, not by chance.
+const (
+	udCount    = 3000
+	lossyRecvs = 1024
+)
+
 // udstreamScenario runs the streams on the device dev (GID index of self's address in
 // $g), the client side against peer if peer is set, each after "=== NAME" and followed
 // by "rc=N"; then one stream without flow control ("lossy"), whose losses it reports.
@@ -46,7 +55,7 @@ func udstreamScenario(dev, self, peer string, port int) string {
 	for _, s := range udStreams {
 		run(s.name, s.args)
 	}
-	run("lossy", "-r 256 -n 3000")
+	run("lossy", fmt.Sprintf("-r 256 -R %d -n %d", lossyRecvs, udCount))
 	return b.String()
 }
 
@@ -62,9 +71,12 @@ func buildUDStream(t *testing.T) string {
 }
 
 // checkUDStreams asserts that every flow-controlled stream ended OK on every guest
-// (all datagrams arrived, once, each completion's wc_flags exactly IBV_WC_GRH), logs
-// what the lossy one received and returns how many datagrams the lossy streams over
-// dev lost in all (what was sent minus what arrived, both ways).
+// (all datagrams arrived, once, each completion's wc_flags exactly IBV_WC_GRH), that
+// each side of the lossy one sent all its datagrams and received no more than it
+// posted receives for, and that the lossy streams over each device lost datagrams (a
+// run that lost none did not exercise the loss path); it logs what the lossy one
+// received and returns how many datagrams the lossy streams over dev lost in all (what
+// was sent minus what arrived, both ways).
 func checkUDStreams(t *testing.T, res []vm.Result, devs ...string) map[string]uint64 {
 	t.Helper()
 	okRE := regexp.MustCompile(`(?m)^udstream: sent 3000 recv 3000 dup 0 flags 0x1 badflags 0 OK$`)
@@ -82,13 +94,16 @@ func checkUDStreams(t *testing.T, res []vm.Result, devs ...string) map[string]ui
 			if !assert.NotNil(t, m, "%s: %s lossy printed no result", r.VM, dev) {
 				continue
 			}
-			t.Logf("UDSTREAM lossy (no flow control, 256 receives) vm=%s dev=%s: %s", r.VM, dev, m[0])
+			t.Logf("UDSTREAM lossy (no flow control, 256 receives, %d in all) vm=%s dev=%s: %s", lossyRecvs, r.VM, dev, m[0])
 			s, _ := strconv.ParseUint(m[1], 10, 64)
 			n, _ := strconv.ParseUint(m[2], 10, 64)
+			assert.Equal(t, uint64(udCount), s, "%s: %s lossy: datagrams sent", r.VM, dev)
+			assert.LessOrEqual(t, n, uint64(lossyRecvs), "%s: %s lossy: more received than receives posted", r.VM, dev)
 			sent, recv = sent+s, recv+n
 		}
 		if assert.LessOrEqual(t, recv, sent, "%s: more received than sent", dev) {
 			lost[dev] = sent - recv
+			assert.NotZero(t, lost[dev], "%s: the lossy streams lost nothing: they did not exercise the loss path", dev)
 		}
 	}
 	return lost
@@ -119,9 +134,10 @@ func checkUDDrops(t *testing.T, lost uint64, counters ...map[string]uint64) {
 // control), with a CQ per direction and with one CQ and queues of four. Every datagram
 // must arrive, and every receive completion must carry wc_flags IBV_WC_GRH and nothing
 // else, as rxe's do (the device gave user QPs the kernel's GRH | NETWORK_HDR_TYPE, 0x41,
-// which is GRH | TM_DATA_VALID to libibverbs). A stream without flow control loses
-// datagrams on both devices (no receive posted when one arrives: the daemon counts
-// drop_ud_no_recv_wqe, rxe drops them too), which the test only reports.
+// which is GRH | TM_DATA_VALID to libibverbs). A stream without flow control, whose
+// receivers stop reposting after lossyRecvs receives, must lose datagrams on both
+// devices (no receive posted when one arrives: rxe drops them, and the daemon counts
+// every one lost over ours as drop_ud_no_recv_wqe and nothing else).
 func TestUDStream(t *testing.T) {
 	img := image(t)
 	bin := buildUDStream(t)

@@ -3,6 +3,7 @@ package e2e
 import (
 	"fmt"
 	"os"
+	"path"
 	"regexp"
 	"sort"
 	"strconv"
@@ -198,6 +199,62 @@ func skipClasses(path, dev string) (skipSet, error) {
 	return s, nil
 }
 
+// utCause is where a failure or error came from, as its traceback shows it: the
+// innermost frame that shows a source line (its file's base name and that line,
+// trimmed) and the first line of the exception it ends with. Of chained exceptions
+// ("During handling of the above exception ..."), the last.
+type utCause struct {
+	File, Line, Raise string
+}
+
+func (c utCause) String() string {
+	return fmt.Sprintf("%s: `%s`: %s", c.File, c.Line, c.Raise)
+}
+
+var (
+	utFrameRE = regexp.MustCompile(`^  File "([^"]*)", line \d+, in `)
+	utCaretRE = regexp.MustCompile(`^\s+[~^]+\s*$`)
+)
+
+// cause returns where the test's failure or error came from (zero if its report has
+// no traceback).
+func (t *utResult) cause() utCause {
+	lines := strings.Split(t.Detail, "\n")
+	start := -1
+	for i, l := range lines {
+		if l == "Traceback (most recent call last):" {
+			start = i
+		}
+	}
+	var c utCause
+	if start < 0 {
+		return c
+	}
+	i := start + 1
+	for i < len(lines) {
+		m := utFrameRE.FindStringSubmatch(lines[i])
+		if m == nil {
+			if strings.HasPrefix(lines[i], "  ") { // "  [Previous line repeated N more times]"
+				i++
+				continue
+			}
+			break
+		}
+		i++
+		if i < len(lines) && strings.HasPrefix(lines[i], "    ") {
+			c.File, c.Line = path.Base(m[1]), strings.TrimSpace(lines[i])
+			i++
+			for i < len(lines) && utCaretRE.MatchString(lines[i]) {
+				i++
+			}
+		}
+	}
+	if i < len(lines) {
+		c.Raise = strings.TrimSpace(lines[i])
+	}
+	return c
+}
+
 // unquotePy undoes Python's repr of a str (single or double quotes, backslash escapes
 // of the quote and backslash).
 func unquotePy(s string) string {
@@ -266,4 +323,40 @@ func TestPyverbsSkipTable(t *testing.T) {
 	} {
 		assert.False(t, s.match(reason), reason)
 	}
+}
+
+// TestUnittestCause: a failure's cause is the innermost frame with a source line and
+// the exception's first line, in the recorded report and in Python 3.11's forms
+// (carets under the failing expression, frames without source, chained exceptions).
+func TestUnittestCause(t *testing.T) {
+	b, err := os.ReadFile("testdata/unittest-verbose.txt")
+	require.NoError(t, err)
+	r, err := parseUnittest(string(b))
+	require.NoError(t, err)
+	assert.Equal(t, utCause{"utils.py", "raise PyverbsRDMAError(f'Completion status is {wc_status_to_str(wcs[0].status)}')",
+		"pyverbs.pyverbs_error.PyverbsRDMAError: Completion status is local QP operation error"},
+		r.Tests["tests.test_qpex.QpExTestCase.test_qp_ex_rc_atomic_write"].cause())
+	assert.Equal(t, utCause{"test_qp.py", "self.query_qp_common_test(e.IBV_QPT_RC)", "AssertionError: 0 != 16 : Wrong sq_sig_all"},
+		r.Tests["tests.test_qp.QPTest.test_query_rc_qp"].cause())
+	assert.Equal(t, utCause{}, r.Tests["tests.test_addr.AHTest.test_create_ah"].cause(), "no traceback")
+
+	chained := (&utResult{Detail: `Traceback (most recent call last):
+  File "/root/rdma-tests/utils.py", line 10, in first
+    x = y[0]
+        ~^^^
+IndexError: list index out of range
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/root/rdma-tests/test_mr.py", line 20, in test_x
+    self.create(size=0x1000)
+  File "/root/rdma-tests/base.py", line 30, in create
+    mr = MR(self.pd, size, access)
+         ^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "mr.pyx", line 88, in pyverbs.mr.MR.__init__
+pyverbs.pyverbs_error.PyverbsRDMAError: Failed to register a MR. Errno: 22, Invalid argument
+Extra line of the message`}).cause()
+	assert.Equal(t, utCause{"base.py", "mr = MR(self.pd, size, access)",
+		"pyverbs.pyverbs_error.PyverbsRDMAError: Failed to register a MR. Errno: 22, Invalid argument"}, chained)
 }

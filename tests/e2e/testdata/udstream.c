@@ -4,7 +4,8 @@
  * run in two guests (tests/e2e TestUDStream).
  *
  *   udstream -d DEV -g GIDX [-p PORT] [-n COUNT] [-s SIZE] [-r RXDEPTH]
- *            [-t TXDEPTH] [-m SIGNAL_EVERY] [-c] [-1] [-T STALL_SECONDS] [SERVER]
+ *            [-t TXDEPTH] [-m SIGNAL_EVERY] [-c] [-1] [-R RECVS]
+ *            [-T STALL_SECONDS] [SERVER]
  *
  * Without SERVER it listens on PORT (TCP, for the exchange of QPN and GID), with
  * it it connects. Each side posts RXDEPTH receives, then sends COUNT datagrams of
@@ -13,7 +14,10 @@
  * a side sends only while the peer has a receive posted for the datagram (the
  * peer's reposts are reported over the TCP connection): nothing can be dropped
  * for want of a receive, so every datagram must arrive. -1 uses one CQ for sends
- * and receives (default: one each).
+ * and receives (default: one each). -R (not with -c) caps the receives a side
+ * posts in all, the first RXDEPTH included, at RECVS: it reposts until it has
+ * posted RECVS, then none, so with COUNT > RECVS at least COUNT - RECVS of the
+ * peer's datagrams find no receive and are lost, however fast either side runs.
  *
  * Every receive completion must be successful, an IBV_WC_RECV of 40 + SIZE bytes
  * with wc_flags exactly IBV_WC_GRH, from the peer's QPN, with a sequence number
@@ -49,7 +53,7 @@ struct info {
 
 static struct {
 	const char *dev, *server;
-	int gidx, port, count, size, rxdepth, txdepth, every, credits, onecq, stall;
+	int gidx, port, count, size, rxdepth, txdepth, every, credits, onecq, stall, recvs;
 } o = {.gidx = -1, .port = 18600, .count = 5000, .size = 64, .rxdepth = 64, .txdepth = 32, .every = 8, .stall = 20};
 
 static struct ibv_context *ctx;
@@ -185,7 +189,7 @@ static void setup(void)
 int main(int argc, char **argv)
 {
 	int c;
-	while ((c = getopt(argc, argv, "d:g:p:n:s:r:t:m:c1T:")) != -1) {
+	while ((c = getopt(argc, argv, "d:g:p:n:s:r:t:m:c1R:T:")) != -1) {
 		switch (c) {
 		case 'd': o.dev = optarg; break;
 		case 'g': o.gidx = atoi(optarg); break;
@@ -197,13 +201,15 @@ int main(int argc, char **argv)
 		case 'm': o.every = atoi(optarg); break;
 		case 'c': o.credits = 1; break;
 		case '1': o.onecq = 1; break;
+		case 'R': o.recvs = atoi(optarg); break;
 		case 'T': o.stall = atoi(optarg); break;
 		default: return 2;
 		}
 	}
 	if (optind < argc)
 		o.server = argv[optind];
-	if (!o.dev || o.gidx < 0 || o.size < 4 || o.every < 1 || o.txdepth < o.every || o.rxdepth < 1)
+	if (!o.dev || o.gidx < 0 || o.size < 4 || o.every < 1 || o.txdepth < o.every || o.rxdepth < 1 ||
+	    o.recvs < 0 || (o.recvs && (o.credits || o.recvs < o.rxdepth)))
 		fail("%s %ld", "usage", 0);
 	setvbuf(stdout, NULL, _IOLBF, 0);
 
@@ -230,6 +236,7 @@ int main(int argc, char **argv)
 	uint32_t sent = 0, sdone = 0, recvd = 0, dups = 0, badflags = 0, flags = 0;
 	uint64_t granted = peer.rxdepth; /* datagrams the peer has a receive for */
 	uint32_t reposted = 0, reported = 0;
+	uint32_t posted = o.rxdepth; /* receives posted in all */
 	uint8_t *seen = calloc(o.count, 1);
 	double last = now(), quiet = 0;
 	int peer_done = 0, done_sent = 0;
@@ -280,7 +287,10 @@ int main(int argc, char **argv)
 					dups++;
 				seen[seq] = 1;
 				recvd++;
+				if (o.recvs && posted >= (uint32_t)o.recvs)
+					continue; /* -R: no more receives */
 				post_recv(slot);
+				posted++;
 				reposted++;
 			}
 		}
