@@ -17,7 +17,7 @@ func TestFaultWatch(t *testing.T) {
 		"[  243.1] INFO: task kworker/0:1:42 blocked for more than 120 seconds.",
 		"[   30.0] watchdog: BUG: soft lockup - CPU#0 stuck for 22s! [init:1]",
 	} {
-		f := newFaultWatch()
+		f := newFaultWatch(nil, nil)
 		require.False(t, f.line("[    1.0] vmw_pvrdma 0000:00:05.1: device version 20"))
 		require.True(t, f.line(line), line)
 		require.False(t, f.line(" <TASK>"), "only the first fault line reports")
@@ -29,13 +29,13 @@ func TestFaultWatch(t *testing.T) {
 		}
 	}
 
-	f := newFaultWatch()
+	f := newFaultWatch(nil, nil)
 	require.False(t, f.line("[   40.0] rcu: INFO: rcu_preempt self-detected stall on CPU"))
 	require.False(t, f.line("[   40.0] Call Trace:"), "an RCU stall's trace is the host starving the guest")
 	require.True(t, f.line("[   41.0] BUG: unable to handle page fault for address: ffff"), "a BUG still counts")
 
 	// The excerpt stops after faultExcerptLines and is then complete.
-	f = newFaultWatch()
+	f = newFaultWatch(nil, nil)
 	require.True(t, f.line("Oops"))
 	for range faultExcerptLines + 10 {
 		f.line("trace")
@@ -58,4 +58,23 @@ func splitLines(s string) []string {
 		}
 	}
 	return append(out, s[start:])
+}
+
+// TestKnownWarning: a WARNING a test declares, and the stack trace after it, do not
+// fail the guest; another fault after it does.
+func TestKnownWarning(t *testing.T) {
+	var logged []string
+	f := newFaultWatch([]KnownWarning{NFSServerQPEventWarning()}, func(format string, args ...any) {
+		logged = append(logged, format)
+	})
+	require.False(t, f.line("[   65.794567] ------------[ cut here ]------------"))
+	require.False(t, f.line("[   65.795547] WARNING: CPU: 0 PID: 0 at kernel/softirq.c:400 __local_bh_enable_ip+0x4e/0x70"))
+	require.False(t, f.line("[   65.806098] Call Trace:"))
+	require.False(t, f.line("[   65.808622]  svc_xprt_enqueue+0xcf/0x1d0 [sunrpc]"))
+	require.Len(t, logged, 1, "the known warning is logged")
+	require.True(t, f.line("[   70.000000] BUG: kernel NULL pointer dereference, address: 0000000000000010"))
+
+	f = newFaultWatch([]KnownWarning{NFSServerQPEventWarning()}, nil)
+	require.False(t, f.line("[    1.0] WARNING: CPU: 0 PID: 1 at drivers/infiniband/core/cq.c:100 __ib_drain_sq+0x1/0x2"))
+	require.True(t, f.line("[    1.0] Call Trace:"), "another warning's trace fails the guest")
 }

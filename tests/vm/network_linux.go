@@ -56,8 +56,33 @@ type Network struct {
 
 	mu     sync.Mutex
 	taps   []string
+	vms    []*VM // the guests started on it
 	closed bool
 	unreg  func()
+}
+
+// join records a guest started on the network.
+func (n *Network) join(v *VM) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.vms = append(n.vms, v)
+}
+
+// stopOthers stops every guest on the network but v: one guest's kernel fault ends
+// the run of the guests that talk to it, which would otherwise wait for it until their
+// deadlines.
+func (n *Network) stopOthers(v *VM, why string) {
+	n.mu.Lock()
+	others := make([]*VM, 0, len(n.vms))
+	for _, o := range n.vms {
+		if o != v {
+			others = append(others, o)
+		}
+	}
+	n.mu.Unlock()
+	for _, o := range others {
+		o.stopFor(why)
+	}
 }
 
 // NewNetwork creates a network namespace with a bridge (and HostAddr on it, if set).

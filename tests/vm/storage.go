@@ -204,7 +204,17 @@ func WaitStorageIO(timeout time.Duration, v *VM, section string) error {
 		if time.Now().After(deadline) {
 			return fmt.Errorf("vm %s: run %s started no I/O within %v", v.Name(), section, timeout)
 		}
-		time.Sleep(20 * time.Millisecond)
+		select {
+		case <-v.Exited():
+			if why := v.stoppedFor.Load(); why != nil {
+				return fmt.Errorf("vm %s: run %s: the guest was stopped before its I/O: %s", v.Name(), section, *why)
+			}
+			if f := v.faults.fault(); f != "" {
+				return fmt.Errorf("vm %s: run %s: %w", v.Name(), section, &KernelFaultError{VM: v.Name(), Excerpt: f})
+			}
+			return fmt.Errorf("vm %s: run %s: QEMU exited before the I/O started", v.Name(), section)
+		case <-time.After(20 * time.Millisecond):
+		}
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -95,6 +96,9 @@ type Config struct {
 	HostFiles map[string]string
 	// KernelArgs are appended to the kernel command line.
 	KernelArgs string
+	// KnownWarnings are kernel WARNINGs the test expects from this guest, each with its
+	// reason; any other kernel fault on the console fails the guest at once.
+	KnownWarnings []KnownWarning
 	// Timeout bounds the whole run (0: DefaultTimeout); BootTimeout the time from
 	// launching QEMU to /init (0: DefaultBootTimeout).
 	Timeout, BootTimeout time.Duration
@@ -208,16 +212,20 @@ type VM struct {
 	started time.Time
 	cmd     *exec.Cmd
 
-	console  capBuffer
-	output   capBuffer
-	faults   *faultWatch
-	initC    chan frame // INIT
-	setupC   chan frame // SETUP
-	endC     chan frame // END
-	exited   chan struct{}
-	exitErr  error
-	readers  sync.WaitGroup
-	listener *net.UnixListener
+	console capBuffer
+	output  capBuffer
+	faults  *faultWatch
+	nw      *Network
+	// stoppedFor says why the harness stopped the guest early ("" if it did not): a
+	// kernel fault of another guest on its network.
+	stoppedFor atomic.Pointer[string]
+	initC      chan frame // INIT
+	setupC     chan frame // SETUP
+	endC       chan frame // END
+	exited     chan struct{}
+	exitErr    error
+	readers    sync.WaitGroup
+	listener   *net.UnixListener
 
 	waitOnce sync.Once
 	res      Result
@@ -266,9 +274,15 @@ func Start(ctx context.Context, t TB, img *Image, nw *Network, cfg Config) (*VM,
 	}
 	v := &VM{
 		cfg: cfg, t: t, dir: dir, qmp: filepath.Join(dir, "qmp.sock"), nonce: randomHex(16),
-		console: capBuffer{max: maxConsole}, output: capBuffer{max: maxOutput}, faults: newFaultWatch(),
+		console: capBuffer{max: maxConsole}, output: capBuffer{max: maxOutput},
 		initC: make(chan frame, 1), setupC: make(chan frame, 1), endC: make(chan frame, 1),
 		exited: make(chan struct{}),
+	}
+	v.faults = newFaultWatch(cfg.KnownWarnings, func(format string, args ...any) {
+		t.Logf("vm %s: %s", cfg.Name, fmt.Sprintf(format, args...))
+	})
+	if v.nw = nw; nw != nil {
+		nw.join(v)
 	}
 	v.unreg = registerCleanup(v.stop)
 	t.Cleanup(func() {
@@ -501,6 +515,9 @@ func (v *VM) copyLines(r io.Reader, what string, quiet bool) {
 			if quiet {
 				v.t.Logf("[%s console] %s", v.cfg.Name, line)
 			}
+			if v.nw != nil {
+				v.nw.stopOthers(v, fmt.Sprintf("guest %s on the same network reported a kernel fault: %s", v.cfg.Name, line))
+			}
 			go func() {
 				select {
 				case <-v.faults.done:
@@ -646,6 +663,9 @@ func (v *VM) wait(ctx context.Context) (Result, error) {
 			if v.faults.fault() != "" {
 				return faulted()
 			}
+			if why := v.stoppedFor.Load(); why != nil {
+				return fail("stopped by the harness: %s", *why)
+			}
 			return fail("QEMU exited (%v) before the guest reported a result", v.exitErr)
 		case <-boot.C:
 			// Wait may be called long after the guest reached /init (a test
@@ -669,6 +689,16 @@ func (v *VM) wait(ctx context.Context) (Result, error) {
 // Kill stops the guest at once (SIGKILL to QEMU's process group) and waits for QEMU and
 // the output readers to finish.
 func (v *VM) Kill() { v.stop() }
+
+// Exited is closed when the guest's QEMU has exited (by itself or stopped).
+func (v *VM) Exited() <-chan struct{} { return v.exited }
+
+// stopFor stops the guest because of something outside it (another guest's fault).
+func (v *VM) stopFor(why string) {
+	v.stoppedFor.CompareAndSwap(nil, &why)
+	v.t.Logf("vm %s: stopping: %s", v.cfg.Name, why)
+	go v.stop()
+}
 
 // stop kills QEMU's process group, waits for it and the readers, and removes the run
 // directory. It is idempotent and is the VM's cleanup.
