@@ -29,6 +29,10 @@ type frmr struct {
 	// cur is what the slot holds; guarded by dev.mu. nil once
 	// deregistered.
 	cur *mr
+	// used are the key bytes the MR had (its base key's and every
+	// registration's); guarded by dev.mu. The next MR on its index avoids
+	// them (keyTable.retire).
+	used byteSet
 }
 
 var (
@@ -70,6 +74,7 @@ func (p *pd) AllocFastRegMR(attr hostverbs.FastRegAttr) (hostverbs.FastRegMR, er
 		}
 	}
 	f := &frmr{dev: d, pd: p, maxPages: attr.MaxPages}
+	f.used.addKey(key)
 	f.cur = &mr{dev: d, pd: p, key: key, mem: d.mem, fr: f, free: true}
 	d.keys.set(key, f.cur)
 	d.nMR++
@@ -137,6 +142,8 @@ func (f *frmr) Register(r hostverbs.FastReg) error {
 		return fmt.Errorf("fast register: MR %#x lost its key: %w", cur.key, hostverbs.ErrNotFound)
 	}
 	f.cur = next
+	f.used.addKey(r.Key)
+	d.keys.rename(r.Key)
 	return nil
 }
 
@@ -188,6 +195,7 @@ func (f *frmr) Dereg() error {
 	if cur == nil || !d.keys.remove(cur.key, cur) {
 		return fmt.Errorf("dereg fast-reg mr: %w", hostverbs.ErrNotFound)
 	}
+	d.keys.retire(cur.key>>8, &f.used)
 	f.cur = nil
 	d.nMR--
 	d.mrBytes -= uint64(f.maxPages) * guestmem.PageSize

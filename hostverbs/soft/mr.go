@@ -76,20 +76,34 @@ func (m *mr) check(iova, n uint64, want hostverbs.Access) error {
 // byte drawn at random for each registration (rxe randomises it too), never
 // the byte the index had last, so neither another tenant nor the guest
 // itself can predict a key from the order of registrations, and a stale
-// key never names the MR that reuses its index.
+// key never names the MR that reuses its index. A fast-reg MR changes its
+// key byte at every REG_MR (the guest's consumer byte): gen follows it, and
+// the bytes its index had during the MR's life (byteSet) are avoided by
+// the next MR on the index, as long as any byte is left.
 type keyTable struct {
 	slots []atomic.Pointer[mr]
 	gen   []uint8
 	free  []uint32
 	next  uint32
 	rng   *rand.ChaCha8
+	// retired holds, for a free index a fast-reg MR had, the key bytes
+	// that named it.
+	retired map[uint32]*byteSet
 }
+
+// byteSet is a set of key bytes.
+type byteSet [4]uint64
+
+func (b *byteSet) add(v uint8)       { b[v>>6] |= 1 << (v & 63) }
+func (b *byteSet) has(v uint8) bool  { return b[v>>6]&(1<<(v&63)) != 0 }
+func (b *byteSet) full() bool        { return b[0]&b[1]&b[2]&b[3] == ^uint64(0) }
+func (b *byteSet) addKey(key uint32) { b.add(uint8(key)) }
 
 func newKeyTable(max int) keyTable {
 	var seed [32]byte
 	_, _ = crand.Read(seed[:]) // never fails (it would crash the program)
 	return keyTable{slots: make([]atomic.Pointer[mr], max+1), gen: make([]uint8, max+1), next: 1,
-		rng: rand.NewChaCha8(seed)}
+		rng: rand.NewChaCha8(seed), retired: map[uint32]*byteSet{}}
 }
 
 // alloc reserves a key; the caller stores the MR with set. An index in
@@ -112,12 +126,48 @@ func (t *keyTable) alloc() (uint32, bool) {
 		}
 		return 0, false
 	}
-	old := t.gen[idx]
-	t.gen[idx] = uint8(t.rng.Uint64())
-	if t.gen[idx] == old {
-		t.gen[idx]++
-	}
+	t.gen[idx] = t.pickByte(idx)
 	return idx<<8 | uint32(t.gen[idx]), true
+}
+
+// pickByte draws the key byte of the next MR on idx: never the byte idx
+// had last, nor, while one is left, any byte a fast-reg MR retired from
+// idx had.
+func (t *keyTable) pickByte(idx uint32) uint8 {
+	last := t.gen[idx]
+	avoid := t.retired[idx]
+	delete(t.retired, idx)
+	if avoid == nil {
+		avoid = &byteSet{}
+	}
+	if avoid.add(last); avoid.full() {
+		avoid = &byteSet{}
+		avoid.add(last)
+	}
+	v := uint8(t.rng.Uint64())
+	for avoid.has(v) {
+		v++ // a byte is left: the set is not full
+	}
+	return v
+}
+
+// retire records that the fast-reg MR on idx, which the caller removes,
+// was named by the key bytes in used.
+func (t *keyTable) retire(idx uint32, used *byteSet) {
+	if idx == 0 || int(idx) >= len(t.slots) {
+		return
+	}
+	b := *used
+	t.retired[idx] = &b
+}
+
+// rename records that the MR on key's index now has key's byte (a
+// fast-reg MR's REG_MR): a stale key is judged against the index's last
+// byte.
+func (t *keyTable) rename(key uint32) {
+	if idx := key >> 8; idx != 0 && int(idx) < len(t.slots) {
+		t.gen[idx] = uint8(key)
+	}
 }
 
 // take reserves exactly key (MRAttr.LKey); the caller stores the MR with
@@ -137,6 +187,7 @@ func (t *keyTable) take(key uint32) error {
 		}
 	}
 	t.gen[idx] = uint8(key)
+	delete(t.retired, idx)
 	return nil
 }
 
