@@ -131,7 +131,14 @@ func (rp *replayer) restoreFastRegs() {
 		case m.fr == nil:
 			err = fmt.Errorf("the MR was lost")
 		default:
-			err = m.fr.Register(reg)
+			// Charged as the predecessor charged it (a successor with a
+			// lower max-mr-bytes refuses REG_MRs until under it).
+			if err = m.fr.Register(reg); err == nil {
+				d := rp.d
+				d.fastRegRelease(m)
+				m.regBytes = reg.Pages.Length
+				d.mrBytes += m.regBytes
+			}
 		}
 		if err != nil {
 			rp.note("MR %d: fast registration under key %#x not restored: %v", h, reg.Key, err)
