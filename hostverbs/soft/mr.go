@@ -35,6 +35,10 @@ type mr struct {
 	// invalidation publishes one with free set, which no lookup returns.
 	fr   *frmr
 	free bool
+	// users counts the copies through a peer's key that hold this
+	// registration, waiters the invalidations waiting for them to end
+	// (mraccess.go).
+	users, waiters atomic.Int32
 }
 
 func (m *mr) LKey() uint32 { return m.key }
@@ -49,13 +53,15 @@ func (m *mr) RKey() uint32 {
 func (m *mr) Dereg() error {
 	d := m.dev
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if !d.keys.remove(m.key, m) {
+		d.mu.Unlock()
 		return fmt.Errorf("dereg mr %#x: %w", m.key, hostverbs.ErrNotFound)
 	}
 	d.nMR--
 	d.mrBytes -= m.pages.Length
 	m.pd.refs.Add(-1)
+	d.mu.Unlock()
+	m.waitAccesses() // the pages are the guest's again once no copy uses them
 	return nil
 }
 
@@ -236,6 +242,10 @@ type seg struct {
 	mr   *mr
 	iova uint64
 	n    uint64
+	// guard: a peer's access through a key (a READ response's source):
+	// a copy holds the registration and fails if the key no longer names
+	// it (mraccess.go).
+	guard bool
 }
 
 // resolveSGL checks an SGL against the QP's PD and the access a direction
@@ -321,7 +331,15 @@ var errShortPages = errors.New("page list shorter than its range")
 func gather(dst []byte, segs []seg, off uint64) error {
 	done := uint64(0)
 	return walkSegs(segs, off, uint64(len(dst)), func(s *seg, iova, cnt uint64) error {
+		if err := s.enterErr(); err != nil {
+			return err
+		}
+		defer s.leaveSeg()
+		hook := s.copyHook()
 		for cnt > 0 {
+			if hook != nil && done > 0 {
+				hook(s.mr)
+			}
 			gpa, c := pageRun(&s.mr.pages, iova, cnt)
 			if c == 0 {
 				return errShortPages
@@ -361,8 +379,15 @@ func copySegs(dst []seg, dstOff uint64, src []seg, srcOff, n uint64) error {
 	var c guestmem.Copier
 	defer c.Release()
 	return walkSegs(src, srcOff, n, func(ss *seg, siova, scnt uint64) error {
+		// A guarded source is a READ response's: the responder's
+		// registration, held for the copy.
+		if err := ss.enterErr(); err != nil {
+			return sourceGone(err)
+		}
+		defer ss.leaveSeg()
+		hook := ss.copyHook()
 		err := walkSegs(dst, dstOff, scnt, func(ds *seg, diova, dcnt uint64) error {
-			err := copyRange(&c, ds.mr, diova, ss.mr, siova, dcnt)
+			err := copyRange(&c, ds.mr, diova, ss.mr, siova, dcnt, hook)
 			siova += dcnt
 			return err
 		})
@@ -372,9 +397,13 @@ func copySegs(dst []seg, dstOff uint64, src []seg, srcOff, n uint64) error {
 }
 
 // copyRange copies n bytes between the IOVA ranges of two MRs, one
-// physically contiguous run at a time.
-func copyRange(c *guestmem.Copier, dm *mr, diova uint64, sm *mr, siova, n uint64) error {
-	for n > 0 {
+// physically contiguous run at a time; hook, if set, is called with the
+// source between runs.
+func copyRange(c *guestmem.Copier, dm *mr, diova uint64, sm *mr, siova, n uint64, hook func(*mr)) error {
+	for first := true; n > 0; first = false {
+		if hook != nil && !first {
+			hook(sm)
+		}
 		sgpa, sc := pageRun(&sm.pages, siova, n)
 		dgpa, dc := pageRun(&dm.pages, diova, sc)
 		if sc == 0 || dc == 0 {
