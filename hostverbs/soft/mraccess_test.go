@@ -11,6 +11,7 @@ import (
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
+	"github.com/pvrdma-backend/pvrdma-backend/hostverbs/soft/wire"
 )
 
 // TestInvalidateWaitsForRead: a peer's 2 MiB READ of a fast-reg MR is
@@ -23,18 +24,42 @@ import (
 // invalidation must not complete while the copy is under way: the READ
 // then completes with the bytes from before the invalidation, or fails
 // with a remote access error; never with bytes written after it.
+//
+// Over the wire ("two-fabrics") each response packet is copied as it is
+// sent; the hook pauses the first one (the READ starts 0x200 into a page,
+// so every packet's copy has two pieces) on the responder's receive loop,
+// so only LOCAL_INV can come meanwhile. The packets whose copy starts
+// after the invalidation are not sent, and the requester's retry of them
+// gets a remote access error. In every case no byte written after the
+// invalidation completed reaches the peer, even in a READ that fails.
 func TestInvalidateWaitsForRead(t *testing.T) {
-	t.Run("local-inv", func(t *testing.T) { testInvalidateWaitsForRead(t, false) })
-	t.Run("send-with-invalidate", func(t *testing.T) { testInvalidateWaitsForRead(t, true) })
+	inProcess := func(t *testing.T) (fa, fb *Fabric) {
+		f, err := New(Config{})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = f.Close() })
+		return f, f
+	}
+	twoFabrics := func(t *testing.T) (fa, fb *Fabric) {
+		net := wire.NewMemNet(3)
+		t.Cleanup(net.Close)
+		mk := func() *Fabric {
+			f, err := New(Config{Wire: net.Attach(), LinkMTU: 9000})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = f.Close() })
+			return f
+		}
+		return mk(), mk()
+	}
+	t.Run("local-inv", func(t *testing.T) { testInvalidateWaitsForRead(t, inProcess, false) })
+	t.Run("send-with-invalidate", func(t *testing.T) { testInvalidateWaitsForRead(t, inProcess, true) })
+	t.Run("two-fabrics-local-inv", func(t *testing.T) { testInvalidateWaitsForRead(t, twoFabrics, false) })
 }
 
-func testInvalidateWaitsForRead(t *testing.T, remote bool) {
+func testInvalidateWaitsForRead(t *testing.T, fabrics func(t *testing.T) (fa, fb *Fabric), remote bool) {
 	const npages = 512
-	const size = npages * guestmem.PageSize
-	f, err := New(Config{})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = f.Close() })
-	a := newEndpoint(t, f, "a", "10.0.0.1", 4<<20)
+	const size = npages*guestmem.PageSize - 0x200
+	fa, f := fabrics(t)
+	a := newEndpoint(t, fa, "a", "10.0.0.1", 4<<20)
 	b := newEndpoint(t, f, "b", "10.0.0.2", 4<<20)
 	qa, _ := connectRC(t, a, b, defaultRC())
 	qa2, qb2 := connectRC(t, a, b, defaultRC()) // the SEND with invalidate's
@@ -47,7 +72,7 @@ func testInvalidateWaitsForRead(t *testing.T, remote bool) {
 	for i := range gpas {
 		gpas[i] = guestmem.GPA(1<<20 + (npages-1-i)*guestmem.PageSize)
 	}
-	const iova = 0xffff888012300000
+	const iova = 0xffff888012300200
 	pl, err := guestmem.NewPageList(iova, size, gpas)
 	require.NoError(t, err)
 	before, after := make([]byte, size), make([]byte, size)
@@ -137,6 +162,14 @@ func testInvalidateWaitsForRead(t *testing.T, remote bool) {
 		}
 	}
 	got := a.read(t, a.iova, size)
+	t.Logf("the READ completed with %v", wc.Status)
+	// Whatever the READ's status, the bytes written after the
+	// invalidation completed never reached the peer (the data is random:
+	// a block equal to the new bytes came from them).
+	for off := 0; off+512 <= size; off += 512 {
+		require.False(t, bytes.Equal(after[off:off+512], got[off:off+512]),
+			"bytes written after the invalidation completed reached the peer at offset %#x", off)
+	}
 	switch wc.Status {
 	case hostverbs.WCSuccess:
 		require.True(t, bytes.Equal(before, got), "a READ that completed carries bytes written after the invalidation completed")

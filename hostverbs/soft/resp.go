@@ -513,7 +513,12 @@ func (q *qp) respDuplicate(tx *txBatch, p *packet) {
 		var m *mr
 		if p.dmaLen > 0 {
 			if m = q.checkRKey(p.rkey, p.va, uint64(p.dmaLen), hostverbs.AccessRemoteRead); m == nil {
-				q.dev.ctrs.inc(cntDropDupRead)
+				// The READ was executed, but its key died since (an
+				// invalidation or deregistration, possibly in the middle
+				// of its responses): a remote access error, as for a new
+				// READ (rxe answers a replay the same way), rather than
+				// silence the requester would retry until it gives up.
+				q.respError(tx, p, roce.NAKRemoteAccess, hostverbs.WCRemAccessErr, hostverbs.EventQPAccessErr)
 				return
 			}
 		}
