@@ -242,9 +242,10 @@ type seg struct {
 	mr   *mr
 	iova uint64
 	n    uint64
-	// guard: a peer's access through a key (a READ response's source):
-	// a copy holds the registration and fails if the key no longer names
-	// it (mraccess.go).
+	// guard: a peer's access through a key. A READ response's source is
+	// held by the copy itself, which fails if the key no longer names the
+	// registration; a WRITE's destination is held by respWrite around the
+	// copy (mraccess.go).
 	guard bool
 }
 
@@ -385,9 +386,13 @@ func copySegs(dst []seg, dstOff uint64, src []seg, srcOff, n uint64) error {
 			return sourceGone(err)
 		}
 		defer ss.leaveSeg()
-		hook := ss.copyHook()
+		hook := hookOf(ss)
 		err := walkSegs(dst, dstOff, scnt, func(ds *seg, diova, dcnt uint64) error {
-			err := copyRange(&c, ds.mr, diova, ss.mr, siova, dcnt, hook)
+			h := hook
+			if h == nil {
+				h = hookOf(ds)
+			}
+			err := copyRange(&c, ds.mr, diova, ss.mr, siova, dcnt, h)
 			siova += dcnt
 			return err
 		})
@@ -396,13 +401,23 @@ func copySegs(dst []seg, dstOff uint64, src []seg, srcOff, n uint64) error {
 	})
 }
 
+// hookOf returns the test hook a guarded copy from or to s calls between
+// pieces, or nil.
+func hookOf(s *seg) func() {
+	if h := s.copyHook(); h != nil {
+		m := s.mr
+		return func() { h(m) }
+	}
+	return nil
+}
+
 // copyRange copies n bytes between the IOVA ranges of two MRs, one
-// physically contiguous run at a time; hook, if set, is called with the
-// source between runs.
-func copyRange(c *guestmem.Copier, dm *mr, diova uint64, sm *mr, siova, n uint64, hook func(*mr)) error {
+// physically contiguous run at a time; hook, if set, is called between
+// runs.
+func copyRange(c *guestmem.Copier, dm *mr, diova uint64, sm *mr, siova, n uint64, hook func()) error {
 	for first := true; n > 0; first = false {
 		if hook != nil && !first {
-			hook(sm)
+			hook()
 		}
 		sgpa, sc := pageRun(&sm.pages, siova, n)
 		dgpa, dc := pageRun(&dm.pages, diova, sc)

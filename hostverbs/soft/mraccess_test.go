@@ -180,3 +180,95 @@ func testInvalidateWaitsForRead(t *testing.T, fabrics func(t *testing.T) (fa, fb
 	st, _ := fr.Registration()
 	require.Equal(t, hostverbs.MRFree, st)
 }
+
+// TestLocalInvWaitsForWrite: a peer's 2 MiB WRITE into a fast-reg MR is
+// being copied (in process, in one piece; a hook pauses it after its
+// first page) when the owner invalidates the key with LOCAL_INV and, once
+// that completes, writes its own bytes over the pages, as a guest reusing
+// them would. The invalidation waits for the WRITE's copy, so the pages
+// end up holding the owner's bytes only: none of the WRITE lands on them
+// after the invalidation completed.
+func TestLocalInvWaitsForWrite(t *testing.T) {
+	const npages = 512
+	const size = npages*guestmem.PageSize - 0x200
+	f, err := New(Config{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.Close() })
+	a := newEndpoint(t, f, "a", "10.0.0.1", 4<<20)
+	b := newEndpoint(t, f, "b", "10.0.0.2", 4<<20)
+	qa, _ := connectRC(t, a, b, defaultRC())
+	fr, err := b.pd.(hostverbs.FastRegPD).AllocFastRegMR(hostverbs.FastRegAttr{MaxPages: npages})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = fr.Dereg() })
+	gpas := make([]guestmem.GPA, npages)
+	for i := range gpas {
+		gpas[i] = guestmem.GPA(1<<20 + (npages-1-i)*guestmem.PageSize)
+	}
+	const iova = 0xffff888012300200
+	pl, err := guestmem.NewPageList(iova, size, gpas)
+	require.NoError(t, err)
+	key := fr.LKey()&^0xff | uint32(uint8(fr.LKey())+1)
+	require.NoError(t, fr.Register(hostverbs.FastReg{Pages: pl,
+		Access: hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite, Key: key}))
+	written, owners := make([]byte, size), make([]byte, size)
+	fill(written, 3)
+	fill(owners, 4)
+	a.write(t, a.iova, written)
+
+	paused, release := make(chan struct{}), make(chan struct{})
+	waiting := make(chan struct{}, 1)
+	var once sync.Once
+	f.hooks.Store(&accessHooks{
+		copying: func(*mr) { once.Do(func() { close(paused); <-release }) },
+		waiting: func(*mr) {
+			select {
+			case waiting <- struct{}{}:
+			default:
+			}
+		},
+	})
+	t.Cleanup(func() { f.hooks.Store(nil) })
+	posted := make(chan error, 1)
+	go func() {
+		posted <- qa.PostSend(&hostverbs.SendWR{WRID: 1, Opcode: hostverbs.WRRDMAWrite, Flags: hostverbs.SendSignaled,
+			SGL: sge(a, 0, size), RemoteAddr: iova, RKey: key})
+	}()
+	select {
+	case <-paused:
+	case <-time.After(frTimeout):
+		t.Fatal("the WRITE's copy never started")
+	}
+	reused := make(chan error, 1)
+	go func() {
+		err := fr.Invalidate(key)
+		if err == nil {
+			err = pl.WriteAt(b.mem, owners, iova)
+		}
+		reused <- err
+	}()
+	done := false
+	select {
+	case <-waiting:
+	case err := <-reused:
+		require.NoError(t, err)
+		t.Log("the invalidation completed during the WRITE's copy, and the owner wrote its pages")
+		done = true
+	case <-time.After(frTimeout):
+		t.Fatal("the invalidation neither completed nor waited")
+	}
+	close(release)
+	require.NoError(t, <-posted)
+	wc := a.ccq.wait(t, frTimeout)
+	if !done {
+		select {
+		case err := <-reused:
+			require.NoError(t, err)
+		case <-time.After(frTimeout):
+			t.Fatal("the invalidation did not complete after the WRITE")
+		}
+	}
+	t.Logf("the WRITE completed with %v", wc.Status)
+	got := make([]byte, size)
+	require.NoError(t, pl.ReadAt(b.mem, got, iova))
+	require.True(t, bytes.Equal(owners, got), "the WRITE landed on pages the owner reused after its invalidation completed")
+}

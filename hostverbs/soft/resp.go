@@ -296,7 +296,7 @@ func (q *qp) respWrite(tx *txBatch, p *packet) {
 			q.respError(tx, p, roce.NAKRemoteAccess, hostverbs.WCRemAccessErr, hostverbs.EventQPAccessErr)
 			return
 		}
-		r.readSeg[0] = seg{mr: r.wmr, iova: r.wva, n: n}
+		r.readSeg[0] = seg{mr: r.wmr, iova: r.wva, n: n, guard: true}
 		err := p.copyPayloadTo(tx, r.readSeg[:], 0)
 		r.wmr.leave()
 		if err != nil {
