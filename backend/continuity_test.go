@@ -458,3 +458,38 @@ func TestReservationsOutliveRestart(t *testing.T) {
 	require.NoError(t, err, "so its GID is free again")
 	require.True(t, changed)
 }
+
+// TestHalfMessageThenReconnect: a QEMU of a kept connection (read one
+// whole message at a time) dies after 7 bytes of a message header, and a
+// new QEMU connects to the VM's socket at once. The daemon notices the
+// hang-up at once, so the VM's new connection is served: it negotiates and
+// its device answers. (Before, the old connection stayed until the partial
+// header's 5 s wait ran out, beyond the 2 s a new connection waits for the
+// old one, and the new QEMU was turned away.)
+func TestHalfMessageThenReconnect(t *testing.T) {
+	r := newNotifyReceiver(t)
+	dir := t.TempDir()
+	d, _ := runKeptDaemon(t, dir, r, nil)
+	ctl := NewControlClient(filepath.Join(dir, "control.sock"))
+	_, err := ctl.AddVM(context.Background(), VMRequest{Name: "kv2", MemBytes: 64 << 20})
+	require.NoError(t, err)
+	sock := filepath.Join(dir, "kv2.sock")
+
+	c := dialVM(t, sock)
+	require.Eventually(t, func() bool { return slices.Contains(r.names(), "kv2.conn") }, 10*time.Second, 5*time.Millisecond,
+		"the connection is kept")
+	hdr := make([]byte, vfiouser.HeaderSize)
+	vfiouser.Header{ID: 7, Command: vfiouser.CmdDeviceGetInfo, Size: vfiouser.HeaderSize + vfiouser.DeviceInfoSize}.Encode(hdr)
+	require.NoError(t, c.SendRaw(hdr[:7]))
+	require.NoError(t, c.Close())
+
+	c2 := dialVM(t, sock) // the VERSION handshake: the device was made
+	defer c2.Close()
+	require.NoError(t, c2.Write32(vfiouser.RegionConfig, 4, 0x0006)) // memory decode + bus master
+	ver, err := c2.Read32(1, 0)
+	require.NoError(t, err)
+	assert.Equal(t, uint32(20), ver, "the new connection's device answers")
+	st := d.Status()
+	require.Len(t, st.VMs, 1)
+	assert.True(t, st.VMs[0].Connected)
+}

@@ -354,6 +354,10 @@ func (u *upgrading) saveTransportsOf(c *vmConn, retryUntil time.Time) int {
 		for h, ferr := range rep.Failed {
 			u.d.log.Warn("hand-over: an RC QP comes back in the error state", "qp_handle", h, "err", ferr)
 		}
+		if rep.UnsavedFastRegs > 0 {
+			// A running QP of their PD could still free them.
+			u.d.log.Warn("hand-over: fast registrations of a PD with a busy RC QP are not kept", "registrations", rep.UnsavedFastRegs)
+		}
 		return rep.Saved
 	}
 }

@@ -251,3 +251,91 @@ func cmdRegNS(s *softSide, n, npages int) float64 {
 	}
 	return float64(nanotime()-start) / float64(n)
 }
+
+// TestFastRegChargedToMRBytes: fast registrations count toward the VM's
+// registered bytes (max-mr-bytes) with its plain MRs. With room for two
+// 512 KiB registrations beside the guest's plain MR, a third REG_MR
+// completes in error (and is counted) and its MR stays free; a LOCAL_INV
+// gives its bytes back at once, a peer's SEND with invalidate by the next
+// REG_MR that needs them, and destroying a registered MR gives back its
+// registration's bytes.
+func TestFastRegChargedToMRBytes(t *testing.T) {
+	const npages = 128 // 512 KiB
+	const regLen = npages * 4096
+	f := newSoftFabric(t)
+	plain := uint64(256 << 10) // newSoftKernelSide's MR
+	g := newSoftGuestLimits(t, f, "vm-a", gidA, Limits{MaxMRBytes: plain + 2*regLen})
+	a := &softSide{g: g, gid: gidA}
+	a.pd = g.createPD(0)
+	a.scq, a.rcq = g.createCQ(0, 256), g.createCQ(0, 256)
+	a.mr = g.regMR(a.pd, 0xffff888000010000, plain, 0xf)
+	a.qp = g.createQP(qpSpec{pd: a.pd, scq: a.scq, rcq: a.rcq, typ: hostverbs.QPTypeRC, sendWR: 64, recvWR: 64, sendSGE: 2, recvSGE: 2})
+	b := newSoftKernelSide(t, f, "vm-b", gidB)
+	connect(a, b)
+
+	var frs [4]abi.CreateMRResp
+	for i := range frs {
+		frs[i].Decode(g.mustCmd(abi.CmdCreateMR, abi.CreateMR{PDHandle: a.pd, Flags: abi.MRFlagFRMR, NChunks: npages}))
+	}
+	assert.EqualValues(t, plain, g.dev.Objects()["mr_bytes"], "allocating fast-reg MRs registers nothing")
+	pages := g.scatteredPages(npages)
+	pdir := g.pdir(pages)
+	const iova = 0xffff888070000000
+	key := func(i int, v uint32) uint32 { return frs[i].LKey&^0xff | (frs[i].LKey+v)&0xff }
+	reg := func(wrid uint64, k uint32) abi.CQE {
+		t.Helper()
+		h := wqe(hostverbs.WRRegMR, wrid, hostverbs.SendSignaled)
+		abi.WRFastReg{IOVAStart: iova, PLPDirDMA: pdir, PageShift: 12, PageListLen: npages, Length: regLen,
+			AccessFlags: uint32(hostverbs.AccessLocalWrite | hostverbs.AccessRemoteWrite | hostverbs.AccessRemoteRead), RKey: k}.Encode(h.WR[:])
+		a.qp.postSend(h)
+		return waitCQE(t, a.scq)
+	}
+	localInv := func(wrid uint64, k uint32) {
+		t.Helper()
+		h := wqe(hostverbs.WRLocalInv, wrid, hostverbs.SendSignaled)
+		h.Ex = k
+		a.qp.postSend(h)
+		require.EqualValues(t, hostverbs.WCSuccess, waitCQE(t, a.scq).Status, "LOCAL_INV")
+	}
+
+	require.EqualValues(t, hostverbs.WCSuccess, reg(1, key(0, 1)).Status)
+	require.EqualValues(t, hostverbs.WCSuccess, reg(2, key(1, 1)).Status)
+	assert.EqualValues(t, plain+2*regLen, g.dev.Objects()["mr_bytes"])
+	// Full: a plain MR is refused, so is a third registration's REG_MR below.
+	errReg, _ := g.cmd(abi.CmdCreateMR, abi.CreateMR{Start: 0x10000, Length: 4096, PDirDMA: g.pdir(g.pages(1)),
+		PDHandle: a.pd, AccessFlags: 1, NChunks: 1})
+	assert.NotZero(t, errReg, "the quota is full")
+
+	// A LOCAL_INV gives its registration's bytes back at once.
+	localInv(3, key(0, 1))
+	assert.EqualValues(t, plain+regLen, g.dev.Objects()["mr_bytes"])
+	require.EqualValues(t, hostverbs.WCSuccess, reg(4, key(2, 1)).Status)
+
+	// The peer's SEND with invalidate frees MR 1 in the provider; the next
+	// REG_MR that needs its bytes gets them.
+	a.qp.postRecv(30, a.sge(0, 4096))
+	h := wqe(hostverbs.WRSendWithInv, 5, hostverbs.SendSignaled)
+	h.Ex = key(1, 1)
+	b.qp.postSend(h, b.sge(0, 16))
+	require.EqualValues(t, hostverbs.WCSuccess, waitCQE(t, a.rcq).Status)
+	require.EqualValues(t, hostverbs.WCSuccess, waitCQE(t, b.scq).Status)
+	require.EqualValues(t, hostverbs.WCSuccess, reg(6, key(3, 1)).Status)
+	assert.EqualValues(t, plain+2*regLen, g.dev.Objects()["mr_bytes"])
+
+	// Over the quota: the REG_MR completes in error, counted, and its key
+	// resolves nowhere.
+	refusedBefore := g.dev.Stats().FastRegRefused
+	e := reg(7, key(0, 2))
+	assert.EqualValues(t, hostverbs.WCLocQPOpErr, e.Status, "REG_MR over max-mr-bytes")
+	assert.EqualValues(t, hostverbs.WCRegMR, e.Opcode)
+	assert.Equal(t, refusedBefore+1, g.dev.Stats().FastRegRefused)
+	assert.EqualValues(t, plain+2*regLen, g.dev.Objects()["mr_bytes"])
+	g.dev.mu.Lock()
+	st, _ := g.dev.frmrs[frs[0].LKey>>8].fr.Registration()
+	g.dev.mu.Unlock()
+	assert.Equal(t, hostverbs.MRFree, st, "the refused registration's MR stays free")
+
+	// Destroying a registered MR gives its registration's bytes back.
+	g.mustCmd(abi.CmdDestroyMR, abi.DestroyMR{MRHandle: frs[2].MRHandle})
+	assert.EqualValues(t, plain+regLen, g.dev.Objects()["mr_bytes"])
+}

@@ -68,6 +68,10 @@ type TransportReport struct {
 	// SavedFastRegs counts the valid fast registrations the journal
 	// holds for the hand-over (the successor registers them again).
 	SavedFastRegs int
+	// UnsavedFastRegs counts the valid fast registrations not saved (yet)
+	// because an RC QP of their PD is not frozen (in Failed) and could
+	// still free them; a later pass that freezes those QPs saves them.
+	UnsavedFastRegs int
 }
 
 // SendsDrained reports whether no QP of the device has send work in its
@@ -176,7 +180,7 @@ func (d *Device) SaveTransportsFor(features []string) (TransportReport, error) {
 	})
 	if slices.Contains(features, featureFastReg) {
 		// After the QPs: frozen, they free no registration any more.
-		rep.SavedFastRegs = d.saveFastRegs()
+		rep.SavedFastRegs, rep.UnsavedFastRegs = d.saveFastRegs()
 	}
 	return rep, nil
 }

@@ -18,8 +18,8 @@ import (
 // this one does. The registration is the provider's (hostverbs.FastRegMR)
 // and no journaled command records it (REG_MR is a work request), so
 // SaveTransports writes one fast-reg record per valid fast-reg MR, after
-// the QPs are frozen (no SEND with invalidate can free one any more), and
-// Restore registers them again, before any QP goes on. The records follow
+// every QP that could free one with a SEND with invalidate is frozen (see
+// saveFastRegs), and Restore registers them again, before any QP goes on. The records follow
 // the transport records' rules: they count only at the end of the journal,
 // and a successor that does not name the "fastreg" feature gets none (its
 // registrations are lost: the peer's access fails with a remote access
@@ -34,21 +34,36 @@ const (
 	maxFastRegPayload = fastRegRecHdr + 8*ringbuf.MaxFastRegPages
 )
 
-// saveFastRegs writes a fast-reg record for each valid fast-reg MR and
-// returns how many it saved. mu held.
-func (d *Device) saveFastRegs() int {
-	n := 0
+// saveFastRegs writes a fast-reg record for each valid fast-reg MR whose
+// state can no longer change, and returns how many the hand-over holds.
+// Doorbells and commands are stopped, so no REG_MR or LOCAL_INV runs; what
+// can still free a registration is a SEND with invalidate arriving on an
+// RC QP of its PD that is not frozen (busy at this pass, or one the
+// successor cannot restore). A registration is therefore read and saved
+// only once every such QP of its PD is frozen: its record is then true
+// until the end, and a later pass keeps it. A PD that still has one gets
+// no record: a registration saved while such a QP runs could be freed
+// after it (the guest told, its pages reused) and brought back by the
+// successor. If the hand-over ends with such a QP, it comes back in ERR
+// and its PD's registrations are gone, as after a crash: the consumer
+// reconnects. unsaved counts the valid registrations left out. mu held.
+func (d *Device) saveFastRegs() (saved, unsaved int) {
+	running := d.invalidatingPDs()
 	for _, idx := range slices.Sorted(maps.Keys(d.frmrs)) {
 		m := d.frmrs[idx]
 		if m.fr == nil {
 			continue
 		}
 		if m.saved != nil {
-			n++
+			saved++
 			continue
 		}
 		st, reg := m.fr.Registration()
 		if st != hostverbs.MRValid || len(reg.Pages.Pages) > ringbuf.MaxFastRegPages {
+			continue
+		}
+		if running[m.pd] {
+			unsaved++
 			continue
 		}
 		rec := make([]byte, recHdrSize+fastRegRecHdr+8*len(reg.Pages.Pages))
@@ -66,9 +81,27 @@ func (d *Device) saveFastRegs() int {
 		m.saved = p
 		d.handover = true
 		d.emit(rec, recFastReg)
-		n++
+		saved++
 	}
-	return n
+	return saved, unsaved
+}
+
+// invalidatingPDs returns the PDs that have an RC QP able to receive (RTR,
+// RTS, SQD or SQE) whose transport state is not saved, so not frozen: a
+// SEND with invalidate it receives can free a registration of its PD.
+// mu held.
+func (d *Device) invalidatingPDs() map[*pd]bool {
+	out := map[*pd]bool{}
+	d.qps.each(func(_ uint32, q *qp) {
+		if q.typ != hostverbs.QPTypeRC || q.transport != nil || q.sq == nil || isLost(q.hv) {
+			return
+		}
+		switch q.State() {
+		case hostverbs.QPStateRTR, hostverbs.QPStateRTS, hostverbs.QPStateSQD, hostverbs.QPStateSQE:
+			out[q.pd] = true
+		}
+	})
+	return out
 }
 
 // forgetFastRegs drops the fast-reg records of a hand-over abandoned. mu
@@ -131,7 +164,14 @@ func (rp *replayer) restoreFastRegs() {
 		case m.fr == nil:
 			err = fmt.Errorf("the MR was lost")
 		default:
-			err = m.fr.Register(reg)
+			// Charged as the predecessor charged it (a successor with a
+			// lower max-mr-bytes refuses REG_MRs until under it).
+			if err = m.fr.Register(reg); err == nil {
+				d := rp.d
+				d.fastRegRelease(m)
+				m.regBytes = reg.Pages.Length
+				d.mrBytes += m.regBytes
+			}
 		}
 		if err != nil {
 			rp.note("MR %d: fast registration under key %#x not restored: %v", h, reg.Key, err)

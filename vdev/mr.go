@@ -31,10 +31,15 @@ type mr struct {
 	access     hostverbs.Access
 	dma        bool
 	frmr       bool
-	maxPages   int    // FRMR page list capacity
-	saved      []byte // FRMR: its fast-reg record while a hand-over is pending
-	bytes      uint64
-	cost       uint64 // bytes charged to the VM's budget
+	maxPages   int // FRMR page list capacity
+	// regBytes: an FRMR's bytes charged to the VM's registered bytes
+	// (Limits.MaxMRBytes, with the plain MRs' bytes) for its last
+	// registration, until an invalidation or its destruction releases
+	// them (fastRegCharge).
+	regBytes uint64
+	saved    []byte // FRMR: its fast-reg record while a hand-over is pending
+	bytes    uint64
+	cost     uint64 // bytes charged to the VM's budget
 	// lost: Restore could not rebuild it (its handle stays reserved).
 	lost bool
 	rec  []byte // journal payload of its CREATE_MR (Checkpoint)
@@ -161,6 +166,9 @@ func (d *Device) userMRPages(m *mr, r *abi.CreateMR) error {
 		return fmt.Errorf("MR length %#x (max %#x): %w", r.Length, d.caps.MaxMRSize, syscall.EINVAL)
 	}
 	if d.mrBytes+r.Length > d.limits.MaxMRBytes {
+		d.reclaimFastRegs()
+	}
+	if d.mrBytes+r.Length > d.limits.MaxMRBytes {
 		return fmt.Errorf("MR of %#x bytes with %#x registered: %w", r.Length, d.mrBytes, ErrLimit)
 	}
 	end := r.Start + r.Length
@@ -237,7 +245,8 @@ func (d *Device) destroyMR(m *mr) error {
 	if m.frmr && d.frmrs[m.lkey>>8] == m {
 		delete(d.frmrs, m.lkey>>8)
 	}
-	d.mrBytes -= m.bytes
+	d.mrBytes -= m.bytes + m.regBytes
+	m.regBytes = 0
 	d.heap.Release(m.cost)
 	m.pd.refs--
 	d.mrs.free(m.handle)
@@ -329,10 +338,62 @@ func (d *Device) fastRegMR(q *qp, fr *abi.WRFastReg) (hostverbs.WCStatus, error)
 	if err != nil {
 		return hostverbs.WCLocLenErr, err
 	}
+	if err := d.fastRegCharge(m, pl.Length); err != nil {
+		return hostverbs.WCLocQPOpErr, err
+	}
 	if err := m.fr.Register(hostverbs.FastReg{Pages: pl, Access: acc, Key: fr.RKey}); err != nil {
+		d.fastRegRelease(m)
 		return hostverbs.WCLocQPOpErr, err
 	}
 	return hostverbs.WCSuccess, nil
+}
+
+// Fast registrations count toward the VM's registered bytes
+// (Limits.MaxMRBytes) as plain MRs do: a REG_MR charges its length, a
+// LOCAL_INV or the MR's destruction gives it back. A SEND with invalidate
+// frees a registration in the provider, unseen by the device: its bytes
+// are given back at the MR's next REG_MR, or when a REG_MR would go over
+// the limit (reclaimFastRegs), whichever comes first.
+
+// fastRegCharge charges n bytes for the next registration of FRMR m,
+// whose last one is free (else its Register fails and the charge is given
+// back). mu held.
+func (d *Device) fastRegCharge(m *mr, n uint64) error {
+	if m.regBytes != 0 {
+		if st, _ := m.fr.Registration(); st == hostverbs.MRValid {
+			return fmt.Errorf("MR %d is valid (invalidate it first): %w", m.handle, syscall.EBUSY)
+		}
+		d.fastRegRelease(m)
+	}
+	if d.mrBytes+n > d.limits.MaxMRBytes {
+		d.reclaimFastRegs()
+		if d.mrBytes+n > d.limits.MaxMRBytes {
+			return fmt.Errorf("registration of %#x bytes with %#x registered (max-mr-bytes %#x): %w", n, d.mrBytes, d.limits.MaxMRBytes, ErrLimit)
+		}
+	}
+	m.regBytes = n
+	d.mrBytes += n
+	return nil
+}
+
+// fastRegRelease gives back what FRMR m's registration was charged. mu
+// held.
+func (d *Device) fastRegRelease(m *mr) {
+	d.mrBytes -= m.regBytes
+	m.regBytes = 0
+}
+
+// reclaimFastRegs gives back the bytes of the registrations a SEND with
+// invalidate freed. mu held.
+func (d *Device) reclaimFastRegs() {
+	for _, m := range d.frmrs {
+		if m.regBytes == 0 || m.fr == nil {
+			continue
+		}
+		if st, _ := m.fr.Registration(); st != hostverbs.MRValid {
+			d.fastRegRelease(m)
+		}
+	}
 }
 
 // localInv executes a LOCAL_INV work request: the fast-reg MR with that
@@ -348,7 +409,9 @@ func (d *Device) localInv(q *qp, key uint32) hostverbs.WCStatus {
 	case m.fr == nil:
 		err = fmt.Errorf("MR %d was lost in a restore", m.handle)
 	default:
-		err = m.fr.Invalidate(key)
+		if err = m.fr.Invalidate(key); err == nil {
+			d.fastRegRelease(m)
+		}
 	}
 	if err != nil {
 		d.stats.localInvRefused.Add(1)

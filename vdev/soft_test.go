@@ -40,6 +40,11 @@ type softSide struct {
 }
 
 func newSoftGuest(t testing.TB, f *soft.Fabric, name string, gid hostverbs.GID) *guest {
+	return newSoftGuestLimits(t, f, name, gid, Limits{})
+}
+
+// newSoftGuestLimits is newSoftGuest with the device's limits.
+func newSoftGuestLimits(t testing.TB, f *soft.Fabric, name string, gid hostverbs.GID, lim Limits) *guest {
 	// The guest's memory exists first; the provider device maps its MRs
 	// onto it, and its events go to the vdev created over it.
 	var dev atomic.Pointer[Device]
@@ -53,7 +58,7 @@ func newSoftGuest(t testing.TB, f *soft.Fabric, name string, gid hostverbs.GID) 
 		}})
 	require.NoError(t, err)
 	g.verbs = sd
-	d, err := New(Config{Memory: g.mem, Verbs: sd, IRQ: g.irq, MAC: testMAC})
+	d, err := New(Config{Memory: g.mem, Verbs: sd, IRQ: g.irq, MAC: testMAC, Limits: lim})
 	require.NoError(t, err)
 	dev.Store(d)
 	g.dev = d

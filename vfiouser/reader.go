@@ -37,12 +37,19 @@ type reader struct {
 	// holding a copy of the socket (a daemon restarted after a crash) then
 	// starts at a message boundary. It costs a second syscall per message.
 	exact peeker
+	// headerWait bounds how long exact waits for the rest of a partial
+	// header from a client that is still connected (Config.PartialHeaderWait).
+	headerWait time.Duration
 }
 
 // peeker is a transport that can look at the next bytes without taking
 // them.
 type peeker interface {
 	peek(p []byte) (int, error)
+	// waitHangup waits at most d for the client to close its end (or
+	// shut it down for writing) and reports whether it did: the bytes
+	// left in the socket are then all there will ever be.
+	waitHangup(d time.Duration) bool
 }
 
 type fdBatch struct {
@@ -162,10 +169,15 @@ func (rd *reader) fill(need int) error {
 
 // peekHeader waits until a whole header is in the socket and decodes it
 // without taking it. A client sends a message with one sendmsg, so a
-// partial header is rare: it is polled for.
+// partial header is rare: it is polled for. Peeking never sees the end of
+// the stream while bytes are left in the socket, so a client that went
+// away after part of a header is asked about (a hang-up) between polls:
+// its connection ends at once, and the VM's next connection is served,
+// rather than after headerWait.
 func (rd *reader) peekHeader() (Header, error) {
 	var hb [HeaderSize]byte
-	for tries := 0; ; tries++ {
+	var start time.Time
+	for {
 		n, err := rd.exact.peek(hb[:])
 		if err != nil {
 			if !isTimeout(err) {
@@ -176,11 +188,21 @@ func (rd *reader) peekHeader() (Header, error) {
 		if n == HeaderSize {
 			return DecodeHeader(hb[:]), nil
 		}
-		if tries > 5000 {
-			rd.err = fmt.Errorf("a partial message header stayed %d bytes for 5 s: %w", n, io.ErrUnexpectedEOF)
+		if start.IsZero() {
+			start = time.Now()
+		}
+		if rd.exact.waitHangup(time.Millisecond) {
+			// The rest may have come just before the hang-up.
+			if n, err = rd.exact.peek(hb[:]); err == nil && n == HeaderSize {
+				return DecodeHeader(hb[:]), nil
+			}
+			rd.err = fmt.Errorf("the client closed the connection after %d bytes of a message header: %w", n, io.ErrUnexpectedEOF)
 			return Header{}, rd.err
 		}
-		time.Sleep(time.Millisecond)
+		if time.Since(start) > rd.headerWait {
+			rd.err = fmt.Errorf("a partial message header stayed %d bytes for %v: %w", n, rd.headerWait, io.ErrUnexpectedEOF)
+			return Header{}, rd.err
+		}
 	}
 }
 

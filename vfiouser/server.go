@@ -36,6 +36,12 @@ type Config struct {
 	// DMATimeout bounds a server-to-client DMA_READ/DMA_WRITE round trip.
 	// Default 5 s (QEMU's own reply timeout).
 	DMATimeout time.Duration
+	// PartialHeaderWait bounds how long a connection read one whole
+	// message at a time (one a Keeper keeps) waits for the rest of a
+	// message header from a client that is still connected; a client
+	// that closes its end is noticed at once whatever it sent. Default
+	// 5 s.
+	PartialHeaderWait time.Duration
 	// LockBudget, if set, is charged the bytes of every DMA map with a file
 	// descriptor (each is mapped and mlocked) while it lasts: a map it
 	// refuses is refused. It spans connections (one per VM).
@@ -75,6 +81,12 @@ func (c *Config) setDefaults() error {
 	}
 	if c.DMATimeout == 0 {
 		c.DMATimeout = 5 * time.Second
+	}
+	if c.PartialHeaderWait == 0 {
+		c.PartialHeaderWait = 5 * time.Second
+	}
+	if c.PartialHeaderWait < 0 {
+		return fmt.Errorf("vfiouser: PartialHeaderWait %v is negative", c.PartialHeaderWait)
 	}
 	return nil
 }
@@ -333,7 +345,7 @@ func (s *Server) newConn(t transport, name string, pid int32, before func(*conn)
 		// A kept connection is read one whole message at a time, so
 		// whoever holds it next starts at a message boundary.
 		if p, ok := t.(peeker); ok {
-			c.rd.exact = p
+			c.rd.exact, c.rd.headerWait = p, s.cfg.PartialHeaderWait
 		}
 		c.keepConn()
 	}

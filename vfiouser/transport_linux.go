@@ -97,6 +97,26 @@ func (t *unixTransport) peek(p []byte) (int, error) {
 	return t.n, nil
 }
 
+// waitHangup waits at most d for the client to close its end of the
+// socket or shut it down for writing (POLLRDHUP; a closed peer also sets
+// POLLHUP) and reports whether it did.
+func (t *unixTransport) waitHangup(d time.Duration) bool {
+	hup := false
+	ms := int(max(d/time.Millisecond, 0))
+	_ = t.rc.Control(func(fd uintptr) {
+		pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
+		for {
+			n, err := unix.Poll(pfd, ms)
+			if err == unix.EINTR {
+				continue
+			}
+			hup = err == nil && n > 0 && pfd[0].Revents&(unix.POLLRDHUP|unix.POLLHUP|unix.POLLERR|unix.POLLNVAL) != 0
+			return
+		}
+	})
+	return hup
+}
+
 func (t *unixTransport) read(p []byte, fds []int) (int, []int, bool, error) {
 	if len(p) == 0 {
 		return 0, fds, false, nil

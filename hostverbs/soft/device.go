@@ -63,6 +63,11 @@ type device struct {
 
 	qkeyViolations atomic.Uint32
 	pkeyViolations atomic.Uint32
+
+	// accessCond, with accessMu, wakes invalidations waiting for the
+	// copies that hold a registration (mraccess.go).
+	accessMu   sync.Mutex
+	accessCond *sync.Cond
 }
 
 func newDevice(f *Fabric, cfg hostverbs.DeviceConfig) *device {
@@ -80,6 +85,7 @@ func newDevice(f *Fabric, cfg hostverbs.DeviceConfig) *device {
 		pds:    make(map[*pd]struct{}),
 		nextQP: firstUserQPN,
 	}
+	d.accessCond = sync.NewCond(&d.accessMu)
 	lim := func(own, cap int) int {
 		if own > 0 && own < cap {
 			return own

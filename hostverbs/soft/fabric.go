@@ -81,6 +81,9 @@ type Fabric struct {
 	cancel context.CancelFunc
 	rxDone sync.WaitGroup
 	closed atomic.Bool
+
+	// hooks: tests' view of accesses and invalidations (nil).
+	hooks atomic.Pointer[accessHooks]
 }
 
 // New creates a fabric and, if cfg.Wire is set, starts receiving from it.

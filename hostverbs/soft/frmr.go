@@ -29,6 +29,10 @@ type frmr struct {
 	// cur is what the slot holds; guarded by dev.mu. nil once
 	// deregistered.
 	cur *mr
+	// used are the key bytes the MR had (its base key's and every
+	// registration's); guarded by dev.mu. The next MR on its index avoids
+	// them (keyTable.retire).
+	used byteSet
 }
 
 var (
@@ -70,6 +74,7 @@ func (p *pd) AllocFastRegMR(attr hostverbs.FastRegAttr) (hostverbs.FastRegMR, er
 		}
 	}
 	f := &frmr{dev: d, pd: p, maxPages: attr.MaxPages}
+	f.used.addKey(key)
 	f.cur = &mr{dev: d, pd: p, key: key, mem: d.mem, fr: f, free: true}
 	d.keys.set(key, f.cur)
 	d.nMR++
@@ -137,35 +142,45 @@ func (f *frmr) Register(r hostverbs.FastReg) error {
 		return fmt.Errorf("fast register: MR %#x lost its key: %w", cur.key, hostverbs.ErrNotFound)
 	}
 	f.cur = next
+	f.used.addKey(r.Key)
+	d.keys.rename(r.Key)
 	return nil
 }
 
-// Invalidate executes a LOCAL_INV.
+// Invalidate executes a LOCAL_INV. It returns once no copy through the
+// key is under way (mraccess.go).
 func (f *frmr) Invalidate(key uint32) error {
 	d := f.dev
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if f.cur == nil || d.closed {
+		d.mu.Unlock()
 		return fmt.Errorf("local invalidate: %w", hostverbs.ErrClosed)
 	}
-	return f.invalidateLocked(key)
+	old, err := f.invalidateLocked(key)
+	d.mu.Unlock()
+	if old != nil {
+		old.waitAccesses()
+	}
+	return err
 }
 
-// invalidateLocked makes the MR free if key is its current key.
-func (f *frmr) invalidateLocked(key uint32) error {
+// invalidateLocked makes the MR free if key is its current key, and
+// returns the registration it ended (nil if none), whose accesses the
+// caller waits for once it lets go of the device lock.
+func (f *frmr) invalidateLocked(key uint32) (*mr, error) {
 	cur := f.cur
 	if key != cur.key {
-		return fmt.Errorf("invalidate key %#x: the MR's key is %#x: %w", key, cur.key, hostverbs.ErrInvalid)
+		return nil, fmt.Errorf("invalidate key %#x: the MR's key is %#x: %w", key, cur.key, hostverbs.ErrInvalid)
 	}
 	if cur.free {
-		return nil
+		return nil, nil
 	}
 	next := &mr{dev: f.dev, pd: f.pd, key: cur.key, mem: f.dev.mem, fr: f, free: true}
 	if !f.dev.keys.replace(cur, next) {
-		return fmt.Errorf("invalidate key %#x: %w", key, hostverbs.ErrNotFound)
+		return nil, fmt.Errorf("invalidate key %#x: %w", key, hostverbs.ErrNotFound)
 	}
 	f.cur = next
-	return nil
+	return cur, nil
 }
 
 // Registration returns the state and, when valid, the registration.
@@ -179,15 +194,19 @@ func (f *frmr) Registration() (hostverbs.MRState, hostverbs.FastReg) {
 	return hostverbs.MRValid, hostverbs.FastReg{Pages: cur.pages, Access: cur.access, Key: cur.key}
 }
 
-// Dereg destroys the MR whatever its state.
+// Dereg destroys the MR whatever its state, once no copy through its
+// key is under way.
 func (f *frmr) Dereg() error {
 	d := f.dev
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	cur := f.cur
 	if cur == nil || !d.keys.remove(cur.key, cur) {
+		d.mu.Unlock()
 		return fmt.Errorf("dereg fast-reg mr: %w", hostverbs.ErrNotFound)
 	}
+	defer cur.waitAccesses()
+	defer d.mu.Unlock()
+	d.keys.retire(cur.key>>8, &f.used)
 	f.cur = nil
 	d.nMR--
 	d.mrBytes -= uint64(f.maxPages) * guestmem.PageSize
@@ -200,15 +219,25 @@ func (f *frmr) Dereg() error {
 // fast-reg MR in the QP's PD. It returns why it refused.
 func (d *device) remoteInvalidate(p *pd, key uint32) error {
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	m := d.keys.slot(key)
+	var err error
 	switch {
 	case m == nil:
-		return fmt.Errorf("no MR with key %#x: %w", key, hostverbs.ErrNotFound)
+		err = fmt.Errorf("no MR with key %#x: %w", key, hostverbs.ErrNotFound)
 	case m.fr == nil:
-		return fmt.Errorf("key %#x names an MR that is not fast-registered: %w", key, hostverbs.ErrInvalid)
+		err = fmt.Errorf("key %#x names an MR that is not fast-registered: %w", key, hostverbs.ErrInvalid)
 	case m.pd != p:
-		return fmt.Errorf("key %#x names an MR of another PD: %w", key, hostverbs.ErrInvalid)
+		err = fmt.Errorf("key %#x names an MR of another PD: %w", key, hostverbs.ErrInvalid)
 	}
-	return m.fr.invalidateLocked(key)
+	var old *mr
+	if err == nil {
+		old, err = m.fr.invalidateLocked(key)
+	}
+	d.mu.Unlock()
+	if old != nil {
+		// The receive completes (and the guest may reuse the pages)
+		// once the copies that passed the key check are over.
+		old.waitAccesses()
+	}
+	return err
 }

@@ -3,6 +3,7 @@ package soft
 import (
 	"bytes"
 	"encoding/binary"
+	"math/rand/v2"
 	"testing"
 	"time"
 
@@ -275,4 +276,70 @@ func TestFastRegTwoFabrics(t *testing.T) {
 		qa, qb := connectRC(t, a, b, o)
 		return pair{a, b, qa, qb}
 	})
+}
+
+// TestFastRegStaleKeyNeverNamesRecycledMR: a fast-reg MR registered under
+// several consumer bytes, then destroyed, leaves its key index to the next
+// MR (the free list hands it back at once here). Over many cycles, the
+// next MR on the index, a plain MR or another fast-reg MR, never has a key
+// any registration of the previous one had, so a peer's stale key is
+// refused: lookups fail, and a WRITE through the last one is a remote
+// access error.
+func TestFastRegStaleKeyNeverNamesRecycledMR(t *testing.T) {
+	f, err := New(Config{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = f.Close() })
+	a := newEndpoint(t, f, "a", "10.0.0.1", 1<<20)
+	b := newEndpoint(t, f, "b", "10.0.0.2", 1<<20)
+	qa, _ := connectRC(t, a, b, defaultRC())
+	d := b.dev.(*device)
+	fpd := b.pd.(hostverbs.FastRegPD)
+	pl, err := guestmem.NewPageList(0x10000, 4096, []guestmem.GPA{0x3000})
+	require.NoError(t, err)
+	rng := rand.New(rand.NewPCG(40, 3))
+	var stale []uint32 // every key of the MR that had the index last
+	for i := range 1500 {
+		// The next MR on the index: a plain MR or a fast-reg MR.
+		var key uint32
+		var dereg func() error
+		var fr hostverbs.FastRegMR
+		if i%2 == 0 {
+			m, err := b.pd.RegMR(hostverbs.MRAttr{Pages: pl, Access: frAccessAll})
+			require.NoError(t, err)
+			key, dereg = m.LKey(), m.Dereg
+		} else {
+			fr, err = fpd.AllocFastRegMR(hostverbs.FastRegAttr{MaxPages: 1})
+			require.NoError(t, err)
+			key, dereg = fr.LKey(), fr.Dereg
+		}
+		for _, s := range stale {
+			require.Equal(t, s>>8, key>>8, "iteration %d: the index was recycled", i)
+			require.NotEqual(t, s, key, "iteration %d: a stale key %#x names the next MR on its index", i, s)
+			if fr == nil {
+				require.Nil(t, d.keys.lookup(s), "iteration %d: stale key %#x resolves", i, s)
+			}
+		}
+		if fr == nil && i > 0 && i%100 == 0 {
+			// A peer's WRITE through the last stale key is refused.
+			require.NoError(t, qa.PostSend(&hostverbs.SendWR{WRID: uint64(i), Opcode: hostverbs.WRRDMAWrite,
+				Flags: hostverbs.SendSignaled, SGL: sge(a, 0, 64), RemoteAddr: 0x10000, RKey: stale[len(stale)-1]}))
+			wc := a.ccq.wait(t, frTimeout)
+			require.Equal(t, hostverbs.WCRemAccessErr, wc.Status, "%+v", wc)
+			qa, _ = connectRC(t, a, b, defaultRC())
+		}
+		stale = append(stale[:0], key)
+		if fr != nil {
+			// The guest registers it under consumer bytes of its choice,
+			// invalidating all but the last.
+			for r := range 4 {
+				k := key&^0xff | uint32(rng.Uint32N(256))
+				require.NoError(t, fr.Register(hostverbs.FastReg{Pages: pl, Access: frAccessAll, Key: k}))
+				stale = append(stale, k)
+				if r < 3 {
+					require.NoError(t, fr.Invalidate(k))
+				}
+			}
+		}
+		require.NoError(t, dereg())
+	}
 }

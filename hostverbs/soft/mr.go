@@ -35,6 +35,10 @@ type mr struct {
 	// invalidation publishes one with free set, which no lookup returns.
 	fr   *frmr
 	free bool
+	// users counts the copies through a peer's key that hold this
+	// registration, waiters the invalidations waiting for them to end
+	// (mraccess.go).
+	users, waiters atomic.Int32
 }
 
 func (m *mr) LKey() uint32 { return m.key }
@@ -49,13 +53,15 @@ func (m *mr) RKey() uint32 {
 func (m *mr) Dereg() error {
 	d := m.dev
 	d.mu.Lock()
-	defer d.mu.Unlock()
 	if !d.keys.remove(m.key, m) {
+		d.mu.Unlock()
 		return fmt.Errorf("dereg mr %#x: %w", m.key, hostverbs.ErrNotFound)
 	}
 	d.nMR--
 	d.mrBytes -= m.pages.Length
 	m.pd.refs.Add(-1)
+	d.mu.Unlock()
+	m.waitAccesses() // the pages are the guest's again once no copy uses them
 	return nil
 }
 
@@ -76,20 +82,34 @@ func (m *mr) check(iova, n uint64, want hostverbs.Access) error {
 // byte drawn at random for each registration (rxe randomises it too), never
 // the byte the index had last, so neither another tenant nor the guest
 // itself can predict a key from the order of registrations, and a stale
-// key never names the MR that reuses its index.
+// key never names the MR that reuses its index. A fast-reg MR changes its
+// key byte at every REG_MR (the guest's consumer byte): gen follows it, and
+// the bytes its index had during the MR's life (byteSet) are avoided by
+// the next MR on the index, as long as any byte is left.
 type keyTable struct {
 	slots []atomic.Pointer[mr]
 	gen   []uint8
 	free  []uint32
 	next  uint32
 	rng   *rand.ChaCha8
+	// retired holds, for a free index a fast-reg MR had, the key bytes
+	// that named it.
+	retired map[uint32]*byteSet
 }
+
+// byteSet is a set of key bytes.
+type byteSet [4]uint64
+
+func (b *byteSet) add(v uint8)       { b[v>>6] |= 1 << (v & 63) }
+func (b *byteSet) has(v uint8) bool  { return b[v>>6]&(1<<(v&63)) != 0 }
+func (b *byteSet) full() bool        { return b[0]&b[1]&b[2]&b[3] == ^uint64(0) }
+func (b *byteSet) addKey(key uint32) { b.add(uint8(key)) }
 
 func newKeyTable(max int) keyTable {
 	var seed [32]byte
 	_, _ = crand.Read(seed[:]) // never fails (it would crash the program)
 	return keyTable{slots: make([]atomic.Pointer[mr], max+1), gen: make([]uint8, max+1), next: 1,
-		rng: rand.NewChaCha8(seed)}
+		rng: rand.NewChaCha8(seed), retired: map[uint32]*byteSet{}}
 }
 
 // alloc reserves a key; the caller stores the MR with set. An index in
@@ -112,12 +132,48 @@ func (t *keyTable) alloc() (uint32, bool) {
 		}
 		return 0, false
 	}
-	old := t.gen[idx]
-	t.gen[idx] = uint8(t.rng.Uint64())
-	if t.gen[idx] == old {
-		t.gen[idx]++
-	}
+	t.gen[idx] = t.pickByte(idx)
 	return idx<<8 | uint32(t.gen[idx]), true
+}
+
+// pickByte draws the key byte of the next MR on idx: never the byte idx
+// had last, nor, while one is left, any byte a fast-reg MR retired from
+// idx had.
+func (t *keyTable) pickByte(idx uint32) uint8 {
+	last := t.gen[idx]
+	avoid := t.retired[idx]
+	delete(t.retired, idx)
+	if avoid == nil {
+		avoid = &byteSet{}
+	}
+	if avoid.add(last); avoid.full() {
+		avoid = &byteSet{}
+		avoid.add(last)
+	}
+	v := uint8(t.rng.Uint64())
+	for avoid.has(v) {
+		v++ // a byte is left: the set is not full
+	}
+	return v
+}
+
+// retire records that the fast-reg MR on idx, which the caller removes,
+// was named by the key bytes in used.
+func (t *keyTable) retire(idx uint32, used *byteSet) {
+	if idx == 0 || int(idx) >= len(t.slots) {
+		return
+	}
+	b := *used
+	t.retired[idx] = &b
+}
+
+// rename records that the MR on key's index now has key's byte (a
+// fast-reg MR's REG_MR): a stale key is judged against the index's last
+// byte.
+func (t *keyTable) rename(key uint32) {
+	if idx := key >> 8; idx != 0 && int(idx) < len(t.slots) {
+		t.gen[idx] = uint8(key)
+	}
 }
 
 // take reserves exactly key (MRAttr.LKey); the caller stores the MR with
@@ -137,6 +193,7 @@ func (t *keyTable) take(key uint32) error {
 		}
 	}
 	t.gen[idx] = uint8(key)
+	delete(t.retired, idx)
 	return nil
 }
 
@@ -185,6 +242,11 @@ type seg struct {
 	mr   *mr
 	iova uint64
 	n    uint64
+	// guard: a peer's access through a key. A READ response's source is
+	// held by the copy itself, which fails if the key no longer names the
+	// registration; a WRITE's destination is held by respWrite around the
+	// copy (mraccess.go).
+	guard bool
 }
 
 // resolveSGL checks an SGL against the QP's PD and the access a direction
@@ -270,7 +332,15 @@ var errShortPages = errors.New("page list shorter than its range")
 func gather(dst []byte, segs []seg, off uint64) error {
 	done := uint64(0)
 	return walkSegs(segs, off, uint64(len(dst)), func(s *seg, iova, cnt uint64) error {
+		if err := s.enterErr(); err != nil {
+			return err
+		}
+		defer s.leaveSeg()
+		hook := s.copyHook()
 		for cnt > 0 {
+			if hook != nil && done > 0 {
+				hook(s.mr)
+			}
 			gpa, c := pageRun(&s.mr.pages, iova, cnt)
 			if c == 0 {
 				return errShortPages
@@ -310,8 +380,19 @@ func copySegs(dst []seg, dstOff uint64, src []seg, srcOff, n uint64) error {
 	var c guestmem.Copier
 	defer c.Release()
 	return walkSegs(src, srcOff, n, func(ss *seg, siova, scnt uint64) error {
+		// A guarded source is a READ response's: the responder's
+		// registration, held for the copy.
+		if err := ss.enterErr(); err != nil {
+			return sourceGone(err)
+		}
+		defer ss.leaveSeg()
+		hook := hookOf(ss)
 		err := walkSegs(dst, dstOff, scnt, func(ds *seg, diova, dcnt uint64) error {
-			err := copyRange(&c, ds.mr, diova, ss.mr, siova, dcnt)
+			h := hook
+			if h == nil {
+				h = hookOf(ds)
+			}
+			err := copyRange(&c, ds.mr, diova, ss.mr, siova, dcnt, h)
 			siova += dcnt
 			return err
 		})
@@ -320,10 +401,24 @@ func copySegs(dst []seg, dstOff uint64, src []seg, srcOff, n uint64) error {
 	})
 }
 
+// hookOf returns the test hook a guarded copy from or to s calls between
+// pieces, or nil.
+func hookOf(s *seg) func() {
+	if h := s.copyHook(); h != nil {
+		m := s.mr
+		return func() { h(m) }
+	}
+	return nil
+}
+
 // copyRange copies n bytes between the IOVA ranges of two MRs, one
-// physically contiguous run at a time.
-func copyRange(c *guestmem.Copier, dm *mr, diova uint64, sm *mr, siova, n uint64) error {
-	for n > 0 {
+// physically contiguous run at a time; hook, if set, is called between
+// runs.
+func copyRange(c *guestmem.Copier, dm *mr, diova uint64, sm *mr, siova, n uint64, hook func()) error {
+	for first := true; n > 0; first = false {
+		if hook != nil && !first {
+			hook()
+		}
 		sgpa, sc := pageRun(&sm.pages, siova, n)
 		dgpa, dc := pageRun(&dm.pages, diova, sc)
 		if sc == 0 || dc == 0 {

@@ -235,7 +235,10 @@ func (q *qp) sendReadRange(tx *txBatch, j *readJob, n uint32, mtu uint64) bool {
 			return false
 		}
 	}
-	r.readSeg[0] = seg{mr: j.m, iova: j.va, n: uint64(j.length)}
+	// guard: the copy, whenever it happens (now for the wire, when the
+	// requester takes it in process), holds the registration and fails
+	// if the key was invalidated since this check.
+	r.readSeg[0] = seg{mr: j.m, iova: j.va, n: uint64(j.length), guard: true}
 	for k := range n {
 		i := j.next + k
 		var p packet

@@ -290,8 +290,16 @@ func (q *qp) respWrite(tx *txBatch, p *packet) {
 		}
 	}
 	if n > 0 {
-		r.readSeg[0] = seg{mr: r.wmr, iova: r.wva, n: n}
-		if err := p.copyPayloadTo(tx, r.readSeg[:], 0); err != nil {
+		// The copy holds the registration: an invalidation waits for it,
+		// and one that came first fails it (mraccess.go).
+		if !r.wmr.enter() {
+			q.respError(tx, p, roce.NAKRemoteAccess, hostverbs.WCRemAccessErr, hostverbs.EventQPAccessErr)
+			return
+		}
+		r.readSeg[0] = seg{mr: r.wmr, iova: r.wva, n: n, guard: true}
+		err := p.copyPayloadTo(tx, r.readSeg[:], 0)
+		r.wmr.leave()
+		if err != nil {
 			if q.sourceFault(p, err) {
 				return
 			}
@@ -441,7 +449,7 @@ func (q *qp) respAtomic(tx *txBatch, p *packet) {
 		return
 	}
 	m := q.checkRKey(p.rkey, p.va, 8, hostverbs.AccessRemoteAtomic)
-	if m == nil {
+	if m == nil || !m.enter() {
 		q.respError(tx, p, roce.NAKRemoteAccess, hostverbs.WCRemAccessErr, hostverbs.EventQPAccessErr)
 		return
 	}
@@ -454,6 +462,7 @@ func (q *qp) respAtomic(tx *txBatch, p *packet) {
 			orig, err = m.mem.FetchAddUint64(guestmem.GPA(gpa), p.swapAdd)
 		}
 	}
+	m.leave()
 	if err != nil {
 		q.respError(tx, p, roce.NAKRemoteAccess, hostverbs.WCRemAccessErr, hostverbs.EventQPAccessErr)
 		return
@@ -504,7 +513,12 @@ func (q *qp) respDuplicate(tx *txBatch, p *packet) {
 		var m *mr
 		if p.dmaLen > 0 {
 			if m = q.checkRKey(p.rkey, p.va, uint64(p.dmaLen), hostverbs.AccessRemoteRead); m == nil {
-				q.dev.ctrs.inc(cntDropDupRead)
+				// The READ was executed, but its key died since (an
+				// invalidation or deregistration, possibly in the middle
+				// of its responses): a remote access error, as for a new
+				// READ (rxe answers a replay the same way), rather than
+				// silence the requester would retry until it gives up.
+				q.respError(tx, p, roce.NAKRemoteAccess, hostverbs.WCRemAccessErr, hostverbs.EventQPAccessErr)
 				return
 			}
 		}

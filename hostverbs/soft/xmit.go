@@ -208,7 +208,15 @@ func (t *txBatch) flush() {
 func gatherCRC(dst []byte, segs []seg, off uint64, c uint32) (uint32, error) {
 	done := uint64(0)
 	err := walkSegs(segs, off, uint64(len(dst)), func(s *seg, iova, cnt uint64) error {
+		if err := s.enterErr(); err != nil {
+			return err
+		}
+		defer s.leaveSeg()
+		hook := s.copyHook()
 		for cnt > 0 {
+			if hook != nil && done > 0 {
+				hook(s.mr)
+			}
 			gpa, n := pageRun(&s.mr.pages, iova, cnt)
 			if n == 0 {
 				return errShortPages
