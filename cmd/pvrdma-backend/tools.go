@@ -131,23 +131,24 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 	}
 	for _, vm := range st.VMs {
 		if vm.Name == spec.Name && vm.MAC != mac.String() {
-			return fmt.Errorf("VM %s is registered with MAC %s, not %s: unregister it first (or pass --mac %s)",
-				spec.Name, vm.MAC, mac, vm.MAC)
+			return fmt.Errorf("VM %s is registered with MAC %s, not %s: %s (or pass --mac %s)",
+				spec.Name, vm.MAC, mac, unregisterFirst(socketDir, spec.Name), vm.MAC)
 		}
 		if vm.Name == spec.Name && spec.GIDAllow != nil && strings.Join(vm.GIDAllow, ",") != strings.Join(spec.GIDAllow, ",") {
-			return fmt.Errorf("VM %s is registered with --gid-allow %s, not %s: unregister it first",
-				spec.Name, strings.Join(vm.GIDAllow, ","), strings.Join(spec.GIDAllow, ","))
+			return fmt.Errorf("VM %s is registered with --gid-allow %s, not %s: %s",
+				spec.Name, strings.Join(vm.GIDAllow, ","), strings.Join(spec.GIDAllow, ","), unregisterFirst(socketDir, spec.Name))
 		}
 		if vm.Name == spec.Name && vm.QEMUUID != spec.QEMUUID {
-			return fmt.Errorf("VM %s is registered for QEMU uid %d, not %d (--qemu-uid; 0: any QEMU of the socket group): unregister it first",
-				spec.Name, vm.QEMUUID, spec.QEMUUID)
+			return fmt.Errorf("VM %s is registered for QEMU uid %d, not %d (--qemu-uid; 0: any QEMU of the socket group): %s",
+				spec.Name, vm.QEMUUID, spec.QEMUUID, unregisterFirst(socketDir, spec.Name))
 		}
 		if vm.Name == spec.Name && vm.QEMUCgroup != spec.QEMUCgroup {
-			return fmt.Errorf("VM %s is registered for QEMU cgroup %q, not %q (--qemu-cgroup; empty: the libvirt machine rule): unregister it first",
-				spec.Name, vm.QEMUCgroup, spec.QEMUCgroup)
+			return fmt.Errorf("VM %s is registered for QEMU cgroup %q, not %q (--qemu-cgroup; empty: the libvirt machine rule): %s",
+				spec.Name, vm.QEMUCgroup, spec.QEMUCgroup, unregisterFirst(socketDir, spec.Name))
 		}
 		if vm.Name == spec.Name && spec.RoCEMode != "" && vm.RoCEMode != spec.RoCEMode {
-			return fmt.Errorf("VM %s is registered as RoCE %s, not %s: unregister it first", spec.Name, vm.RoCEMode, spec.RoCEMode)
+			return fmt.Errorf("VM %s is registered as RoCE %s, not %s: %s", spec.Name, vm.RoCEMode, spec.RoCEMode,
+				unregisterFirst(socketDir, spec.Name))
 		}
 	}
 	return nil
