@@ -210,3 +210,23 @@ func TestIdentified(t *testing.T) {
 	assert.True(t, identified(backend.VMStatus{QEMUCgroup: "/x", Identity: "cgroup /x"}))
 	assert.True(t, identified(backend.VMStatus{Identity: "libvirt machine qemu-3-vm1"}))
 }
+
+// TestAttachFlags: attach offers only the flags it uses (a root port has
+// one slot; a running QEMU cannot be given the daemon's monitor) and says
+// that its vmxnet3 needs a spare -netdev.
+func TestAttachFlags(t *testing.T) {
+	code, _, stderr := cli(t, "attach", "-h")
+	require.Equal(t, 0, code)
+	assert.Contains(t, stderr, "spare -netdev")
+	assert.NotContains(t, stderr, "-slot")
+	assert.NotContains(t, stderr, "-qmp-monitor")
+	for _, f := range []string{"--slot=6", "--qmp-monitor=false"} {
+		code, _, stderr = cli(t, "attach", "--qmp", "/nonexistent", "--vm", "vm1", "--bus", "rp1", f)
+		assert.Equal(t, 2, code, "attach %s: %s", f, stderr)
+		assert.Contains(t, stderr, "flag provided but not defined")
+	}
+	code, _, stderr = cli(t, "qemu-args", "-h")
+	require.Equal(t, 0, code)
+	assert.Contains(t, stderr, "-slot")
+	assert.Contains(t, stderr, "-qmp-monitor")
+}

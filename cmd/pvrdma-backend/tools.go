@@ -48,12 +48,19 @@ func (v *vmFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&v.socketDir, "socket-dir", defaultSocketDir, "daemon socket directory")
 	fs.StringVar(&v.gidAllow, "gid-allow", "", "GID prefixes the VM may bind (CIDR, comma-separated; \"none\": only its own link-local GID); default: the daemon's --gid-allow")
 	fs.StringVar(&v.roceMode, "roce-mode", "", "the VM's RoCE version, v1 or v2 (its device offers one); default: the daemon's --roce-mode")
-	fs.IntVar(&v.slot, "slot", 5, "PCI slot: vmxnet3 at <slot>.0, PVRDMA at <slot>.1")
 	v.mem = 1 << 30
 	fs.Var(&v.mem, "mem", "guest RAM size, backed by a shared memfd")
 	fs.UintVar(&v.qemuUID, "qemu-uid", 0, "the user ID the VM's QEMU runs as, if it has one of its own: the VM's sockets then admit only it (and root); libvirt-xml gives the domain that DAC label")
 	fs.StringVar(&v.qemuCgroup, "qemu-cgroup", "", "the cgroup the VM's QEMU runs in, if its manager gives it one of its own (a systemd scope, say /machine.slice/vm1.scope; as /proc/PID/cgroup shows it): the VM's sockets then admit only peers in it or below it. Without it, a QEMU in another libvirt domain's machine cgroup is refused")
 	fs.StringVar(&v.qemuGroup, "qemu-group", "pvrdma", "with --qemu-uid: the group of the QEMU libvirt-xml's DAC label sets (the socket group)")
+}
+
+// registerBoot adds the flags of the commands that print a VM's start-up
+// configuration (qemu-args, libvirt-xml): its PCI slot and the daemon's QMP
+// monitor. attach has neither: a root port has one slot, and a running
+// QEMU cannot be given a monitor.
+func (v *vmFlags) registerBoot(fs *flag.FlagSet) {
+	fs.IntVar(&v.slot, "slot", 5, "PCI slot: vmxnet3 at <slot>.0, PVRDMA at <slot>.1")
 	fs.BoolVar(&v.qmp, "qmp-monitor", true, "give the daemon a QMP monitor of its own on the VM (QEMU connects to <socket-dir>/<vm>.qmp): it cancels migrations and snapshots, which QEMU would complete without the device's state")
 }
 
@@ -158,6 +165,7 @@ func runQEMUArgs(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	fs := newFlags("qemu-args", "--vm NAME [flags]", stderr)
 	var v vmFlags
 	v.register(fs)
+	v.registerBoot(fs)
 	register := fs.Bool("register", true, "register the VM with the running daemon so its socket exists before QEMU starts")
 	shell := fs.Bool("shell", true, "print shell-quoted arguments on one line (false: one argument per line)")
 	if err := parse(fs, args); err != nil {
@@ -200,9 +208,13 @@ func shellQuote(s string) string {
 }
 
 func runAttach(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlags("attach", "--qmp SOCKET --vm NAME --bus PORT [flags]", stderr)
+	fs := newFlags("attach", "--qmp SOCKET --vm NAME --bus PORT [--netdev ID] [flags]", stderr)
 	var v vmFlags
 	v.register(fs)
+	// The vmxnet3 needs a -netdev of its own, which the running VM must
+	// already have and no other NIC uses (QMP's netdev_add could make one,
+	// but what it should be is the host's network configuration).
+	fs.Lookup("netdev").Usage = "id of a spare -netdev of the running VM (one no NIC uses: the hot-plugged vmxnet3 takes it)"
 	qmpPath := fs.String("qmp", "", "QMP unix socket of the running VM; required")
 	fs.StringVar(&v.bus, "bus", "", "empty hot-pluggable bus (a pcie-root-port id); required")
 	timeout := fs.Duration("timeout", 10*time.Second, "QMP timeout")
@@ -332,6 +344,7 @@ func runLibvirtXML(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs := newFlags("libvirt-xml", "--vm NAME [flags]", stderr)
 	var v vmFlags
 	v.register(fs)
+	v.registerBoot(fs)
 	var o backend.LibvirtOptions
 	fs.StringVar(&o.DomainType, "domain-type", "kvm", "libvirt domain type: kvm, or qemu (TCG)")
 	fs.IntVar(&o.VCPUs, "vcpus", 1, "vCPUs")
