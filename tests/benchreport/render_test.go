@@ -2,6 +2,7 @@ package main
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -146,4 +147,17 @@ func TestBenchtimeOverride(t *testing.T) {
 	v, _ := sectionByName("vm")
 	assert.Contains(t, strings.Join(v.withBenchtime("100ms"), " "), "-benchtime 1x", "a scenario runs once")
 	assert.Equal(t, `go test -run '^$' -bench 'Scale|Objects'`, shellJoin([]string{"go", "test", "-run", "^$", "-bench", "Scale|Objects"}))
+}
+
+// TestCommandLineEnv: the environment goes before go test as assignments a
+// shell takes (only the value quoted), and the command runs as printed.
+func TestCommandLineEnv(t *testing.T) {
+	cmd := commandLineEnv([]string{"HOME=/root", "GOFLAGS=-buildvcs=false -trimpath", "PVRDMA_SCALE_N=8,32", "PVRDMA_X="},
+		[]string{"-run", "^$", "-bench", "Scale|Objects", "./tests/hostile"})
+	assert.Equal(t, `GOFLAGS='-buildvcs=false -trimpath' PVRDMA_SCALE_N=8,32 PVRDMA_X='' go test -run '^$' -bench 'Scale|Objects' ./tests/hostile`, cmd)
+	// A shell runs it: its assignments reach the command (go replaced by env).
+	assign, _, _ := strings.Cut(cmd, " go test ")
+	out, err := exec.Command("sh", "-c", assign+" env | grep -E '^(GOFLAGS|PVRDMA_)' | sort").Output()
+	require.NoError(t, err)
+	assert.Equal(t, "GOFLAGS=-buildvcs=false -trimpath\nPVRDMA_SCALE_N=8,32\nPVRDMA_X=\n", string(out))
 }
