@@ -230,3 +230,34 @@ func TestAttachFlags(t *testing.T) {
 	assert.Contains(t, stderr, "-slot")
 	assert.Contains(t, stderr, "-qmp-monitor")
 }
+
+// TestLibvirtXMLExistingDomain: libvirt-xml --domain adds the device to an
+// existing domain's XML and registers the VM under the domain's name with
+// its RAM.
+func TestLibvirtXMLExistingDomain(t *testing.T) {
+	dir := t.TempDir()
+	runDaemon(t, backend.Config{SocketDir: dir})
+	dom := filepath.Join(t.TempDir(), "web1.xml")
+	require.NoError(t, os.WriteFile(dom, []byte("<domain type='kvm'>\n  <name>web1</name>\n  <memory unit='KiB'>2097152</memory>\n"+
+		"  <os>\n    <type arch='x86_64' machine='q35'>hvm</type>\n  </os>\n  <devices>\n"+
+		"    <disk type='file' device='disk'><source file='/var/lib/libvirt/images/web1.qcow2'/><target dev='vda' bus='virtio'/></disk>\n"+
+		"  </devices>\n</domain>\n"), 0o644))
+	code, out, stderr := cli(t, "libvirt-xml", "--domain", dom, "--socket-dir", dir, "--nic", "bridge:br0")
+	require.Equal(t, 0, code, stderr)
+	assert.Contains(t, out, "<source file='/var/lib/libvirt/images/web1.qcow2'/>")
+	assert.Contains(t, out, `"socket":{"path":"`+filepath.Join(dir, "web1.sock")+`"`)
+	assert.Contains(t, out, "<model type='vmxnet3'/>")
+	assert.Contains(t, out, "<memballoon model='none'/>")
+	st, err := backend.NewControlClient(controlPath(dir)).Status(context.Background())
+	require.NoError(t, err)
+	require.Len(t, st.VMs, 1)
+	assert.Equal(t, "web1", st.VMs[0].Name)
+	assert.Equal(t, uint64(2<<30)+backend.LockSlack, st.VMs[0].LockedLimit, "registered with the domain's RAM")
+
+	code, _, stderr = cli(t, "libvirt-xml", "--domain", dom, "--socket-dir", dir, "--mem", "1G")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "has 2048 MiB of RAM, the VM 1024 MiB")
+	code, _, stderr = cli(t, "libvirt-xml", "--domain", filepath.Join(dir, "nosuch.xml"), "--socket-dir", dir)
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "--domain: open ")
+}

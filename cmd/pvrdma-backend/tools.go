@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -341,7 +342,7 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 }
 
 func runLibvirtXML(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlags("libvirt-xml", "--vm NAME [flags]", stderr)
+	fs := newFlags("libvirt-xml", "--vm NAME [flags] | --domain FILE [flags]", stderr)
 	var v vmFlags
 	v.register(fs)
 	v.registerBoot(fs)
@@ -352,15 +353,43 @@ func runLibvirtXML(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.StringVar(&o.Emulator, "emulator", "", "QEMU binary for <emulator> (>= 10.1, with vfio-user-pci); default: libvirt's")
 	lock := fs.Bool("lock", true, "<locked/>: QEMU locks guest RAM too (libvirt raises its RLIMIT_MEMLOCK, which needs CAP_SYS_RESOURCE); the daemon locks what it maps either way")
 	register := fs.Bool("register", true, "register the VM with the running daemon so its socket exists before libvirt starts QEMU")
+	domain := fs.String("domain", "", "an existing domain's XML (virsh dumpxml NAME > FILE; - for standard input): print it with the device added "+
+		"(its RAM a shared memfd, no balloon, the vmxnet3 and the PVRDMA function), its disks and NICs kept; --vm and --mem default to the domain's name and RAM; "+
+		"--domain-type, --vcpus and --emulator are a new domain's")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	o.NoLock = !*lock
+	var existing string
+	if *domain != "" {
+		b, err := readFileOrStdin(*domain)
+		if err != nil {
+			return fmt.Errorf("--domain: %w", err)
+		}
+		existing = string(b)
+		d, err := backend.ReadLibvirtDomain(existing)
+		if err != nil {
+			return fmt.Errorf("--domain %s: %w", *domain, err)
+		}
+		set := map[string]bool{}
+		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+		if !set["vm"] {
+			v.name = d.Name
+		}
+		if !set["mem"] {
+			v.mem = sizeFlag(d.MemBytes)
+		}
+	}
 	spec, err := v.spec()
 	if err != nil {
 		return err
 	}
-	x, err := spec.LibvirtDomainXML(o)
+	var x string
+	if existing != "" {
+		x, err = spec.AddToLibvirtDomain(existing, o)
+	} else {
+		x, err = spec.LibvirtDomainXML(o)
+	}
 	if err != nil {
 		return err
 	}
@@ -371,4 +400,12 @@ func runLibvirtXML(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	_, err = io.WriteString(stdout, x)
 	return err
+}
+
+// readFileOrStdin reads path, or standard input for "-".
+func readFileOrStdin(path string) ([]byte, error) {
+	if path == "-" {
+		return io.ReadAll(os.Stdin)
+	}
+	return os.ReadFile(path)
 }
