@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -260,4 +261,22 @@ func TestLibvirtXMLExistingDomain(t *testing.T) {
 	code, _, stderr = cli(t, "libvirt-xml", "--domain", filepath.Join(dir, "nosuch.xml"), "--socket-dir", dir)
 	assert.Equal(t, 1, code)
 	assert.Contains(t, stderr, "--domain: open ")
+}
+
+// TestReadmeQEMUArgsSample: README's qemu-args command prints what README
+// shows (the socket directory aside, /run/pvrdma there).
+func TestReadmeQEMUArgsSample(t *testing.T) {
+	b, err := os.ReadFile("../../README.md")
+	require.NoError(t, err)
+	readme := string(b)
+	m := regexp.MustCompile(`(?m)^pvrdma-backend (qemu-args [^#\n]*?)\s+#`).FindStringSubmatch(readme)
+	require.NotNil(t, m, "README's qemu-args command")
+	sample := regexp.MustCompile("(?s)`qemu-args` prints the arguments.*?\n```text\n(.*?)\n```").FindStringSubmatch(readme)
+	require.NotNil(t, sample, "README's qemu-args output")
+
+	dir := t.TempDir()
+	runDaemon(t, backend.Config{SocketDir: dir})
+	code, out, stderr := cli(t, append(strings.Fields(m[1]), "--socket-dir", dir)...)
+	require.Equal(t, 0, code, stderr)
+	require.Equal(t, sample[1]+"\n", strings.ReplaceAll(out, dir, "/run/pvrdma"), "README shows what `pvrdma-backend %s` prints", m[1])
 }
