@@ -163,7 +163,7 @@ func (s VMSpec) AddToLibvirtDomain(domainXML string, o LibvirtOptions) (string, 
 		}
 		x = strings.Replace(x, open, strings.TrimSuffix(open, ">")+" xmlns:qemu='"+libvirtQEMUNS+"'>", 1)
 	} else if !strings.Contains(open, "xmlns:qemu='"+libvirtQEMUNS+"'") && !strings.Contains(open, `xmlns:qemu="`+libvirtQEMUNS+`"`) {
-		return "", fmt.Errorf("libvirt domain %s: libvirt's qemu namespace has another prefix than qemu:", d.Name)
+		return "", fmt.Errorf("libvirt domain %s: libvirt's qemu namespace has a prefix other than qemu", d.Name)
 	}
 
 	// The RAM: one shared memfd, preallocated (and locked).
