@@ -151,7 +151,7 @@ kill $lv; wait $lv 2>/dev/null
 libvirtd -p /run/libvirt/libvirtd.pid 2>>"$out"/libvirtd.log &
 lv=$!
 i=0
-until virsh version >/dev/null 2>&1; do
+until virsh list --all >/dev/null 2>&1; do
 	i=$((i+1)); [ $i -lt 300 ] || { echo "libvirtd did not restart"; cat "$out"/libvirtd.log; exit 1; }
 	sleep 0.1
 done
