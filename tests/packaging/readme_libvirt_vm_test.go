@@ -86,13 +86,18 @@ func (f *qsFinder) find(step int, prefix string) string {
 const readmeLibvirtScript = `set -u
 qs=$1 pkg=$2 existing=$3 out=$4
 export PATH=$pkg/usr/bin:$PATH LIBVIRT_DEFAULT_URI=qemu:///system
-step() { n=$1; shift; echo "=== $n" >> "$qs"/steps.out; "$@" >> "$qs"/steps.out 2>&1; echo "=== rc $?" >> "$qs"/steps.out; }
+step() {
+	n=$1; shift; s=$(date +%s)
+	echo "=== $n" >> "$qs"/steps.out; "$@" >> "$qs"/steps.out 2>&1; rc=$?
+	echo "(step $n took $(( $(date +%s) - s ))s)" >> "$qs"/steps.out; echo "=== rc $rc" >> "$qs"/steps.out
+}
 T=$(mktemp -d)
 mount -t tmpfs tmpfs "$T" && mkdir "$T"/upper "$T"/work || exit 1
 mount -t overlay overlay -o lowerdir=/etc,upperdir="$T"/upper,workdir="$T"/work /etc || exit 1
-for d in /run/libvirt /var/lib/libvirt /var/log/libvirt /var/cache/libvirt /run/pvrdma; do
+for d in /run/libvirt /var/lib/libvirt /var/cache/libvirt /run/pvrdma; do
 	mount -t tmpfs -o mode=0755 tmpfs "$d" || exit 1
 done
+mkdir -p "$out"/varlog && mount --bind "$out"/varlog /var/log/libvirt || exit 1
 ip link set lo up
 # The namespace's own sysfs (its netdevs, br0 among them), the cgroup hierarchies kept.
 mkdir "$T"/cg && mount --rbind /sys/fs/cgroup "$T"/cg && mount -t sysfs sysfs /sys && mount --move "$T"/cg /sys/fs/cgroup || exit 1
@@ -166,7 +171,6 @@ step start sh -e "$qs"/qs-start.sh
 cat /run/libvirt/qemu/vm1.pid > "$out"/qemu.pid 2>/dev/null
 step qemu-cred sh -c 'grep -E "^(Uid|Gid|Groups):" /proc/$(cat "$0"/qemu.pid)/status' "$out"
 while virsh domstate vm1 2>/dev/null | grep -q running; do sleep 0.5; done
-cp /var/log/libvirt/qemu/vm1.log "$out"/qemu.log 2>/dev/null
 step status-end pvrdma-backend status
 sleep 0.2
 kill $daemon $lv $tailer 2>/dev/null
@@ -294,7 +298,9 @@ cat /tmp/server.log
 %s
 echo "kernel source version: $v"
 `, modprobe, devinfo, vm1Addr, vm1Addr, kver),
-		Timeout: 15 * time.Minute,
+		// The host's steps come before QEMU starts, and the guest boots under TCG.
+		BootTimeout: 10 * time.Minute,
+		Timeout:     20 * time.Minute,
 		Launch: func(b vm.Boot) (*exec.Cmd, error) {
 			// QEMU runs as libvirt-qemu: it must reach the result socket.
 			if err := os.Chmod(filepath.Dir(b.ResultSocket), 0o755); err != nil {
@@ -344,7 +350,10 @@ echo "kernel source version: $v"
 	res, gerr := g.WaitOK(context.Background())
 	raw, _ := os.ReadFile(filepath.Join(qs, "steps.out"))
 	t.Logf("README's steps on the host:\n%s", raw)
-	for _, l := range []string{"daemon.log", "qemu.log", "libvirtd.log"} {
+	if gerr != nil {
+		t.Logf("the guest: %v\n%s\nconsole:\n%s", gerr, res.Output, tail(g.Console(), 4000))
+	}
+	for _, l := range []string{"daemon.log", "varlog/qemu/vm1.log", "libvirtd.log"} {
 		if b, err := os.ReadFile(filepath.Join(logs, l)); err == nil {
 			t.Logf("%s:\n%s", l, tail(string(b), 6000))
 		}
