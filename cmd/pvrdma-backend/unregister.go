@@ -29,25 +29,25 @@ func runUnregister(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs := newFlags("unregister", "[flags] VM", stderr)
 	socketDir := fs.String("socket-dir", defaultSocketDir, "daemon socket directory")
 	force := fs.Bool("force", false, "unregister the VM even if its QEMU is connected (its device is then dead until that QEMU restarts)")
-	// The VM's name may come before or after the flags.
-	var name string
-	if len(args) > 0 && !strings.HasPrefix(args[0], "-") {
-		name, args = args[0], args[1:]
-	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return err
+	// The VM's name may come before, between or after the flags.
+	var names []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				return err
+			}
+			return errUsage
 		}
-		return errUsage
+		if fs.NArg() == 0 {
+			break
+		}
+		names, args = append(names, fs.Arg(0)), fs.Args()[1:]
 	}
-	rest := fs.Args()
-	if name == "" && len(rest) > 0 {
-		name, rest = rest[0], rest[1:]
-	}
-	if name == "" || len(rest) != 0 {
+	if len(names) != 1 {
 		fs.Usage()
 		return errUsage
 	}
+	name := names[0]
 	if err := backend.CheckVMName(name); err != nil {
 		return err
 	}
@@ -58,19 +58,19 @@ func runUnregister(ctx context.Context, args []string, stdout, stderr io.Writer)
 		return fmt.Errorf("no daemon answers on %s: %w", controlPath(*socketDir), err)
 	}
 	var vm *backend.VMStatus
-	var names []string
+	var known []string
 	for i := range st.VMs {
-		names = append(names, st.VMs[i].Name)
+		known = append(known, st.VMs[i].Name)
 		if st.VMs[i].Name == name {
 			vm = &st.VMs[i]
 		}
 	}
 	if vm == nil {
-		known := "none"
-		if len(names) > 0 {
-			known = strings.Join(names, ", ")
+		list := "none"
+		if len(known) > 0 {
+			list = strings.Join(known, ", ")
 		}
-		return fmt.Errorf("VM %s is not registered with the daemon on %s (its VMs: %s)", name, *socketDir, known)
+		return fmt.Errorf("VM %s is not registered with the daemon on %s (its VMs: %s)", name, *socketDir, list)
 	}
 	if vm.Connected && !*force {
 		return fmt.Errorf("VM %s is connected: its QEMU would lose the device until it restarts; "+

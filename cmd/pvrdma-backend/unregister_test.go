@@ -1,14 +1,18 @@
 package main
 
 import (
+	"context"
+	"net"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/vfiouser/vfiousertest"
 )
 
 // TestUnregister: `unregister VM` removes a registration from a real
@@ -57,4 +61,32 @@ func TestUnregister(t *testing.T) {
 func TestUnregisterFirst(t *testing.T) {
 	assert.Equal(t, "unregister it first (pvrdma-backend unregister vm1)", unregisterFirst(defaultSocketDir, "vm1"))
 	assert.Equal(t, "unregister it first (pvrdma-backend unregister vm1 --socket-dir '/tmp/a b')", unregisterFirst("/tmp/a b", "vm1"))
+}
+
+// TestUnregisterConnected: a VM whose QEMU is connected is refused without
+// --force (its device would die), and unregistered with it.
+func TestUnregisterConnected(t *testing.T) {
+	dir := t.TempDir()
+	runDaemon(t, backend.Config{SocketDir: dir, VMs: []backend.VMRequest{{Name: "vm1"}}})
+	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: filepath.Join(dir, "vm1.sock"), Net: "unix"})
+	require.NoError(t, err)
+	defer conn.Close()
+	c := vfiousertest.NewClient(conn)
+	_, err = c.Negotiate(vfiousertest.QEMUCaps)
+	require.NoError(t, err)
+	ctl := backend.NewControlClient(controlPath(dir))
+	require.Eventually(t, func() bool {
+		st, err := ctl.Status(context.Background())
+		return err == nil && len(st.VMs) == 1 && st.VMs[0].Connected
+	}, 30*time.Second, 10*time.Millisecond, "the client connects as vm1's QEMU")
+
+	code, _, stderr := cli(t, "unregister", "vm1", "--socket-dir", dir)
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "VM vm1 is connected: its QEMU would lose the device until it restarts; shut the VM down first, or pass --force")
+	code, out, stderr := cli(t, "unregister", "--force", "vm1", "--socket-dir", dir)
+	require.Equal(t, 0, code, stderr)
+	assert.Equal(t, "unregistered vm1 and disconnected its QEMU\n", out)
+	st, err := ctl.Status(context.Background())
+	require.NoError(t, err)
+	assert.Empty(t, st.VMs)
 }
