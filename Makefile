@@ -35,7 +35,9 @@ bin:
 	$(GO) build -o bin/pvrdma-backend ./cmd/pvrdma-backend
 
 # The Debian package (dist/pvrdma-backend_VERSION_ARCH.deb): the binary, its systemd
-# unit, /etc/default/pvrdma-backend and the man page, built by nfpm (packaging/nfpm.yaml).
+# unit, /etc/default/pvrdma-backend, the libvirt hook, the man page, and README with the
+# docs it links to, built by nfpm (packaging/nfpm.yaml). Run as root unless PVRDMA_VM_CACHE
+# or XDG_CACHE_HOME puts the cache (where nfpm is built) somewhere writable.
 # The binary is built with cgo (the ibverbs relay; libibverbs itself is loaded at run time,
 # only when the relay is used), so the package depends on libc6. nfpm is built once, at
 # the pinned version, into the test bed's cache (NFPM=/path/to/nfpm uses another).

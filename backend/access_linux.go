@@ -29,7 +29,12 @@ import (
 //   - every connection's peer credentials (SO_PEERCRED) are checked against
 //     the allowed users and groups: root, the daemon's own user, the socket
 //     group and Config.AllowUIDs/AllowGIDs; any other peer is dropped at
-//     accept, counted and logged (rate-limited).
+//     accept, counted and logged (rate-limited). SO_PEERCRED carries the
+//     peer's primary group only, so a peer whose user the host's group
+//     database lists as a member of an allowed group (usermod -aG pvrdma
+//     libvirt-qemu: libvirt runs QEMU with its own group as the primary
+//     one) is admitted too; a process that only holds the group as a
+//     supplementary group, its user not listed, is not.
 
 // accessPolicy is the resolved form of the daemon's access settings.
 type accessPolicy struct {
@@ -42,6 +47,9 @@ type accessPolicy struct {
 	ctrlMode  os.FileMode
 	dirMode   os.FileMode
 	checkPeer bool
+	// memberOf reports whether the host's group database lists user uid
+	// as a member of group gid (tests replace it).
+	memberOf func(uid, gid uint32) bool
 }
 
 // ErrInsecureSocketDir: the socket directory can be written by users other
@@ -50,7 +58,7 @@ var ErrInsecureSocketDir = errors.New("socket directory is writable by others")
 
 func newAccessPolicy(cfg Config, log *slog.Logger) (*accessPolicy, error) {
 	p := &accessPolicy{gid: -1, lim: ratelog.New(log, 0), sockMode: 0o600, ctrlMode: 0o600, dirMode: 0o750,
-		checkPeer: true}
+		checkPeer: true, memberOf: groupMember}
 	if cfg.SocketGroup != "" {
 		gid, err := lookupGroup(cfg.SocketGroup)
 		if err != nil {
@@ -132,9 +140,35 @@ func (p *accessPolicy) openSocket(path string, control bool) error {
 	return nil
 }
 
-// allowed reports whether a peer with these credentials may talk to us.
+// allowed reports whether a peer with these credentials may talk to us:
+// an allowed user, an allowed primary group, or a user the group database
+// lists in an allowed group.
 func (p *accessPolicy) allowed(c *unix.Ucred) bool {
-	return slices.Contains(p.uids, c.Uid) || slices.Contains(p.gids, c.Gid)
+	if slices.Contains(p.uids, c.Uid) || slices.Contains(p.gids, c.Gid) {
+		return true
+	}
+	if p.memberOf != nil {
+		for _, g := range p.gids {
+			if p.memberOf(c.Uid, g) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// groupMember reports whether the host's group database lists user uid in
+// group gid (as a member, or as the user's primary group).
+func groupMember(uid, gid uint32) bool {
+	u, err := user.LookupId(strconv.FormatUint(uint64(uid), 10))
+	if err != nil {
+		return false
+	}
+	ids, err := u.GroupIds()
+	if err != nil {
+		return false
+	}
+	return slices.Contains(ids, strconv.FormatUint(uint64(gid), 10))
 }
 
 // listener wraps ln so that Accept returns only connections from allowed

@@ -15,6 +15,7 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // The unprivileged peer of these tests: nobody, and a group it is not in.
@@ -155,4 +156,23 @@ func TestVMIdentity(t *testing.T) {
 			assert.EqualValues(t, nobodyUID, v.QEMUUID)
 		}
 	}
+}
+
+// TestAccessPolicyGroupMembers: a peer whose primary group is not the
+// socket group is admitted when the group database lists its user in the
+// socket group (libvirt's QEMU after usermod -aG pvrdma libvirt-qemu), and
+// refused otherwise.
+func TestAccessPolicyGroupMembers(t *testing.T) {
+	const sockGID, qemuUID, qemuGID, otherUID = 990, 64055, 64055, 1234
+	p := &accessPolicy{gid: sockGID, uids: []uint32{0}, gids: []uint32{sockGID},
+		memberOf: func(uid, gid uint32) bool { return uid == qemuUID && gid == sockGID }}
+	assert.True(t, p.allowed(&unix.Ucred{Uid: otherUID, Gid: sockGID}), "the socket group as primary group")
+	assert.True(t, p.allowed(&unix.Ucred{Uid: qemuUID, Gid: qemuGID}), "a listed member of the socket group")
+	assert.False(t, p.allowed(&unix.Ucred{Uid: otherUID, Gid: qemuGID}), "neither")
+	assert.True(t, p.allowed(&unix.Ucred{Uid: 0, Gid: 0}), "root")
+	// The real database: root's primary group is listed as root's; no
+	// user is a member of a group that does not exist.
+	assert.True(t, groupMember(0, 0))
+	assert.False(t, groupMember(0, 4000000000))
+	assert.False(t, groupMember(4000000000, 0))
 }

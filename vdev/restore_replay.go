@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
@@ -44,14 +45,26 @@ type replayer struct {
 	// fastRegs holds, by MR handle, the registrations of the fast-reg
 	// records the journal ends with so far (finish registers them again).
 	fastRegs map[uint32]hostverbs.FastReg
-	extra    int // notes left out
+	// lostNotes holds the note that says why each object the replay
+	// could not rebuild so far was lost: a later DESTROY of it in the
+	// journal (the guest destroyed it before the crash) withdraws the
+	// note, since the object is not lost but gone, as the report's counts
+	// say.
+	lostNotes map[lostKey]string
+	extra     int // notes left out
+}
+
+// lostKey names an object of a kind by its handle.
+type lostKey struct {
+	kind   string
+	handle uint32
 }
 
 // newReplayer prepares the replay of recs on d, reporting to rep.
 func newReplayer(d *Device, rep *RestoreReport, recs []jrec) *replayer {
 	return &replayer{d: d, rep: rep, cqEff: lastCQSizes(recs), broken: map[uint32]error{}, gidLost: map[uint32]string{},
 		transport: map[uint32][]byte{}, srqRecvs: map[uint32]*savedRecvs{}, srqKept: map[uint32]bool{},
-		fastRegs: map[uint32]hostverbs.FastReg{}}
+		fastRegs: map[uint32]hostverbs.FastReg{}, lostNotes: map[lostKey]string{}}
 }
 
 // lastCQSizes returns, by CREATE_CQ record index, the CQEs of the CQs
@@ -104,6 +117,30 @@ func (rp *replayer) note(format string, args ...any) {
 		return
 	}
 	rp.extra++
+}
+
+// noteLost notes why an object was lost, until the journal destroys it.
+func (rp *replayer) noteLost(kind string, h uint32, cause error) {
+	n := fmt.Sprintf("%s %d lost: %v", kind, h, cause)
+	rp.lostNotes[lostKey{kind, h}] = n
+	rp.note("%s", n)
+}
+
+// destroyed withdraws the lost note of an object the journal destroys.
+func (rp *replayer) destroyed(kind string, h uint32) {
+	k := lostKey{kind, h}
+	n, ok := rp.lostNotes[k]
+	if !ok {
+		return
+	}
+	delete(rp.lostNotes, k)
+	if i := slices.Index(rp.rep.Notes, n); i >= 0 {
+		rp.rep.Notes = slices.Delete(rp.rep.Notes, i, i+1)
+		return
+	}
+	if rp.extra > 0 {
+		rp.extra-- // it was among those left out
+	}
 }
 
 // replay applies the records in order, with the device in its restore
@@ -361,8 +398,18 @@ func (rp *replayer) succeeded(code uint32, req []byte, h uint32) {
 	switch code {
 	case abi.CmdCreateQP:
 		if rp.lostCause != nil {
-			rp.note("QP %d lost: %v", h, rp.lostCause)
+			rp.noteLost("QP", h, rp.lostCause)
 		}
+	case abi.CmdDestroyPD:
+		rp.destroyed("PD", h)
+	case abi.CmdDestroyMR:
+		rp.destroyed("MR", h)
+	case abi.CmdDestroyCQ:
+		rp.destroyed("CQ", h)
+	case abi.CmdDestroyQP:
+		rp.destroyed("QP", h)
+	case abi.CmdDestroySRQ:
+		rp.destroyed("SRQ", h)
 	case abi.CmdCreateBind:
 		var r abi.CreateBind
 		r.Decode(req)
@@ -464,7 +511,7 @@ func (rp *replayer) tombstone(code uint32, req, want, payload []byte, h uint32, 
 		}
 		kind = "QP"
 	}
-	rp.note("%s %d lost: %v", kind, h, cause)
+	rp.noteLost(kind, h, cause)
 	return nil
 }
 

@@ -101,7 +101,7 @@ func runDoctor(ctx context.Context, args []string, stdout, stderr io.Writer) err
 	fs.StringVar(&o.transport, "transport", "soft", "host verbs provider: soft or ibverbs")
 	fs.StringVar(&o.ibdev, "ibdev", "", "ibverbs: the RDMA device to relay to")
 	fs.StringVar(&o.createRXE, "create-rxe", "", "ibverbs: the netdev serve --create-rxe makes a Soft-RoCE link over")
-	fs.StringVar(&o.socketGroup, "socket-group", "", "the daemon's --socket-group")
+	fs.StringVar(&o.socketGroup, "socket-group", "", "the daemon's --socket-group (QEMU's user must be in it; default for that check: "+serviceUser+", the package's)")
 	var maxLocked sizeFlag
 	fs.Var(&maxLocked, "max-locked-memory", "the daemon's --max-locked-memory (checked against RLIMIT_MEMLOCK)")
 	asJSON := fs.Bool("json", false, "print JSON")
@@ -185,8 +185,27 @@ func doctor(ctx context.Context, h hostEnv, o doctorOpts) []checkResult {
 	if o.createRXE == "" {
 		res = append(res, checkRXE(h))
 	}
-	res = append(res, checkKVM(h), checkLibvirtHook(h), checkVMs(ctx, o.socketDir))
+	res = append(res, checkKVM(h), checkLibvirtHook(h), checkQEMUGroup(h, o.socketGroup, pinnedUIDs(ctx, o.socketDir)),
+		checkAppArmor(h, o.socketDir), checkVMs(ctx, o.socketDir))
 	return res
+}
+
+// pinnedUIDs are the QEMU users the running daemon's VMs are pinned to
+// (--vm NAME,uid=N, qemu-args --qemu-uid); none without a daemon.
+func pinnedUIDs(ctx context.Context, socketDir string) []uint32 {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	st, err := backend.NewControlClient(controlPath(socketDir)).Status(ctx)
+	if err != nil {
+		return nil
+	}
+	var uids []uint32
+	for _, v := range st.VMs {
+		if v.QEMUUID != 0 {
+			uids = append(uids, v.QEMUUID)
+		}
+	}
+	return uids
 }
 
 // identified reports whether a VM's sockets know its QEMU: by its uid, its
@@ -699,4 +718,349 @@ func checkLibvirtHook(h hostEnv) checkResult {
 		return fail(name, fix, "%s does not run `pvrdma-backend libvirt-hook`", p)
 	}
 	return ok(name, "%s refuses migrate and restore of domains with the device (libvirtd loads hooks when it starts)", p)
+}
+
+// libvirtQEMUConf is what doctor reads of libvirt's qemu.conf: the user and
+// group it runs QEMU as and its security driver.
+type libvirtQEMUConf struct {
+	found           bool   // qemu.conf exists
+	user, group     string // "" where not set
+	securityDrivers []string
+	securitySet     bool // security_driver is set
+}
+
+var qemuConfRE = regexp.MustCompile(`^\s*(user|group|security_driver)\s*=\s*(.*?)\s*$`)
+
+// readLibvirtQEMUConf parses the settings doctor needs from
+// <etc>/libvirt/qemu.conf (a missing file: libvirt's defaults).
+func readLibvirtQEMUConf(h hostEnv) libvirtQEMUConf {
+	var c libvirtQEMUConf
+	b, err := os.ReadFile(filepath.Join(h.etc, "libvirt/qemu.conf"))
+	if err != nil {
+		return c
+	}
+	c.found = true
+	for _, l := range strings.Split(string(b), "\n") {
+		m := qemuConfRE.FindStringSubmatch(l)
+		if m == nil {
+			continue
+		}
+		val := m[2]
+		if i := strings.Index(val, "#"); i >= 0 && strings.Count(val[:i], `"`)%2 == 0 {
+			val = strings.TrimSpace(val[:i])
+		}
+		var words []string
+		for _, w := range strings.FieldsFunc(strings.Trim(val, "[] "), func(r rune) bool { return r == ',' }) {
+			words = append(words, strings.Trim(strings.TrimSpace(w), `"'`))
+		}
+		switch m[1] {
+		case "user":
+			c.user = strings.Trim(val, `"'`)
+		case "group":
+			c.group = strings.Trim(val, `"'`)
+		case "security_driver":
+			c.securitySet, c.securityDrivers = true, words
+		}
+	}
+	return c
+}
+
+// libvirtInstalled reports whether libvirt's QEMU driver is on this host.
+func libvirtInstalled(h hostEnv) bool {
+	_, errd := h.lookPath("libvirtd")
+	_, errq := h.lookPath("virtqemud")
+	_, errc := os.Stat(filepath.Join(h.etc, "libvirt/qemu.conf"))
+	return errd == nil || errq == nil || errc == nil
+}
+
+// accountDB is the host's users and groups as its /etc/passwd and
+// /etc/group list them.
+type accountDB struct {
+	users  map[string]account // by name
+	uids   map[uint32]string
+	groups map[string]group // by name
+	gids   map[uint32]string
+}
+
+type account struct {
+	uid, gid uint32
+}
+
+type group struct {
+	gid     uint32
+	members []string
+}
+
+func readAccounts(h hostEnv) (accountDB, error) {
+	db := accountDB{users: map[string]account{}, uids: map[uint32]string{}, groups: map[string]group{}, gids: map[uint32]string{}}
+	pw, err := os.ReadFile(filepath.Join(h.etc, "passwd"))
+	if err != nil {
+		return db, err
+	}
+	for _, l := range strings.Split(string(pw), "\n") {
+		f := strings.Split(l, ":")
+		if len(f) < 4 {
+			continue
+		}
+		uid, err1 := strconv.ParseUint(f[2], 10, 32)
+		gid, err2 := strconv.ParseUint(f[3], 10, 32)
+		if err1 != nil || err2 != nil {
+			continue
+		}
+		db.users[f[0]] = account{uid: uint32(uid), gid: uint32(gid)}
+		if _, dup := db.uids[uint32(uid)]; !dup {
+			db.uids[uint32(uid)] = f[0]
+		}
+	}
+	gr, err := os.ReadFile(filepath.Join(h.etc, "group"))
+	if err != nil {
+		return db, err
+	}
+	for _, l := range strings.Split(string(gr), "\n") {
+		f := strings.Split(l, ":")
+		if len(f) < 4 {
+			continue
+		}
+		gid, err := strconv.ParseUint(f[2], 10, 32)
+		if err != nil {
+			continue
+		}
+		var members []string
+		if f[3] != "" {
+			members = strings.Split(f[3], ",")
+		}
+		db.groups[f[0]] = group{gid: uint32(gid), members: members}
+		if _, dup := db.gids[uint32(gid)]; !dup {
+			db.gids[uint32(gid)] = f[0]
+		}
+	}
+	return db, nil
+}
+
+// inGroup reports whether user is in group g: as a member or by its
+// primary group.
+func (db accountDB) inGroup(user string, g group) bool {
+	if a, ok := db.users[user]; ok && a.gid == g.gid {
+		return true
+	}
+	for _, m := range g.members {
+		if m == user {
+			return true
+		}
+	}
+	return false
+}
+
+// resolveUser turns a libvirt qemu.conf user ("name", or "+UID") into a
+// user name; "" if it names none.
+func (db accountDB) resolveUser(u string) string {
+	if n, found := strings.CutPrefix(u, "+"); found {
+		uid, err := strconv.ParseUint(n, 10, 32)
+		if err != nil {
+			return ""
+		}
+		return db.uids[uint32(uid)]
+	}
+	if _, ok := db.users[u]; ok {
+		return u
+	}
+	return ""
+}
+
+// defaultLibvirtQEMUUser is the user Debian's libvirt runs QEMU as where
+// qemu.conf does not say.
+const defaultLibvirtQEMUUser = "libvirt-qemu"
+
+// checkQEMUGroup: the sockets (mode 0660, group socketGroup) admit only
+// root, the daemon and the group, so the user libvirt runs QEMU as (and
+// the user any VM is pinned to, pinned) must be in it, or QEMU cannot
+// connect and the VM does not start. Without libvirt, plain QEMU's user is
+// the operator's to put in the group.
+func checkQEMUGroup(h hostEnv, socketGroup string, pinned []uint32) checkResult {
+	const name = "qemu-group"
+	if socketGroup == "" {
+		socketGroup = serviceUser
+	}
+	db, err := readAccounts(h)
+	if err != nil {
+		return warn(name, "", "cannot read the host's users and groups: %v", err)
+	}
+	g, found := db.groups[socketGroup]
+	if !found {
+		return fail(name, "install the package (it creates the group "+serviceUser+") or groupadd --system "+socketGroup,
+			"no group %s: QEMU cannot be admitted to the sockets", socketGroup)
+	}
+	type who struct{ user, why string }
+	var users []who
+	if libvirtInstalled(h) {
+		c := readLibvirtQEMUConf(h)
+		u := c.user
+		if u == "" {
+			u = defaultLibvirtQEMUUser
+		}
+		switch {
+		case u == "root" || u == "+0":
+			// root is admitted to every socket.
+		case c.group != "" && (strings.Trim(c.group, "+") == socketGroup || c.group == "+"+strconv.FormatUint(uint64(g.gid), 10)):
+			// libvirt runs QEMU with the socket group as its group.
+		default:
+			n := db.resolveUser(u)
+			if n == "" {
+				return warn(name, "", "libvirt runs QEMU as %s (%s), which is not in %s", u, filepath.Join(h.etc, "libvirt/qemu.conf"), filepath.Join(h.etc, "passwd"))
+			}
+			users = append(users, who{n, "libvirt's QEMU user"})
+		}
+	}
+	for _, uid := range pinned {
+		if uid == 0 {
+			continue
+		}
+		n, known := db.uids[uid]
+		if !known {
+			continue // a uid of no local user: only its QEMU's own group can say
+		}
+		users = append(users, who{n, fmt.Sprintf("the user a VM is pinned to (uid %d)", uid)})
+	}
+	var missing, fixes, fine []string
+	seen := map[string]bool{}
+	for _, u := range users {
+		if seen[u.user] {
+			continue
+		}
+		seen[u.user] = true
+		if db.inGroup(u.user, g) {
+			fine = append(fine, u.user+" ("+u.why+")")
+			continue
+		}
+		missing = append(missing, u.user+" ("+u.why+")")
+		fixes = append(fixes, "usermod -aG "+socketGroup+" "+u.user)
+	}
+	if len(missing) > 0 {
+		return fail(name, strings.Join(fixes, "; ")+"; then restart libvirtd (or virtqemud) and the VMs",
+			"%s not in group %s: QEMU cannot open the VMs' sockets (mode 0660, group %s)", strings.Join(missing, ", "), socketGroup, socketGroup)
+	}
+	if len(fine) == 0 {
+		if libvirtInstalled(h) {
+			return ok(name, "libvirt runs QEMU as root or with group %s: it may open the sockets", socketGroup)
+		}
+		return ok(name, "libvirt is not installed: a plain QEMU must run as root or in group %s (usermod -aG %s USER)", socketGroup, socketGroup)
+	}
+	return ok(name, "%s in group %s: QEMU may open the sockets", strings.Join(fine, ", "), socketGroup)
+}
+
+// appArmorRule is the line README gives for the libvirt-qemu abstraction.
+func appArmorRule(socketDir string) string {
+	return fmt.Sprintf("%s/*.sock rw,\n%s/*.qmp rw,\n", socketDir, socketDir)
+}
+
+// checkAppArmor: where AppArmor is on and libvirt confines QEMU with it,
+// each domain's profile (built on the libvirt-qemu abstraction) must let
+// QEMU read and write the VM's vfio-user socket and the daemon's QMP
+// socket, or QEMU fails to connect with EACCES.
+func checkAppArmor(h hostEnv, socketDir string) checkResult {
+	const name = "apparmor"
+	if _, err := os.Stat(filepath.Join(h.sys, "kernel/security/apparmor")); err != nil {
+		return ok(name, "AppArmor is not enabled: it confines no QEMU")
+	}
+	if !libvirtInstalled(h) {
+		return ok(name, "libvirt is not installed: AppArmor confines no QEMU of libvirt's (a plain QEMU runs unconfined)")
+	}
+	c := readLibvirtQEMUConf(h)
+	if c.securitySet {
+		apparmor := false
+		for _, d := range c.securityDrivers {
+			apparmor = apparmor || d == "apparmor"
+		}
+		if !apparmor {
+			return ok(name, "libvirt's security_driver is %s: AppArmor does not confine its QEMU", strings.Join(c.securityDrivers, ","))
+		}
+	}
+	dir := filepath.Clean(socketDir)
+	sock, qmp := dir+"/vm.sock", dir+"/vm.qmp"
+	files := []string{filepath.Join(h.etc, "apparmor.d/local/abstractions/libvirt-qemu"), filepath.Join(h.etc, "apparmor.d/abstractions/libvirt-qemu")}
+	var haveSock, haveQMP bool
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		for _, l := range strings.Split(string(b), "\n") {
+			path, perms, isRule := parseAppArmorRule(l)
+			if !isRule || !strings.Contains(perms, "r") || !strings.Contains(perms, "w") {
+				continue
+			}
+			re, err := appArmorGlob(path)
+			if err != nil {
+				continue
+			}
+			haveSock = haveSock || re.MatchString(sock)
+			haveQMP = haveQMP || re.MatchString(qmp)
+		}
+	}
+	if haveSock && haveQMP {
+		return ok(name, "libvirt's QEMU profile (the libvirt-qemu abstraction) allows %s/*.sock and *.qmp", dir)
+	}
+	fix := fmt.Sprintf("printf '%s' >> %s; then restart libvirtd (or virtqemud) and start the VMs again",
+		strings.ReplaceAll(appArmorRule(dir), "\n", `\n`), "/etc/apparmor.d/local/abstractions/libvirt-qemu")
+	return fail(name, fix, "AppArmor confines libvirt's QEMU and the libvirt-qemu abstraction (%s) does not allow %s/*.sock and %s/*.qmp rw: QEMU cannot connect",
+		strings.Join(files, ", "), dir, dir)
+}
+
+// parseAppArmorRule splits a file rule ("[owner] PATH PERMS,") into its
+// path and permissions.
+func parseAppArmorRule(l string) (path, perms string, ok bool) {
+	l = strings.TrimSpace(l)
+	if i := strings.Index(l, "#"); i >= 0 {
+		l = strings.TrimSpace(l[:i])
+	}
+	l, found := strings.CutSuffix(l, ",")
+	if !found {
+		return "", "", false
+	}
+	f := strings.Fields(l)
+	if len(f) > 0 && (f[0] == "owner" || f[0] == "allow" || f[0] == "audit") {
+		f = f[1:]
+	}
+	if len(f) != 2 || !strings.HasPrefix(f[0], "/") && !strings.HasPrefix(f[0], `"/`) {
+		return "", "", false
+	}
+	return strings.Trim(f[0], `"`), f[1], true
+}
+
+// appArmorGlob compiles an AppArmor path glob: ** crosses directories,
+// * and ? do not, {a,b} is an alternation, [...] a class.
+func appArmorGlob(g string) (*regexp.Regexp, error) {
+	var b strings.Builder
+	b.WriteString("^")
+	depth := 0
+	for i := 0; i < len(g); i++ {
+		switch c := g[i]; {
+		case c == '*' && i+1 < len(g) && g[i+1] == '*':
+			b.WriteString(".*")
+			i++
+		case c == '*':
+			b.WriteString("[^/]*")
+		case c == '?':
+			b.WriteString("[^/]")
+		case c == '{':
+			b.WriteString("(?:")
+			depth++
+		case c == '}' && depth > 0:
+			b.WriteString(")")
+			depth--
+		case c == ',' && depth > 0:
+			b.WriteString("|")
+		case c == '[':
+			j := strings.IndexByte(g[i:], ']')
+			if j < 0 {
+				return nil, fmt.Errorf("unclosed [ in %q", g)
+			}
+			b.WriteString(g[i : i+j+1])
+			i += j
+		default:
+			b.WriteString(regexp.QuoteMeta(string(c)))
+		}
+	}
+	b.WriteString("$")
+	return regexp.Compile(b.String())
 }

@@ -225,3 +225,122 @@ func TestDoctorOutputAndExit(t *testing.T) {
 	require.Equal(t, "qemu", back[0].Name)
 	require.Equal(t, statusFail, back[0].Status)
 }
+
+// libvirtHost is a fake host with libvirt's qemu.conf, the package's group
+// and Debian's libvirt-qemu user.
+func libvirtHost(t *testing.T, qemuConf, groups string) hostEnv {
+	h := fakeHost(t)
+	writeFile(t, filepath.Join(h.etc, "libvirt/qemu.conf"), qemuConf)
+	writeFile(t, filepath.Join(h.etc, "passwd"), "root:x:0:0:root:/root:/bin/sh\n"+
+		"libvirt-qemu:x:64055:108:Libvirt Qemu,,,:/var/lib/libvirt:/usr/sbin/nologin\n"+
+		"pvrdma:x:998:998:pvrdma-backend daemon:/nonexistent:/usr/sbin/nologin\n"+
+		"vmuser:x:2001:2001::/home/vmuser:/bin/sh\n")
+	writeFile(t, filepath.Join(h.etc, "group"), groups)
+	return h
+}
+
+func TestCheckQEMUGroup(t *testing.T) {
+	const conf = "# libvirt's qemu.conf\n#user = \"root\"\n"
+	notIn := "root:x:0:\nkvm:x:108:\npvrdma:x:998:\n"
+	in := "root:x:0:\nkvm:x:108:\npvrdma:x:998:libvirt-qemu\n"
+
+	h := libvirtHost(t, conf, notIn)
+	r := checkQEMUGroup(h, "", nil)
+	require.Equal(t, statusFail, r.Status, "%+v", r)
+	require.Contains(t, r.Detail, "libvirt-qemu (libvirt's QEMU user) not in group pvrdma")
+	require.True(t, strings.HasPrefix(r.Fix, "usermod -aG pvrdma libvirt-qemu;"), r.Fix)
+	require.Contains(t, r.Fix, "restart libvirtd")
+
+	h = libvirtHost(t, conf, in)
+	r = checkQEMUGroup(h, "", nil)
+	require.Equal(t, statusOK, r.Status, "%+v", r)
+	require.Contains(t, r.Detail, "libvirt-qemu (libvirt's QEMU user) in group pvrdma")
+
+	// qemu.conf's own user, by name or number; root; the socket group as QEMU's group.
+	h = libvirtHost(t, "user = \"vmuser\"  # ours\n", in)
+	r = checkQEMUGroup(h, "", nil)
+	require.Equal(t, statusFail, r.Status)
+	require.Contains(t, r.Fix, "usermod -aG pvrdma vmuser")
+	h = libvirtHost(t, "user = \"+2001\"\n", "pvrdma:x:998:vmuser\n")
+	require.Equal(t, statusOK, checkQEMUGroup(h, "", nil).Status)
+	h = libvirtHost(t, "user = \"root\"\n", notIn)
+	require.Equal(t, statusOK, checkQEMUGroup(h, "", nil).Status)
+	h = libvirtHost(t, "group = \"pvrdma\"\n", notIn)
+	require.Equal(t, statusOK, checkQEMUGroup(h, "", nil).Status)
+
+	// A VM pinned to a user of its own: that user too.
+	h = libvirtHost(t, conf, in)
+	r = checkQEMUGroup(h, "", []uint32{2001})
+	require.Equal(t, statusFail, r.Status)
+	require.Contains(t, r.Detail, "vmuser (the user a VM is pinned to (uid 2001)) not in group pvrdma")
+	require.Contains(t, r.Fix, "usermod -aG pvrdma vmuser")
+	require.NotContains(t, r.Fix, "libvirt-qemu")
+
+	// Another --socket-group; no such group.
+	r = checkQEMUGroup(h, "rdmavm", nil)
+	require.Equal(t, statusFail, r.Status)
+	require.Contains(t, r.Detail, "no group rdmavm")
+
+	// Without libvirt, nothing to check but the group.
+	h = libvirtHost(t, conf, notIn)
+	require.NoError(t, os.Remove(filepath.Join(h.etc, "libvirt/qemu.conf")))
+	r = checkQEMUGroup(h, "", nil)
+	require.Equal(t, statusOK, r.Status)
+	require.Contains(t, r.Detail, "libvirt is not installed")
+}
+
+func TestCheckAppArmor(t *testing.T) {
+	h := libvirtHost(t, "", "pvrdma:x:998:libvirt-qemu\n")
+	r := checkAppArmor(h, "/run/pvrdma")
+	require.Equal(t, statusOK, r.Status, "no AppArmor: %+v", r)
+	require.Contains(t, r.Detail, "AppArmor is not enabled")
+
+	require.NoError(t, os.MkdirAll(filepath.Join(h.sys, "kernel/security/apparmor"), 0o755))
+	local := filepath.Join(h.etc, "apparmor.d/local/abstractions/libvirt-qemu")
+	writeFile(t, local, "# Site-specific additions and overrides for 'abstractions/libvirt-qemu'\n")
+	r = checkAppArmor(h, "/run/pvrdma")
+	require.Equal(t, statusFail, r.Status, "%+v", r)
+	require.Equal(t, `printf '/run/pvrdma/*.sock rw,\n/run/pvrdma/*.qmp rw,\n' >> /etc/apparmor.d/local/abstractions/libvirt-qemu`,
+		strings.Split(r.Fix, ";")[0])
+
+	// The fix, as a shell runs it, makes it pass.
+	cmd := exec.Command("sh", "-c", strings.Replace(strings.Split(r.Fix, ";")[0], "/etc/", h.etc+"/", 1))
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	r = checkAppArmor(h, "/run/pvrdma")
+	require.Equal(t, statusOK, r.Status, "%+v", r)
+
+	// Only the socket: still missing the QMP socket.
+	writeFile(t, local, "/run/pvrdma/*.sock rw,\n")
+	require.Equal(t, statusFail, checkAppArmor(h, "/run/pvrdma").Status)
+	// Wider rules in the abstraction itself count.
+	writeFile(t, filepath.Join(h.etc, "apparmor.d/abstractions/libvirt-qemu"), "  owner /run/pvrdma/** rwk,\n")
+	require.Equal(t, statusOK, checkAppArmor(h, "/run/pvrdma").Status)
+	require.Equal(t, statusFail, checkAppArmor(h, "/srv/pvrdma").Status, "another socket directory")
+
+	// libvirt's security driver off: AppArmor does not confine QEMU.
+	writeFile(t, filepath.Join(h.etc, "libvirt/qemu.conf"), "security_driver = \"none\"\n")
+	r = checkAppArmor(h, "/srv/pvrdma")
+	require.Equal(t, statusOK, r.Status)
+	require.Contains(t, r.Detail, "security_driver is none")
+	writeFile(t, filepath.Join(h.etc, "libvirt/qemu.conf"), "security_driver = [ \"apparmor\" ]\n")
+	require.Equal(t, statusFail, checkAppArmor(h, "/srv/pvrdma").Status)
+}
+
+func TestAppArmorGlob(t *testing.T) {
+	for _, c := range []struct {
+		glob, path string
+		match      bool
+	}{
+		{"/run/pvrdma/*.sock", "/run/pvrdma/vm.sock", true},
+		{"/run/pvrdma/*.sock", "/run/pvrdma/state/vm.sock", false},
+		{"/run/pvrdma/**", "/run/pvrdma/state/vm.sock", true},
+		{"/run/pvrdma/*.{sock,qmp}", "/run/pvrdma/vm.qmp", true},
+		{"/run/pvrdma/vm?.sock", "/run/pvrdma/vm1.sock", true},
+		{"/{,var/}run/pvrdma/*", "/run/pvrdma/vm.sock", true},
+	} {
+		re, err := appArmorGlob(c.glob)
+		require.NoError(t, err)
+		require.Equal(t, c.match, re.MatchString(c.path), "%s ~ %s", c.glob, c.path)
+	}
+}

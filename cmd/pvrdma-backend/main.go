@@ -5,6 +5,7 @@
 //	pvrdma-backend qemu-args  print the QEMU arguments for a VM (and register it)
 //	pvrdma-backend libvirt-xml  print a libvirt domain for a VM (and register it)
 //	pvrdma-backend attach     hot-plug the device into a running VM over QMP
+//	pvrdma-backend unregister remove a VM's registration from the daemon
 //	pvrdma-backend status     show the daemon's VMs, devices and counters
 //	pvrdma-backend upgrade    hand the running daemon over to its new binary (live upgrade)
 //	pvrdma-backend doctor     check the host for what the daemon and its VMs need
@@ -37,6 +38,7 @@ func commands() []command {
 		{"qemu-args", "print the QEMU arguments for a VM and register it with the daemon", runQEMUArgs},
 		{"libvirt-xml", "print a libvirt domain giving a VM the device, and register it with the daemon", runLibvirtXML},
 		{"attach", "hot-plug the device into a running VM over QMP", runAttach},
+		{"unregister", "remove a VM's registration from the running daemon (its sockets, GIDs and kept state)", runUnregister},
 		{"status", "show the daemon's VMs, devices and counters", runStatus},
 		{"upgrade", "hand the running daemon over to its new binary without cutting its VMs", runUpgrade},
 		{"check-state", "(used by upgrade) say whether this binary can take a running daemon's state", runCheckState},

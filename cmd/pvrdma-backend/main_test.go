@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -209,4 +210,73 @@ func TestIdentified(t *testing.T) {
 	assert.True(t, identified(backend.VMStatus{QEMUUID: 1000}))
 	assert.True(t, identified(backend.VMStatus{QEMUCgroup: "/x", Identity: "cgroup /x"}))
 	assert.True(t, identified(backend.VMStatus{Identity: "libvirt machine qemu-3-vm1"}))
+}
+
+// TestAttachFlags: attach offers only the flags it uses (a root port has
+// one slot; a running QEMU cannot be given the daemon's monitor) and says
+// that its vmxnet3 needs a spare -netdev.
+func TestAttachFlags(t *testing.T) {
+	code, _, stderr := cli(t, "attach", "-h")
+	require.Equal(t, 0, code)
+	assert.Contains(t, stderr, "spare -netdev")
+	assert.NotContains(t, stderr, "-slot")
+	assert.NotContains(t, stderr, "-qmp-monitor")
+	for _, f := range []string{"--slot=6", "--qmp-monitor=false"} {
+		code, _, stderr = cli(t, "attach", "--qmp", "/nonexistent", "--vm", "vm1", "--bus", "rp1", f)
+		assert.Equal(t, 2, code, "attach %s: %s", f, stderr)
+		assert.Contains(t, stderr, "flag provided but not defined")
+	}
+	code, _, stderr = cli(t, "qemu-args", "-h")
+	require.Equal(t, 0, code)
+	assert.Contains(t, stderr, "-slot")
+	assert.Contains(t, stderr, "-qmp-monitor")
+}
+
+// TestLibvirtXMLExistingDomain: libvirt-xml --domain adds the device to an
+// existing domain's XML and registers the VM under the domain's name with
+// its RAM.
+func TestLibvirtXMLExistingDomain(t *testing.T) {
+	dir := t.TempDir()
+	runDaemon(t, backend.Config{SocketDir: dir})
+	dom := filepath.Join(t.TempDir(), "web1.xml")
+	require.NoError(t, os.WriteFile(dom, []byte("<domain type='kvm'>\n  <name>web1</name>\n  <memory unit='KiB'>2097152</memory>\n"+
+		"  <os>\n    <type arch='x86_64' machine='q35'>hvm</type>\n  </os>\n  <devices>\n"+
+		"    <disk type='file' device='disk'><source file='/var/lib/libvirt/images/web1.qcow2'/><target dev='vda' bus='virtio'/></disk>\n"+
+		"  </devices>\n</domain>\n"), 0o644))
+	code, out, stderr := cli(t, "libvirt-xml", "--domain", dom, "--socket-dir", dir, "--nic", "bridge:br0")
+	require.Equal(t, 0, code, stderr)
+	assert.Contains(t, out, "<source file='/var/lib/libvirt/images/web1.qcow2'/>")
+	assert.Contains(t, out, `"socket":{"path":"`+filepath.Join(dir, "web1.sock")+`"`)
+	assert.Contains(t, out, "<model type='vmxnet3'/>")
+	assert.Contains(t, out, "<memballoon model='none'/>")
+	st, err := backend.NewControlClient(controlPath(dir)).Status(context.Background())
+	require.NoError(t, err)
+	require.Len(t, st.VMs, 1)
+	assert.Equal(t, "web1", st.VMs[0].Name)
+	assert.Equal(t, uint64(2<<30)+backend.LockSlack, st.VMs[0].LockedLimit, "registered with the domain's RAM")
+
+	code, _, stderr = cli(t, "libvirt-xml", "--domain", dom, "--socket-dir", dir, "--mem", "1G")
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "has 2048 MiB of RAM, the VM 1024 MiB")
+	code, _, stderr = cli(t, "libvirt-xml", "--domain", filepath.Join(dir, "nosuch.xml"), "--socket-dir", dir)
+	assert.Equal(t, 1, code)
+	assert.Contains(t, stderr, "--domain: open ")
+}
+
+// TestReadmeQEMUArgsSample: README's qemu-args command prints what README
+// shows (the socket directory aside, /run/pvrdma there).
+func TestReadmeQEMUArgsSample(t *testing.T) {
+	b, err := os.ReadFile("../../README.md")
+	require.NoError(t, err)
+	readme := string(b)
+	m := regexp.MustCompile(`(?m)^pvrdma-backend (qemu-args [^#\n]*?)\s+#`).FindStringSubmatch(readme)
+	require.NotNil(t, m, "README's qemu-args command")
+	sample := regexp.MustCompile("(?s)`qemu-args` prints the arguments.*?\n```text\n(.*?)\n```").FindStringSubmatch(readme)
+	require.NotNil(t, sample, "README's qemu-args output")
+
+	dir := t.TempDir()
+	runDaemon(t, backend.Config{SocketDir: dir})
+	code, out, stderr := cli(t, append(strings.Fields(m[1]), "--socket-dir", dir)...)
+	require.Equal(t, 0, code, stderr)
+	require.Equal(t, sample[1]+"\n", strings.ReplaceAll(out, dir, "/run/pvrdma"), "README shows what `pvrdma-backend %s` prints", m[1])
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -48,12 +49,19 @@ func (v *vmFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&v.socketDir, "socket-dir", defaultSocketDir, "daemon socket directory")
 	fs.StringVar(&v.gidAllow, "gid-allow", "", "GID prefixes the VM may bind (CIDR, comma-separated; \"none\": only its own link-local GID); default: the daemon's --gid-allow")
 	fs.StringVar(&v.roceMode, "roce-mode", "", "the VM's RoCE version, v1 or v2 (its device offers one); default: the daemon's --roce-mode")
-	fs.IntVar(&v.slot, "slot", 5, "PCI slot: vmxnet3 at <slot>.0, PVRDMA at <slot>.1")
 	v.mem = 1 << 30
 	fs.Var(&v.mem, "mem", "guest RAM size, backed by a shared memfd")
 	fs.UintVar(&v.qemuUID, "qemu-uid", 0, "the user ID the VM's QEMU runs as, if it has one of its own: the VM's sockets then admit only it (and root); libvirt-xml gives the domain that DAC label")
 	fs.StringVar(&v.qemuCgroup, "qemu-cgroup", "", "the cgroup the VM's QEMU runs in, if its manager gives it one of its own (a systemd scope, say /machine.slice/vm1.scope; as /proc/PID/cgroup shows it): the VM's sockets then admit only peers in it or below it. Without it, a QEMU in another libvirt domain's machine cgroup is refused")
 	fs.StringVar(&v.qemuGroup, "qemu-group", "pvrdma", "with --qemu-uid: the group of the QEMU libvirt-xml's DAC label sets (the socket group)")
+}
+
+// registerBoot adds the flags of the commands that print a VM's start-up
+// configuration (qemu-args, libvirt-xml): its PCI slot and the daemon's QMP
+// monitor. attach has neither: a root port has one slot, and a running
+// QEMU cannot be given a monitor.
+func (v *vmFlags) registerBoot(fs *flag.FlagSet) {
+	fs.IntVar(&v.slot, "slot", 5, "PCI slot: vmxnet3 at <slot>.0, PVRDMA at <slot>.1")
 	fs.BoolVar(&v.qmp, "qmp-monitor", true, "give the daemon a QMP monitor of its own on the VM (QEMU connects to <socket-dir>/<vm>.qmp): it cancels migrations and snapshots, which QEMU would complete without the device's state")
 }
 
@@ -131,23 +139,24 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 	}
 	for _, vm := range st.VMs {
 		if vm.Name == spec.Name && vm.MAC != mac.String() {
-			return fmt.Errorf("VM %s is registered with MAC %s, not %s: unregister it first (or pass --mac %s)",
-				spec.Name, vm.MAC, mac, vm.MAC)
+			return fmt.Errorf("VM %s is registered with MAC %s, not %s: %s (or pass --mac %s)",
+				spec.Name, vm.MAC, mac, unregisterFirst(socketDir, spec.Name), vm.MAC)
 		}
 		if vm.Name == spec.Name && spec.GIDAllow != nil && strings.Join(vm.GIDAllow, ",") != strings.Join(spec.GIDAllow, ",") {
-			return fmt.Errorf("VM %s is registered with --gid-allow %s, not %s: unregister it first",
-				spec.Name, strings.Join(vm.GIDAllow, ","), strings.Join(spec.GIDAllow, ","))
+			return fmt.Errorf("VM %s is registered with --gid-allow %s, not %s: %s",
+				spec.Name, strings.Join(vm.GIDAllow, ","), strings.Join(spec.GIDAllow, ","), unregisterFirst(socketDir, spec.Name))
 		}
 		if vm.Name == spec.Name && vm.QEMUUID != spec.QEMUUID {
-			return fmt.Errorf("VM %s is registered for QEMU uid %d, not %d (--qemu-uid; 0: any QEMU of the socket group): unregister it first",
-				spec.Name, vm.QEMUUID, spec.QEMUUID)
+			return fmt.Errorf("VM %s is registered for QEMU uid %d, not %d (--qemu-uid; 0: any QEMU of the socket group): %s",
+				spec.Name, vm.QEMUUID, spec.QEMUUID, unregisterFirst(socketDir, spec.Name))
 		}
 		if vm.Name == spec.Name && vm.QEMUCgroup != spec.QEMUCgroup {
-			return fmt.Errorf("VM %s is registered for QEMU cgroup %q, not %q (--qemu-cgroup; empty: the libvirt machine rule): unregister it first",
-				spec.Name, vm.QEMUCgroup, spec.QEMUCgroup)
+			return fmt.Errorf("VM %s is registered for QEMU cgroup %q, not %q (--qemu-cgroup; empty: the libvirt machine rule): %s",
+				spec.Name, vm.QEMUCgroup, spec.QEMUCgroup, unregisterFirst(socketDir, spec.Name))
 		}
 		if vm.Name == spec.Name && spec.RoCEMode != "" && vm.RoCEMode != spec.RoCEMode {
-			return fmt.Errorf("VM %s is registered as RoCE %s, not %s: unregister it first", spec.Name, vm.RoCEMode, spec.RoCEMode)
+			return fmt.Errorf("VM %s is registered as RoCE %s, not %s: %s", spec.Name, vm.RoCEMode, spec.RoCEMode,
+				unregisterFirst(socketDir, spec.Name))
 		}
 	}
 	return nil
@@ -157,6 +166,7 @@ func runQEMUArgs(ctx context.Context, args []string, stdout, stderr io.Writer) e
 	fs := newFlags("qemu-args", "--vm NAME [flags]", stderr)
 	var v vmFlags
 	v.register(fs)
+	v.registerBoot(fs)
 	register := fs.Bool("register", true, "register the VM with the running daemon so its socket exists before QEMU starts")
 	shell := fs.Bool("shell", true, "print shell-quoted arguments on one line (false: one argument per line)")
 	if err := parse(fs, args); err != nil {
@@ -199,9 +209,13 @@ func shellQuote(s string) string {
 }
 
 func runAttach(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlags("attach", "--qmp SOCKET --vm NAME --bus PORT [flags]", stderr)
+	fs := newFlags("attach", "--qmp SOCKET --vm NAME --bus PORT [--netdev ID] [flags]", stderr)
 	var v vmFlags
 	v.register(fs)
+	// The vmxnet3 needs a -netdev of its own, which the running VM must
+	// already have and no other NIC uses (QMP's netdev_add could make one,
+	// but what it should be is the host's network configuration).
+	fs.Lookup("netdev").Usage = "id of a spare -netdev of the running VM (one no NIC uses: the hot-plugged vmxnet3 takes it)"
 	qmpPath := fs.String("qmp", "", "QMP unix socket of the running VM; required")
 	fs.StringVar(&v.bus, "bus", "", "empty hot-pluggable bus (a pcie-root-port id); required")
 	timeout := fs.Duration("timeout", 10*time.Second, "QMP timeout")
@@ -328,9 +342,10 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) err
 }
 
 func runLibvirtXML(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := newFlags("libvirt-xml", "--vm NAME [flags]", stderr)
+	fs := newFlags("libvirt-xml", "--vm NAME [flags] | --domain FILE [flags]", stderr)
 	var v vmFlags
 	v.register(fs)
+	v.registerBoot(fs)
 	var o backend.LibvirtOptions
 	fs.StringVar(&o.DomainType, "domain-type", "kvm", "libvirt domain type: kvm, or qemu (TCG)")
 	fs.IntVar(&o.VCPUs, "vcpus", 1, "vCPUs")
@@ -338,15 +353,43 @@ func runLibvirtXML(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.StringVar(&o.Emulator, "emulator", "", "QEMU binary for <emulator> (>= 10.1, with vfio-user-pci); default: libvirt's")
 	lock := fs.Bool("lock", true, "<locked/>: QEMU locks guest RAM too (libvirt raises its RLIMIT_MEMLOCK, which needs CAP_SYS_RESOURCE); the daemon locks what it maps either way")
 	register := fs.Bool("register", true, "register the VM with the running daemon so its socket exists before libvirt starts QEMU")
+	domain := fs.String("domain", "", "an existing domain's XML (virsh dumpxml NAME > FILE; - for standard input): print it with the device added "+
+		"(its RAM a shared memfd, no balloon, the vmxnet3 and the PVRDMA function), its disks and NICs kept; --vm and --mem default to the domain's name and RAM; "+
+		"--domain-type, --vcpus and --emulator are a new domain's")
 	if err := parse(fs, args); err != nil {
 		return err
 	}
 	o.NoLock = !*lock
+	var existing string
+	if *domain != "" {
+		b, err := readFileOrStdin(*domain)
+		if err != nil {
+			return fmt.Errorf("--domain: %w", err)
+		}
+		existing = string(b)
+		d, err := backend.ReadLibvirtDomain(existing)
+		if err != nil {
+			return fmt.Errorf("--domain %s: %w", *domain, err)
+		}
+		set := map[string]bool{}
+		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+		if !set["vm"] {
+			v.name = d.Name
+		}
+		if !set["mem"] {
+			v.mem = sizeFlag(d.MemBytes)
+		}
+	}
 	spec, err := v.spec()
 	if err != nil {
 		return err
 	}
-	x, err := spec.LibvirtDomainXML(o)
+	var x string
+	if existing != "" {
+		x, err = spec.AddToLibvirtDomain(existing, o)
+	} else {
+		x, err = spec.LibvirtDomainXML(o)
+	}
 	if err != nil {
 		return err
 	}
@@ -357,4 +400,12 @@ func runLibvirtXML(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	_, err = io.WriteString(stdout, x)
 	return err
+}
+
+// readFileOrStdin reads path, or standard input for "-".
+func readFileOrStdin(path string) ([]byte, error) {
+	if path == "-" {
+		return io.ReadAll(os.Stdin)
+	}
+	return os.ReadFile(path)
 }

@@ -173,15 +173,26 @@ func render(s Section, rec Run, rawPath string) (string, error) {
 // commandLine is the command as a shell would take it: the environment variables that
 // change what the benchmarks do (PVRDMA_*, GOMAXPROCS, GOFLAGS), then go test.
 func commandLine(args []string) string {
+	return commandLineEnv(os.Environ(), args)
+}
+
+// commandLineEnv is commandLine with the environment environ.
+func commandLineEnv(environ, args []string) string {
 	var env []string
-	for _, kv := range os.Environ() {
-		k, _, _ := strings.Cut(kv, "=")
+	for _, kv := range environ {
+		k, v, _ := strings.Cut(kv, "=")
 		if strings.HasPrefix(k, "PVRDMA_") || k == "GOMAXPROCS" || k == "GOFLAGS" || k == "HOSTILE_LOG" {
-			env = append(env, kv)
+			env = append(env, envAssign(k, v))
 		}
 	}
-	parts := append(env, "go", "test")
-	return shellJoin(append(parts, args...))
+	return strings.Join(append(env, shellJoin(append([]string{"go", "test"}, args...))), " ")
+}
+
+// envAssign is an assignment a shell takes as one before a command:
+// NAME=VALUE with only the value quoted (a quoted 'NAME=VALUE' is a
+// command name to the shell, not an assignment).
+func envAssign(name, value string) string {
+	return name + "=" + shellQuote(value)
 }
 
 // shellJoin quotes each word that needs it.

@@ -42,6 +42,9 @@ func renderSection(s Section, run Run, out *Output, rawPath string) string {
 			"measured in the same run hold better.\n\n", run.Before[0])
 	}
 	fmt.Fprintf(&b, "Command (from the repository root):\n\n```sh\n%s\n```\n\n", run.Command)
+	if s.Sizing {
+		b.WriteString(sizingTable(out))
+	}
 	for _, p := range out.Packages {
 		renderPackage(&b, p, rawPath)
 	}
@@ -56,6 +59,9 @@ func renderPlaceholder(s Section) string {
 	writeHeading(&b, s)
 	fmt.Fprintf(&b, "Command (from the repository root):\n\n```sh\n%s\n```\n\n", shellJoin(append([]string{"go", "test"}, s.Args...)))
 	fmt.Fprintf(&b, "**Not generated yet on this commit.** Run `make bench-report BENCH_SECTIONS=%s` on a quiet machine.\n\n", s.Name)
+	if s.Sizing {
+		b.WriteString(sizingPlaceholder())
+	}
 	fmt.Fprintf(&b, "<!-- end section: %s -->\n", s.Name)
 	return b.String()
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -146,4 +147,43 @@ func TestBenchtimeOverride(t *testing.T) {
 	v, _ := sectionByName("vm")
 	assert.Contains(t, strings.Join(v.withBenchtime("100ms"), " "), "-benchtime 1x", "a scenario runs once")
 	assert.Equal(t, `go test -run '^$' -bench 'Scale|Objects'`, shellJoin([]string{"go", "test", "-run", "^$", "-bench", "Scale|Objects"}))
+}
+
+// TestCommandLineEnv: the environment goes before go test as assignments a
+// shell takes (only the value quoted), and the command runs as printed.
+func TestCommandLineEnv(t *testing.T) {
+	cmd := commandLineEnv([]string{"HOME=/root", "GOFLAGS=-buildvcs=false -trimpath", "PVRDMA_SCALE_N=8,32", "PVRDMA_X="},
+		[]string{"-run", "^$", "-bench", "Scale|Objects", "./tests/hostile"})
+	assert.Equal(t, `GOFLAGS='-buildvcs=false -trimpath' PVRDMA_SCALE_N=8,32 PVRDMA_X='' go test -run '^$' -bench 'Scale|Objects' ./tests/hostile`, cmd)
+	// A shell runs it: its assignments reach the command (go replaced by env).
+	assign, _, _ := strings.Cut(cmd, " go test ")
+	out, err := exec.Command("sh", "-c", assign+" env | grep -E '^(GOFLAGS|PVRDMA_)' | sort").Output()
+	require.NoError(t, err)
+	assert.Equal(t, "GOFLAGS=-buildvcs=false -trimpath\nPVRDMA_SCALE_N=8,32\nPVRDMA_X=\n", string(out))
+}
+
+// TestSizingTable: the scale section carries the sizing table README links
+// to, its figures copied from the results (the largest VM count's), a cost
+// the run did not measure said so; the placeholder carries the anchor.
+func TestSizingTable(t *testing.T) {
+	s, ok := sectionByName("scale")
+	require.True(t, ok)
+	md, err := render(s, testRun("scale"), filepath.Join("testdata", "scale.txt"))
+	require.NoError(t, err)
+	require.Contains(t, md, `<a id="sizing"></a>`)
+	require.Contains(t, md, "The VM figures are from `BenchmarkScale/vms=8`.")
+	require.Contains(t, md, "| a connected VM, idle | 0.2691 MiB anonymous memory, 2.000 goroutines, 10.00 descriptors (2 of them the fake driver's) |")
+	require.Contains(t, md, "| a connected VM, streaming WRITEs | 0.7711 MiB anonymous memory, 2.000 goroutines, 0.3000 threads |")
+	require.Contains(t, md, "| a QP | 4275 bytes of anonymous memory |")
+	require.Contains(t, md, "| an MR | 956.5 bytes of anonymous memory |")
+	require.Contains(t, md, "| a CQ | 1002 bytes of anonymous memory |")
+	require.Contains(t, md, "| a GiB of guest RAM, mapped and locked | not measured in this run |", "this output predates the page-table metric")
+	require.Less(t, strings.Index(md, "### Sizing"), strings.Index(md, "### `tests/hostile`"), "the table before the results")
+
+	ph := renderPlaceholder(s)
+	require.Contains(t, ph, `<a id="sizing"></a>`)
+	require.Contains(t, ph, "The table appears here when the section is generated.")
+	other, _ := sectionByName("wire")
+	require.NotContains(t, renderPlaceholder(other), "sizing")
+	require.Empty(t, sizingTable(&Output{}))
 }

@@ -19,6 +19,9 @@ type Section struct {
 	// BenchtimeFlexible: -benchtime may be overridden (time-based benchmarks); the
 	// others run a fixed number of times (1x) because each iteration is a whole scenario.
 	BenchtimeFlexible bool
+	// Sizing: the section's results give the sizing table (sizing.go)
+	// that README's sizing section links to.
+	Sizing bool
 }
 
 // sections are the report's sections, in the report's order.
@@ -98,10 +101,11 @@ var sections = []Section{
 			"daemon's process), N/2 pairs streaming 16 KiB RDMA WRITEs and a probe pair timing single 8-byte " +
 			"WRITEs: aggregate throughput (also against N=8 in the same run, the `SCALE` line), Jain's index, " +
 			"the probe's p50 and p99, and what each VM costs the daemon (anonymous memory idle and busy, " +
-			"goroutines, threads, descriptors). Then one VM creates as many CQs, QPs and MRs as its device " +
+			"goroutines, threads, descriptors, the page tables mapping its locked RAM). Then one VM creates as many CQs, QPs and MRs as its device " +
 			"allows and destroys them: the rate of the last 1024 of each kind against the first 1024, memory " +
 			"per object, and the teardown (`OBJECTS` lines). `PVRDMA_SCALE_N=8,32` runs other counts.",
-		Args: []string{"-run", "^$", "-bench", "Scale|Objects", "-benchtime", "1x", "-timeout", "30m", "./tests/hostile"},
+		Args:   []string{"-run", "^$", "-bench", "Scale|Objects", "-benchtime", "1x", "-timeout", "30m", "./tests/hostile"},
+		Sizing: true,
 	},
 	{
 		Name: "handover", Title: "The pause of a live upgrade", Target: "make bench-handover",

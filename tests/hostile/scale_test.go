@@ -28,7 +28,8 @@ import (
 // Jain's fairness index over the VMs' throughputs, the probe's p50 and
 // p99, and what each VM costs the process (the daemon and the fake
 // drivers are one process: anonymous RSS, threads, the daemon's
-// goroutines, descriptors, locked memory), idle and busy; the last line
+// goroutines, descriptors, locked memory, and the page tables mapping that
+// memory per GiB locked), idle and busy; the last line
 // compares each N's aggregate with N=8's, measured in the same run.
 // Run it with -benchtime 1x (one measurement per N).
 func BenchmarkScale(b *testing.B) {
@@ -61,6 +62,10 @@ func BenchmarkScale(b *testing.B) {
 				b.ReportMetric(float64(r.busy.goroutines)/vms, "busy_goroutines/vm")
 				b.ReportMetric(float64(r.busy.threads)/vms, "busy_threads/vm")
 				b.ReportMetric(float64(r.idle.fds)/vms, "fds/vm")
+				if r.idle.lockedKiB > 0 {
+					// The page tables that map the VMs' locked RAM, per GiB locked.
+					b.ReportMetric(float64(r.idle.pteKiB)/(float64(r.idle.lockedKiB)/(1<<20)), "pte_KiB/locked_GiB")
+				}
 				b.Logf("vms=%d: %.0f MB/s aggregate, Jain %.3f, probe p50 %v p99 %v; per connected VM (%d, the probe pair included) idle: %.2f MiB anon RSS, %.1f MiB locked, "+
 					"%.1f daemon goroutines, %.1f fds (2 of them the fake driver's); busy: %.2f MiB anon RSS, %.1f goroutines, %.2f threads",
 					n, r.aggregateMBps, r.jain, r.p50, r.p99, n+2,
@@ -94,18 +99,18 @@ type scaleResult struct {
 }
 
 type scaleCost struct {
-	anonKiB, lockedKiB       int64
-	goroutines, threads, fds int
+	anonKiB, lockedKiB, pteKiB int64
+	goroutines, threads, fds   int
 }
 
 func scaleSample(tb testing.TB) scaleCost {
 	r := measure(tb)
-	return scaleCost{anonKiB: procStatusKB(tb, "RssAnon"), lockedKiB: r.lockedKiB, goroutines: r.daemon,
+	return scaleCost{anonKiB: procStatusKB(tb, "RssAnon"), lockedKiB: r.lockedKiB, pteKiB: procStatusKB(tb, "VmPTE"), goroutines: r.daemon,
 		threads: int(procStatusKB(tb, "Threads")), fds: r.fds}
 }
 
 func (c scaleCost) minus(o scaleCost) scaleCost {
-	return scaleCost{anonKiB: c.anonKiB - o.anonKiB, lockedKiB: c.lockedKiB - o.lockedKiB, goroutines: c.goroutines - o.goroutines,
+	return scaleCost{anonKiB: c.anonKiB - o.anonKiB, lockedKiB: c.lockedKiB - o.lockedKiB, pteKiB: c.pteKiB - o.pteKiB, goroutines: c.goroutines - o.goroutines,
 		threads: c.threads - o.threads, fds: c.fds - o.fds}
 }
 
