@@ -64,7 +64,7 @@ func (b *Budget) Limit() uint64 { return b.limit }
 const (
 	costQP        = 16 << 10
 	costSendWQE   = 256 // the soft provider's send WQE with its WR
-	costSendSGE   = 40
+	costSendSGE   = 48  // the SGE and its resolved segment (soft: seg, 32 bytes with its peer-access guard)
 	costRecvWQE   = 48
 	costRecvSGE   = 16
 	costSRQ       = 1 << 10
