@@ -18,7 +18,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
@@ -113,7 +112,7 @@ func TestLibvirtDomain(t *testing.T) {
 	for _, d := range []string{"/etc/libvirt", "/run/libvirt", "/var/lib/libvirt", "/var/log/libvirt", "/var/cache/libvirt"} {
 		require.NoError(t, os.MkdirAll(d, 0o755))
 	}
-	cleanupMachinePartitions(t)
+	require.NoError(t, vm.CleanupMachineCgroups(t))
 	work := t.TempDir()
 	sockDir := filepath.Join(work, "sock")
 	d := daemon(t, backend.Config{SocketDir: sockDir})
@@ -133,7 +132,7 @@ func TestLibvirtDomain(t *testing.T) {
 
 	const name = "lv1"
 	out, err = exec.Command(bin, "libvirt-xml", "--vm", name, "--socket-dir", sockDir, "--mem", "512M",
-		"--domain-type", "qemu", "--nic", "user", "--emulator", emulator, "--lock="+strconv.FormatBool(canRaiseMemlock())).CombinedOutput()
+		"--domain-type", "qemu", "--nic", "user", "--emulator", emulator, "--lock="+strconv.FormatBool(vm.CanRaiseMemlock())).CombinedOutput()
 	require.NoError(t, err, "libvirt-xml: %s", out)
 	domain := string(out)
 	t.Logf("pvrdma-backend libvirt-xml:\n%s", domain)
@@ -273,64 +272,6 @@ func libvirtSaveImage(domainXML string) []byte {
 	}
 	b = append(b, make([]byte, 14*4)...)
 	return append(append(b, domainXML...), 0)
-}
-
-// canRaiseMemlock reports whether this process may raise RLIMIT_MEMLOCK
-// (CAP_SYS_RESOURCE), as libvirt must for a domain with <locked/>. The sandboxes
-// these tests run in may lack it; the domain is then printed with --lock=false.
-func canRaiseMemlock() bool {
-	var lim syscall.Rlimit
-	if err := syscall.Getrlimit(unix.RLIMIT_MEMLOCK, &lim); err != nil {
-		return false
-	}
-	if lim.Max == unix.RLIM_INFINITY {
-		return true
-	}
-	caps, err := unix.PrctlRetInt(unix.PR_CAPBSET_READ, unix.CAP_SYS_RESOURCE, 0, 0, 0)
-	return err == nil && caps == 1
-}
-
-// cleanupMachinePartitions removes, at the end of the test, the partition cgroup
-// (/machine) libvirt creates on each hierarchy for its domains and leaves behind when
-// they stop, where it did not exist before (rmdir: empty cgroups only).
-func cleanupMachinePartitions(t *testing.T) {
-	b, err := os.ReadFile("/proc/self/mountinfo")
-	require.NoError(t, err)
-	var created []string
-	for _, l := range strings.Split(string(b), "\n") {
-		pre, post, ok := strings.Cut(l, " - ")
-		f, g := strings.Fields(pre), strings.Fields(post)
-		if !ok || len(f) < 5 || len(g) < 1 || (g[0] != "cgroup" && g[0] != "cgroup2") {
-			continue
-		}
-		dir := filepath.Join(f[4], "machine")
-		if _, err := os.Stat(dir); os.IsNotExist(err) {
-			created = append(created, dir)
-		}
-	}
-	t.Cleanup(func() {
-		for _, dir := range created {
-			if err := rmdirCgroups(dir); err != nil && !os.IsNotExist(err) {
-				t.Logf("libvirt's partition %s left behind: %v", dir, err)
-			}
-		}
-	})
-}
-
-// rmdirCgroups removes a cgroup and those below it, deepest first (a domain's cgroup is
-// left when its QEMU was killed after libvirtd stopped); one that still has processes
-// stays.
-func rmdirCgroups(dir string) error {
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return err
-	}
-	for _, e := range ents {
-		if e.IsDir() {
-			_ = rmdirCgroups(filepath.Join(dir, e.Name()))
-		}
-	}
-	return os.Remove(dir)
 }
 
 // repoDir is the module's root directory.

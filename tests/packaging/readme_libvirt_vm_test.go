@@ -17,7 +17,6 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
@@ -248,7 +247,7 @@ func TestReadmeLibvirtQuickStart(t *testing.T) {
 	qs := filepath.Join(work, "qs")
 	require.NoError(t, os.MkdirAll(filepath.Join(qs, "cwd"), 0o755))
 	lock := ""
-	if !canRaiseMemlock() {
+	if !vm.CanRaiseMemlock() {
 		// This sandbox cannot raise QEMU's RLIMIT_MEMLOCK, which <locked/> needs.
 		lock = " --lock=false"
 		t.Logf("no CAP_SYS_RESOURCE here: libvirt-xml is run with --lock=false")
@@ -278,7 +277,7 @@ func TestReadmeLibvirtQuickStart(t *testing.T) {
 			}
 		}
 	})
-	removeMachineCgroups(t)
+	require.NoError(t, vm.CleanupMachineCgroups(t))
 
 	cfg := vm.Config{
 		Name:    "vm1",
@@ -431,53 +430,4 @@ func readableBy(path string) error {
 		}
 	}
 	return nil
-}
-
-// canRaiseMemlock reports whether this process may raise RLIMIT_MEMLOCK
-// (CAP_SYS_RESOURCE), as libvirt must for a domain with <locked/>.
-func canRaiseMemlock() bool {
-	var lim syscall.Rlimit
-	if err := syscall.Getrlimit(unix.RLIMIT_MEMLOCK, &lim); err != nil {
-		return false
-	}
-	if lim.Max == unix.RLIM_INFINITY {
-		return true
-	}
-	caps, err := unix.PrctlRetInt(unix.PR_CAPBSET_READ, unix.CAP_SYS_RESOURCE, 0, 0, 0)
-	return err == nil && caps == 1
-}
-
-// removeMachineCgroups removes, at the end of the test, the partition cgroup (/machine)
-// libvirt creates on each hierarchy for its domains, where it did not exist before
-// (empty cgroups only, deepest first).
-func removeMachineCgroups(t *testing.T) {
-	b, err := os.ReadFile("/proc/self/mountinfo")
-	require.NoError(t, err)
-	var created []string
-	for _, l := range strings.Split(string(b), "\n") {
-		pre, post, found := strings.Cut(l, " - ")
-		f, g := strings.Fields(pre), strings.Fields(post)
-		if !found || len(f) < 5 || len(g) < 1 || (g[0] != "cgroup" && g[0] != "cgroup2") {
-			continue
-		}
-		dir := filepath.Join(f[4], "machine")
-		if _, err := os.Stat(dir); os.IsNotExist(err) {
-			created = append(created, dir)
-		}
-	}
-	var rm func(string)
-	rm = func(dir string) {
-		ents, _ := os.ReadDir(dir)
-		for _, e := range ents {
-			if e.IsDir() {
-				rm(filepath.Join(dir, e.Name()))
-			}
-		}
-		_ = os.Remove(dir)
-	}
-	t.Cleanup(func() {
-		for _, dir := range created {
-			rm(dir)
-		}
-	})
 }
