@@ -50,10 +50,10 @@ func storagePair(t testing.TB, tr storageTransport, d *backend.Daemon, names [2]
 			cfgs[i].Modules = rdmaCMModules
 		}
 		cfgs[i].Layers = []vm.Layer{vm.LayerStorage}
-		if i == 0 && tr != transportRxe {
-			// The NFS server's kernel warns when the device reports its QP fatal
-			// (a daemon crash): vm.NFSServerQPEventWarning says why.
-			cfgs[i].KnownWarnings = []vm.KnownWarning{vm.NFSServerQPEventWarning()}
+		if tr != transportRxe {
+			// What the consumers' kernels warn about after a daemon crash:
+			// vm.CrashWarnings says why.
+			cfgs[i].KnownWarnings = vm.CrashWarnings()
 		}
 	}
 	return cfgs

@@ -49,11 +49,9 @@ func TestStorageSurvivesCrash(t *testing.T) {
 		require.NoError(t, err)
 		cfg := c.guest(name, ip+"/24", sc, rdmaCM)
 		cfg.Layers = []vm.Layer{vm.LayerStorage}
-		if target {
-			// The NFS server's kernel warns when the device reports its QP fatal after
-			// the kill: vm.NFSServerQPEventWarning says why.
-			cfg.KnownWarnings = []vm.KnownWarning{vm.NFSServerQPEventWarning()}
-		}
+		// What the consumers' kernels warn about after the kill: vm.CrashWarnings
+		// says why.
+		cfg.KnownWarnings = vm.CrashWarnings()
 		return cfg
 	}
 	vms, err := vm.StartAll(ctx, t, img, nw, guest("sk1", "10.78.0.1", "10.78.0.2", true), guest("sk2", "10.78.0.2", "10.78.0.1", false))

@@ -131,17 +131,30 @@ func (f *faultWatch) fault() string {
 	return strings.Join(f.excerpt, "\n")
 }
 
-// NFSServerQPEventWarning is the WARNING an NFS server's kernel gives when its RDMA
-// transport's QP reports a fatal error through the stock vmw_pvrdma driver: the driver
-// calls QP event handlers from its hard interrupt handler (pvrdma_intr1_handler), and
-// sunrpc's server handler (svc_rdma's, through svc_xprt_enqueue) enables bottom halves
-// there, which the kernel warns about in __local_bh_enable_ip. Over rxe the handler runs
-// in softirq context, so only our device shows it. The device reports a QP fatal when a
-// daemon crash leaves the QP in ERR, as an HCA reports a link failure: tests that kill
-// the daemon under NFS traffic accept this warning and nothing else.
-func NFSServerQPEventWarning() KnownWarning {
-	return KnownWarning{
-		Line:   regexp.MustCompile(`WARNING: CPU: \d+ PID: \d+ at kernel/softirq\.c:\d+ __local_bh_enable_ip`),
-		Reason: "stock vmw_pvrdma delivers a QP fatal event to sunrpc's server in hard IRQ context",
+// CrashWarnings are the kernel WARNINGs a guest's storage consumers give when the daemon
+// is killed under their I/O and restored, each with its reason; tests that kill the
+// daemon under kernel consumers accept these and nothing else.
+//
+//   - An NFS server's kernel warns when its RDMA transport's QP reports a fatal error
+//     through the stock vmw_pvrdma driver: the driver calls QP event handlers from its
+//     hard interrupt handler (pvrdma_intr1_handler), and sunrpc's server handler
+//     (svc_xprt_enqueue) enables bottom halves there (__local_bh_enable_ip). Over rxe
+//     the handler runs in softirq context. The device reports the QP fatal because the
+//     crash left the QP in ERR, as an HCA reports a link failure.
+//   - ib_core warns once ("got unsolicited completion") when a CQ its consumer polls
+//     directly (IB_POLL_DIRECT: SRP's send CQ) is notified. The arm state of the CQs
+//     lives in the daemon's memory and is not journaled, so a restore after a crash
+//     notifies every CQ that holds unread completions once, lest a waiter miss a
+//     notification the crash swallowed.
+func CrashWarnings() []KnownWarning {
+	return []KnownWarning{
+		{
+			Line:   regexp.MustCompile(`WARNING: CPU: \d+ PID: \d+ at kernel/softirq\.c:\d+ __local_bh_enable_ip`),
+			Reason: "stock vmw_pvrdma delivers a QP fatal event to sunrpc's server in hard IRQ context",
+		},
+		{
+			Line:   regexp.MustCompile(`WARNING: CPU: \d+ PID: \d+ at drivers/infiniband/core/cq\.c:\d+ ib_cq_completion_direct`),
+			Reason: "a restore after a crash notifies every CQ with unread completions once, a directly polled one too",
+		},
 	}
 }

@@ -64,7 +64,7 @@ func splitLines(s string) []string {
 // fail the guest; another fault after it does.
 func TestKnownWarning(t *testing.T) {
 	var logged []string
-	f := newFaultWatch([]KnownWarning{NFSServerQPEventWarning()}, func(format string, args ...any) {
+	f := newFaultWatch(CrashWarnings(), func(format string, args ...any) {
 		logged = append(logged, format)
 	})
 	require.False(t, f.line("[   65.794567] ------------[ cut here ]------------"))
@@ -72,9 +72,12 @@ func TestKnownWarning(t *testing.T) {
 	require.False(t, f.line("[   65.806098] Call Trace:"))
 	require.False(t, f.line("[   65.808622]  svc_xprt_enqueue+0xcf/0x1d0 [sunrpc]"))
 	require.Len(t, logged, 1, "the known warning is logged")
+	require.False(t, f.line("[   83.012672] WARNING: CPU: 0 PID: 289 at drivers/infiniband/core/cq.c:148 ib_cq_completion_direct+0x29/0x30 [ib_core]"))
+	require.False(t, f.line("[   83.021423] Call Trace:"))
+	require.Len(t, logged, 2)
 	require.True(t, f.line("[   70.000000] BUG: kernel NULL pointer dereference, address: 0000000000000010"))
 
-	f = newFaultWatch([]KnownWarning{NFSServerQPEventWarning()}, nil)
+	f = newFaultWatch(CrashWarnings(), nil)
 	require.False(t, f.line("[    1.0] WARNING: CPU: 0 PID: 1 at drivers/infiniband/core/cq.c:100 __ib_drain_sq+0x1/0x2"))
 	require.True(t, f.line("[    1.0] Call Trace:"), "another warning's trace fails the guest")
 }
