@@ -15,8 +15,8 @@ export GOFLAGS := $(strip $(filter-out -trimpath,$(shell $(GO) env GOFLAGS 2>/de
 # one package at a time since the guests run under TCG on 2 cores, verbose so that the
 # guests' output and the BASELINE/TIMING figures are in the log. `make test`: both, each
 # test once (below).
-UNIT_TIMEOUT ?= 20m
-VM_TIMEOUT ?= 40m
+UNIT_TIMEOUT ?= 15m
+VM_TIMEOUT ?= 30m
 
 # The test bed's cache: the VM image (tests/vm), the packaging tests' bookworm roots
 # (pkgroot/) and nfpm (tools/). The same directory as tests/vm's DefaultCacheDir:
