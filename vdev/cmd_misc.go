@@ -70,6 +70,9 @@ func (d *Device) cmdCreateUC(req, resp []byte) error {
 	if !d.ucs.set(uint32(idx), &uctx{uar: uint32(idx)}) {
 		return fmt.Errorf("UAR page %d already in use: %w", idx, syscall.EBUSY)
 	}
+	if d.uarm != nil {
+		d.uarm.clearPage(uint32(idx))
+	}
 	abi.CreateUCResp{CtxHandle: uint32(idx)}.Encode(resp)
 	return nil
 }

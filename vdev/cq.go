@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
@@ -48,6 +49,15 @@ type cq struct {
 	// beforeCommit, if set (tests only), runs in put between the WQE's
 	// release and the CQE's publication.
 	beforeCommit func()
+
+	// The lost-arm safety net of memory doorbells (uarmem.go), guarded
+	// by Device.mu: suspect says a lost arm of this CQ cannot be ruled
+	// out, suspectSince and suspectHead since when the guest has left
+	// cons_head there with CQEs pending, grace how long it may.
+	suspect      bool
+	suspectSince time.Time
+	suspectHead  uint32
+	grace        time.Duration
 
 	// rec and resizeRec are the journal payloads of its CREATE_CQ and last
 	// RESIZE_CQ (Checkpoint; guarded by Device.mu).

@@ -114,6 +114,12 @@ type Config struct {
 	// Checkpoint compacts. The record is the callee's to keep, not to
 	// modify; the sink must not block for long nor call into the device.
 	Journal func(rec []byte)
+	// Doorbells is how UAR doorbells reach the device (DoorbellMode;
+	// the zero value traps them).
+	Doorbells DoorbellMode
+	// manualDoorbellPoll (tests): memory mode without the poller
+	// goroutine; the test calls pollUAR.
+	manualDoorbellPoll bool
 	// Distributions turns on the device's distributions: the latency
 	// from a send WQE's doorbell to its CQE and the send queue's depth at
 	// each SQ doorbell (Device.Distributions, metrics.go). They cost per
@@ -174,6 +180,17 @@ type Stats struct {
 	// are logged, rate-limited, with the QP and the work request (flushes
 	// at debug level: every disconnect flushes the receives left posted).
 	ErrorCQEs, FlushCQEs uint64
+	// TrappedDoorbells counts the UAR doorbells that arrived as region
+	// writes, by kind (Doorbells counts them all, with the bad ones);
+	// MemoryDoorbells the doorbell words the memory-mode poller found
+	// written (DoorbellsMemory: one word may stand for several stores of
+	// the guest), MemoryBadDoorbells those of them that named nothing
+	// the context owns, DoorbellPasses the poller's passes over the
+	// pages. ArmSafetyNets counts the CQ notifications the lost-arm
+	// safety net raised (uarmem.go).
+	TrappedDoorbells, MemoryDoorbells  DoorbellCounts
+	MemoryBadDoorbells, DoorbellPasses uint64
+	ArmSafetyNets                      uint64
 }
 
 type counters struct {
@@ -196,6 +213,9 @@ type counters struct {
 	localInvs, localInvRefused     atomic.Uint64
 	frmrRefused                    atomic.Uint64
 	errorCQEs, flushCQEs           atomic.Uint64
+	trappedDBs, memDBs             [dbKinds]atomic.Uint64
+	memBad, dbPasses               atomic.Uint64
+	armSafetyNets                  atomic.Uint64
 }
 
 // Device is one PVRDMA function serving one VM.
@@ -214,6 +234,9 @@ type Device struct {
 	stats    counters
 	// dist is what the device measures (Config.Distributions; nil: off).
 	dist *distributions
+	// uarm is the shared UAR memory of memory doorbells (nil: trapped).
+	uarm     *uarMemory
+	stopUARM sync.Once
 
 	// Interrupt state, touched from any goroutine.
 	icr atomic.Uint32
@@ -318,6 +341,16 @@ func New(cfg Config) (*Device, error) {
 	d.macl = uint32(d.mac[0]) | uint32(d.mac[1])<<8 | uint32(d.mac[2])<<16 | uint32(d.mac[3])<<24
 	d.mach = uint32(d.mac[4]) | uint32(d.mac[5])<<8
 	d.resetLocked()
+	if cfg.Doorbells == DoorbellsMemory {
+		u, err := newUARMemory()
+		if err != nil {
+			return nil, fmt.Errorf("vdev: memory doorbells: %w", err)
+		}
+		d.uarm = u
+		if !cfg.manualDoorbellPoll {
+			d.startUARPoller()
+		}
+	}
 	return d, nil
 }
 
@@ -354,6 +387,9 @@ func (d *Device) Stats() Stats {
 		LocalInvs: s.localInvs.Load(), LocalInvRefused: s.localInvRefused.Load(),
 		FRMRRefused: s.frmrRefused.Load(),
 		ErrorCQEs:   s.errorCQEs.Load(), FlushCQEs: s.flushCQEs.Load(),
+		TrappedDoorbells: loadCounts(&s.trappedDBs), MemoryDoorbells: loadCounts(&s.memDBs),
+		MemoryBadDoorbells: s.memBad.Load(), DoorbellPasses: s.dbPasses.Load(),
+		ArmSafetyNets: s.armSafetyNets.Load(),
 	}
 }
 
@@ -422,6 +458,7 @@ func (d *Device) Reset() {
 // may Restore the device from its journal as after a crash (one that ends
 // the VM's session discards the journal).
 func (d *Device) Close() error {
+	d.stopUARM.Do(d.stopUARPoller) // it takes mu
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
@@ -429,6 +466,9 @@ func (d *Device) Close() error {
 	}
 	d.resetLocked()
 	d.closed = true
+	if d.uarm != nil {
+		d.uarm.close()
+	}
 	d.lim.Flush()
 	return nil
 }
