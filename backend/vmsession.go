@@ -19,6 +19,7 @@ import (
 	"github.com/pvrdma-backend/pvrdma-backend/pcidev"
 	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
@@ -39,6 +40,8 @@ type vmSession struct {
 	// binds rate-limits the guest's GID binds, and with them the host
 	// address changes (IP mode) and GID table churn they cause.
 	binds *ratelog.Bucket
+	// doorbells is how the guest's UAR doorbells reach the device.
+	doorbells vdev.DoorbellMode
 
 	refusals atomic.Uint64
 	locked   *vdev.Budget // the guest memory its QEMU may map and lock
@@ -107,8 +110,8 @@ type vmConn struct {
 	gids map[int]hostverbs.GIDEntry
 }
 
-func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode hostverbs.GIDType, locked *vdev.Budget, id vmIdentity) (*vmSession, error) {
-	s := &vmSession{d: d, name: name, mac: mac, mode: mode, socket: SocketPath(d.cfg.SocketDir, name), identity: id,
+func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode hostverbs.GIDType, locked *vdev.Budget, id vmIdentity, doorbells vdev.DoorbellMode) (*vmSession, error) {
+	s := &vmSession{d: d, name: name, mac: mac, mode: mode, doorbells: doorbells, socket: SocketPath(d.cfg.SocketDir, name), identity: id,
 		qmpSocket: QMPSocketPath(d.cfg.SocketDir, name), qmpDone: make(chan struct{}), monitors: map[*vmMonitor]struct{}{},
 		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
 	s.lim = ratelog.New(s.log, 0)
@@ -140,7 +143,8 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode h
 			s.log.Error("vfio-user server stopped", "err", err)
 		}
 	}()
-	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String(), "roce_mode", RoCEModeName(mode), "gid_allow", FormatGIDAllow(pol.allow))
+	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String(), "roce_mode", RoCEModeName(mode), "gid_allow", FormatGIDAllow(pol.allow),
+		"doorbells", doorbells.String())
 	return s, nil
 }
 
@@ -217,6 +221,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		CheckGID: func(index int, e hostverbs.GIDEntry) error { return s.checkGID(c, e) },
 		// The histograms of GET /metrics (metrics.go).
 		Distributions: true,
+		Doorbells:     s.doorbells,
 	}
 	var dev *vdev.Device
 	if c.keeper != nil {
@@ -515,7 +520,7 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 
 func (s *vmSession) status() VMStatus {
 	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String(),
-		GIDAllow: FormatGIDAllow(s.policy.allow), RoCEMode: RoCEModeName(s.mode), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit(),
+		GIDAllow: FormatGIDAllow(s.policy.allow), RoCEMode: RoCEModeName(s.mode), Doorbells: s.doorbells.String(), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit(),
 		QMPSocket: s.qmpSocket, QEMUUID: s.identity.uid, QEMUCgroup: s.identity.cgroup, QMP: s.monitorState(), MigrationsCancelled: s.migrationsCancelled.Load(), SnapshotsCancelled: s.snapshotsCancelled.Load()}
 	for _, a := range s.d.owners.reserved(s.name) {
 		st.ReservedGIDs = append(st.ReservedGIDs, a.String())
@@ -557,6 +562,14 @@ func (s *vmSession) status() VMStatus {
 		"local_invs": ds.LocalInvs, "local_inv_refused": ds.LocalInvRefused, "frmr_refused": ds.FRMRRefused,
 		"error_cqes": ds.ErrorCQEs, "flush_cqes": ds.FlushCQEs,
 		"interrupts": ds.Interrupts, "masked_interrupts": ds.MaskedInterrupts, "bad_bar_accesses": ds.BadBARAccesses,
+		// Doorbells by kind: trapped (a region write each, an exit on a
+		// KVM host) against seen in memory (memory doorbells).
+		"trapped_qp_doorbells": ds.TrappedDoorbells.QP, "trapped_cq_poll_doorbells": ds.TrappedDoorbells.CQPoll,
+		"trapped_cq_arm_doorbells": ds.TrappedDoorbells.CQArm, "trapped_srq_doorbells": ds.TrappedDoorbells.SRQ,
+		"memory_qp_doorbells": ds.MemoryDoorbells.QP, "memory_cq_poll_doorbells": ds.MemoryDoorbells.CQPoll,
+		"memory_cq_arm_doorbells": ds.MemoryDoorbells.CQArm, "memory_srq_doorbells": ds.MemoryDoorbells.SRQ,
+		"memory_bad_doorbells": ds.MemoryBadDoorbells, "doorbell_passes": ds.DoorbellPasses,
+		"arm_safety_nets": ds.ArmSafetyNets,
 	}
 	// The provider's own statistics for this VM (the soft transport's
 	// packets, drops by reason, CNPs), prefixed so that they cannot be
@@ -593,11 +606,18 @@ func pciConfig(dev *vdev.Device, onClose func() error) pcidev.Config {
 		if b.Size == 0 {
 			continue
 		}
+		var mmap *vfiouser.RegionMmap
+		if fd, off, size, ok := dev.UARMmap(); ok && i == abi.UARBAR {
+			// Memory doorbells: QEMU maps the user contexts' UAR pages
+			// into the guest; page 0 (the kernel's) stays trapped.
+			mmap = &vfiouser.RegionMmap{FD: fd, Areas: []vfiouser.MmapArea{{Offset: off, Size: size}}}
+		}
 		bar := i
 		cfg.BARs[i] = pcidev.BAR{
 			Size: b.Size, Type: pcidev.BARMem32, Prefetchable: b.Prefetchable,
 			Read:  func(off uint64, p []byte) error { return dev.ReadBAR(bar, off, p) },
 			Write: func(off uint64, p []byte) error { return dev.WriteBAR(bar, off, p) },
+			Mmap:  mmap,
 		}
 		if b.Is64Bit {
 			cfg.BARs[i].Type = pcidev.BARMem64
