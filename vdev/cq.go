@@ -52,11 +52,13 @@ type cq struct {
 
 	// The lost-arm safety net of memory doorbells (uarmem.go), guarded
 	// by Device.mu: suspect says a lost arm of this CQ cannot be ruled
-	// out, suspectSince and suspectHead since when the guest has left
-	// cons_head there with CQEs pending, grace how long it may.
+	// out, suspectTail its prod_tail then, suspectSince and suspectHead
+	// since when the guest has left cons_head there with CQEs pending (or
+	// produced since), grace how long it may.
 	suspect      bool
 	suspectSince time.Time
 	suspectHead  uint32
+	suspectTail  uint32
 	grace        time.Duration
 
 	// rec and resizeRec are the journal payloads of its CREATE_CQ and last

@@ -282,8 +282,14 @@ func (d *Device) pollUAR(now time.Time) bool {
 			d.resumeStalled()
 		}
 		d.cqs.each(func(_ uint32, c *cq) {
-			if c.uar < UARPages && u.cqPages[c.uar] && !c.suspect && !c.armedNow() {
-				c.suspect, c.suspectSince = true, time.Time{}
+			if c.uar >= UARPages || !u.cqPages[c.uar] || c.suspect {
+				return
+			}
+			c.mu.Lock()
+			armed, tail := c.armed != armNone, c.ring.TailIndex()
+			c.mu.Unlock()
+			if !armed {
+				c.suspect, c.suspectSince, c.suspectTail = true, time.Time{}, tail
 				u.suspects++
 			}
 		})
@@ -325,9 +331,12 @@ func (d *Device) memCQDoorbell(page, v uint32) {
 }
 
 // checkSuspects is the lost-arm safety net: a suspect CQ that is armed
-// again needs nothing; one whose guest has left CQEs unconsumed (its
-// cons_head short of prod_tail and unchanged) for its grace gets a CQ
-// notification, as the lost arm would have given it. mu held.
+// again needs nothing; one that got a CQE since it became a suspect (the
+// completion a lost arm would have notified), or whose guest has left CQEs
+// unconsumed (cons_head short of prod_tail), gets a CQ notification once
+// that has lasted its grace with cons_head unchanged. (The new CQE counts
+// even if it was consumed: another thread may poll the CQ while one waits
+// for its event.) mu held.
 func (d *Device) checkSuspects(now time.Time) {
 	n := 0
 	d.cqs.each(func(_ uint32, c *cq) {
@@ -338,7 +347,8 @@ func (d *Device) checkSuspects(now time.Time) {
 		c.mu.Lock()
 		armed, dead := c.armed != armNone, c.dead
 		head, err := c.ring.HeadIndex()
-		pending := err == nil && head != c.ring.TailIndex()
+		tail := c.ring.TailIndex()
+		pending := err == nil && (head != tail || tail != c.suspectTail)
 		c.mu.Unlock()
 		switch {
 		case armed || dead || err != nil:

@@ -392,3 +392,58 @@ func TestMemoryDoorbellsPoller(t *testing.T) {
 	require.NoError(t, g.dev.Close())
 	assert.NotZero(t, g.dev.Stats().DoorbellPasses)
 }
+
+// TestMemoryDoorbellsLostArmConsumedElsewhere: a CQ whose arm may have been
+// lost and whose CQE another thread polls at once is still notified after
+// the grace (its waiter must not hang); a CQ that is never armed again is
+// notified ever more rarely (the grace doubles), and a seen arm makes the
+// grace short again.
+func TestMemoryDoorbellsLostArmConsumedElsewhere(t *testing.T) {
+	s := newMemCQs(t, 2)
+	g := s.g
+	now := time.Unix(5000, 0)
+	s.postRecvs(8, now)
+	lost, seen := s.cqs[0], s.cqs[1]
+	ring := func() {
+		g.store(1, abi.UARCQOffset, abi.UARCQArm|lost.handle)
+		g.store(1, abi.UARCQOffset, abi.UARCQPoll|seen.handle) // overwrites the arm
+		now = now.Add(time.Microsecond)
+		g.pass(now)
+	}
+	complete := func() {
+		s.qps[0].fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv})
+		lost.mustPoll() // consumed at once, by another thread
+		now = now.Add(time.Microsecond)
+		g.pass(now)
+	}
+	ring()
+	complete()
+	require.Empty(t, g.notifications())
+	now = now.Add(armGraceMin)
+	g.pass(now)
+	require.Equal(t, []uint32{lost.handle}, g.notifications(), "the CQE produced since counts, consumed or not")
+
+	// Not armed again (a consumer that polls): the next one waits twice as
+	// long.
+	ring()
+	complete()
+	now = now.Add(armGraceMin)
+	g.pass(now)
+	require.Empty(t, g.notifications(), "the grace doubled")
+	now = now.Add(armGraceMin)
+	g.pass(now)
+	require.Equal(t, []uint32{lost.handle}, g.notifications())
+
+	// An arm seen resets the grace.
+	g.store(1, abi.UARCQOffset, abi.UARCQArm|lost.handle)
+	now = now.Add(time.Microsecond)
+	g.pass(now)
+	complete()
+	require.Equal(t, []uint32{lost.handle}, g.notifications(), "the arm seen is exact")
+	ring()
+	complete()
+	now = now.Add(armGraceMin)
+	g.pass(now)
+	require.Equal(t, []uint32{lost.handle}, g.notifications(), "short grace again")
+	assert.EqualValues(t, 3, g.dev.Stats().ArmSafetyNets)
+}
