@@ -117,6 +117,12 @@ type Config struct {
 	// Doorbells is how UAR doorbells reach the device (DoorbellMode;
 	// the zero value traps them).
 	Doorbells DoorbellMode
+	// UARFile, if positive, is the UAR memory of memory doorbells a
+	// previous daemon served the VM with (UARMmap's file, kept in the fd
+	// store): the device maps a duplicate of it instead of a new file, so
+	// that it watches the memory the guest's mapping names. The caller
+	// keeps its descriptor.
+	UARFile int
 	// manualDoorbellPoll (tests): memory mode without the poller
 	// goroutine; the test calls pollUAR.
 	manualDoorbellPoll bool
@@ -342,7 +348,13 @@ func New(cfg Config) (*Device, error) {
 	d.mach = uint32(d.mac[4]) | uint32(d.mac[5])<<8
 	d.resetLocked()
 	if cfg.Doorbells == DoorbellsMemory {
-		u, err := newUARMemory()
+		u, err := newUARMemory(cfg.UARFile)
+		if err != nil && cfg.UARFile > 0 {
+			// The guest's mapping names the kept file: its user-space
+			// doorbells go unseen until its driver maps the BAR again.
+			d.log.Error("vdev: the kept UAR file does not map; user-space doorbells of this VM go unseen", "err", err)
+			u, err = newUARMemory(0)
+		}
 		if err != nil {
 			return nil, fmt.Errorf("vdev: memory doorbells: %w", err)
 		}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync/atomic"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -79,11 +80,13 @@ const (
 )
 
 // The lost-arm safety net (pollUAR): a CQ of a context whose CQ word was
-// written, that is not armed and whose CQEs the guest has left unconsumed
-// (cons_head unchanged) for its grace, gets a CQ notification. The grace
-// starts at armGraceMin and doubles, up to armGraceMax, each time such a
-// notification is not followed by an arm of that CQ (a consumer that
-// polls and never arms is notified ever more rarely); a seen arm resets it.
+// written, that is not armed, and that got a CQE since or whose CQEs the
+// guest has left unconsumed, gets a CQ notification once that has lasted
+// its grace with cons_head unchanged. The grace starts at armGraceMin and
+// doubles, up to armGraceMax, each time such a notification finds the CQEs
+// consumed already (a consumer that polls is notified ever more rarely);
+// one that finds CQEs waiting (a consumer waiting for the event) and a
+// seen arm make it short again.
 const (
 	armGraceMin = 2 * time.Millisecond
 	armGraceMax = 128 * time.Millisecond
@@ -102,14 +105,32 @@ type uarMemory struct {
 	suspects                   int // CQs with suspect set, at most (checkSuspects recounts)
 }
 
-func newUARMemory() (*uarMemory, error) {
-	fd, err := unix.MemfdCreate("pvrdma-uar", unix.MFD_CLOEXEC)
-	if err != nil {
-		return nil, fmt.Errorf("UAR memfd: %w", err)
-	}
-	if err := unix.Ftruncate(fd, BAR2Size); err != nil {
-		_ = unix.Close(fd)
-		return nil, fmt.Errorf("UAR memfd size: %w", err)
+// newUARMemory creates the shared UAR memory, or with kept > 0 takes a
+// duplicate of that file (a predecessor's, which the guest's mapping still
+// names: a restarted daemon must watch the same memory). A kept file that
+// is not a regular file of BAR2Size bytes at least is refused.
+func newUARMemory(kept int) (*uarMemory, error) {
+	var fd int
+	var err error
+	if kept > 0 {
+		var st unix.Stat_t
+		if err := unix.Fstat(kept, &st); err != nil {
+			return nil, fmt.Errorf("kept UAR file: %w", err)
+		}
+		if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size < BAR2Size {
+			return nil, fmt.Errorf("kept UAR file (mode %#o, %d bytes) is not a file of %d bytes: %w", st.Mode, st.Size, BAR2Size, syscall.EINVAL)
+		}
+		if fd, err = unix.FcntlInt(uintptr(kept), unix.F_DUPFD_CLOEXEC, 0); err != nil {
+			return nil, fmt.Errorf("kept UAR file: %w", err)
+		}
+	} else {
+		if fd, err = unix.MemfdCreate("pvrdma-uar", unix.MFD_CLOEXEC); err != nil {
+			return nil, fmt.Errorf("UAR memfd: %w", err)
+		}
+		if err := unix.Ftruncate(fd, BAR2Size); err != nil {
+			_ = unix.Close(fd)
+			return nil, fmt.Errorf("UAR memfd size: %w", err)
+		}
 	}
 	mem, err := unix.Mmap(fd, 0, BAR2Size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
@@ -133,9 +154,27 @@ func (u *uarMemory) clearPage(page uint32) {
 	}
 }
 
+// close unmaps and closes the memory; a second call does nothing. The
+// poller must have stopped.
 func (u *uarMemory) close() {
+	if u.mem == nil {
+		return
+	}
 	_ = unix.Munmap(u.mem)
 	_ = unix.Close(u.fd)
+	u.mem, u.fd = nil, -1
+}
+
+// releaseUARMemory stops the poller and releases the shared UAR memory of
+// a device that will not serve (a restore that failed: the caller drops
+// it without Close).
+func (d *Device) releaseUARMemory() {
+	d.stopUARM.Do(d.stopUARPoller)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.uarm != nil {
+		d.uarm.close()
+	}
 }
 
 // UARMmap describes the shared UAR memory of a device in memory mode: the
@@ -143,7 +182,7 @@ func (u *uarMemory) close() {
 // Size of the BAR (every page but the kernel's page 0). ok is false in
 // trapped mode. The device owns the file descriptor.
 func (d *Device) UARMmap() (fd int, offset, size uint64, ok bool) {
-	if d.uarm == nil {
+	if d.uarm == nil || d.uarm.mem == nil {
 		return -1, 0, 0, false
 	}
 	return d.uarm.fd, abi.UARPageSize, BAR2Size - abi.UARPageSize, true
@@ -223,7 +262,7 @@ func (d *Device) pollUAR(now time.Time) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	u := d.uarm
-	if u == nil || d.closed || d.dsr == nil {
+	if u == nil || u.mem == nil || d.closed || d.dsr == nil {
 		return false
 	}
 	d.stats.dbPasses.Add(1)
@@ -258,15 +297,17 @@ func (d *Device) pollUAR(now time.Time) bool {
 		// The guest goes on: a hand-over in progress is abandoned.
 		d.resumeTransportsLocked()
 	}
+	// Receives first, every QP's and SRQ's, then sends: a receive the
+	// guest posted before a send (of another QP: a loopback peer) is
+	// posted before it, as its earlier doorbell would have had it.
+	qpRung := func(q *qp) bool { return q.uar < UARPages && u.qpPages[q.uar] && q.sq != nil }
 	if anyQP {
 		d.qps.each(func(_ uint32, q *qp) {
-			if q.uar < UARPages && u.qpPages[q.uar] && q.sq != nil {
+			if qpRung(q) {
 				guardSlow()
 				d.postRecvs(q)
-				d.postSends(q, false)
 			}
 		})
-		clear(u.qpPages)
 	}
 	if anySRQ {
 		d.srqs.each(func(_ uint32, s *srq) {
@@ -276,6 +317,14 @@ func (d *Device) pollUAR(now time.Time) bool {
 			}
 		})
 		clear(u.srqPages)
+	}
+	if anyQP {
+		d.qps.each(func(_ uint32, q *qp) {
+			if qpRung(q) {
+				d.postSends(q, false)
+			}
+		})
+		clear(u.qpPages)
 	}
 	if anyCQ {
 		if d.stalled > 0 {
@@ -361,7 +410,14 @@ func (d *Device) checkSuspects(now time.Time) {
 		case now.Sub(c.suspectSince) >= max(c.grace, armGraceMin):
 			c.suspect = false
 			n--
-			c.grace = min(2*max(c.grace, armGraceMin), armGraceMax)
+			if head != tail {
+				// CQEs wait unconsumed: a consumer waiting for this
+				// event, likely; keep its grace short.
+				c.grace = armGraceMin
+			} else {
+				// All consumed already: a consumer that polls.
+				c.grace = min(2*max(c.grace, armGraceMin), armGraceMax)
+			}
 			d.stats.armSafetyNets.Add(1)
 			d.pushCQNotify(c.handle)
 		}

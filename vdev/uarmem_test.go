@@ -2,6 +2,7 @@ package vdev
 
 import (
 	"math/rand"
+	"os"
 	"slices"
 	"sync/atomic"
 	"testing"
@@ -446,4 +447,67 @@ func TestMemoryDoorbellsLostArmConsumedElsewhere(t *testing.T) {
 	g.pass(now)
 	require.Equal(t, []uint32{lost.handle}, g.notifications(), "short grace again")
 	assert.EqualValues(t, 3, g.dev.Stats().ArmSafetyNets)
+}
+
+// TestMemoryDoorbellsGraceShortForWaiters: a consumer that waits for the
+// event leaves its CQEs unconsumed until it comes: its grace stays short
+// however many of its arms are overwritten.
+func TestMemoryDoorbellsGraceShortForWaiters(t *testing.T) {
+	s := newMemCQs(t, 2)
+	g := s.g
+	now := time.Unix(6000, 0)
+	s.postRecvs(8, now)
+	waiter, poller := s.cqs[0], s.cqs[1]
+	for round := 0; round < 5; round++ {
+		g.store(1, abi.UARCQOffset, abi.UARCQArm|waiter.handle)
+		g.store(1, abi.UARCQOffset, abi.UARCQPoll|poller.handle) // overwrites the arm
+		now = now.Add(time.Microsecond)
+		g.pass(now)
+		s.qps[0].fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv})
+		now = now.Add(time.Microsecond)
+		g.pass(now)
+		now = now.Add(armGraceMin)
+		g.pass(now)
+		require.Equal(t, []uint32{waiter.handle}, g.notifications(), "round %d: notified after the short grace", round)
+		waiter.mustPoll() // after the event
+	}
+}
+
+// TestMemoryDoorbellsKeptFile: a device made with a predecessor's UAR file
+// (a daemon restarted under a running guest) watches the same memory, and
+// doorbells stored before it existed are seen; a kept file that is not one
+// is refused for a new one.
+func TestMemoryDoorbellsKeptFile(t *testing.T) {
+	fv := newFakeVerbs()
+	g := newMemGuest(t, fv, true)
+	uc := g.createUC(1)
+	pd := g.createPD(uc)
+	c := g.createCQ(uc, 64)
+	q := g.createQP(qpSpec{pd: pd, scq: c, rcq: c, typ: hostverbs.QPTypeRC, sendWR: 16, recvWR: 16, sendSGE: 1, recvSGE: 1, uar: 1})
+	q.toRTS(0x99, gidB, 0)
+	fd, _, _, ok := g.dev.UARMmap()
+	require.True(t, ok)
+
+	// The successor's device maps the same file: a store through the
+	// first mapping is in the second.
+	fv2 := newFakeVerbs()
+	d2, err := New(Config{Memory: g.mem, Verbs: fv2, IRQ: &fakeIRQ{}, MAC: testMAC, Doorbells: DoorbellsMemory, UARFile: fd, manualDoorbellPoll: true})
+	require.NoError(t, err)
+	defer d2.Close()
+	fd2, _, _, ok := d2.UARMmap()
+	require.True(t, ok)
+	assert.NotEqual(t, fd, fd2, "a duplicate: the caller keeps its descriptor")
+	g.store(1, abi.UARQPOffset, abi.UARQPSend|q.handle)
+	assert.Equal(t, abi.UARQPSend|q.handle, atomic.LoadUint32(d2.uarm.word(1, abi.UARQPOffset)))
+
+	// Not a file of the BAR's size: a new one.
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer r.Close()
+	defer w.Close()
+	d3, err := New(Config{Memory: g.mem, Verbs: newFakeVerbs(), IRQ: &fakeIRQ{}, MAC: testMAC, Doorbells: DoorbellsMemory,
+		UARFile: int(r.Fd()), manualDoorbellPoll: true})
+	require.NoError(t, err)
+	defer d3.Close()
+	assert.Zero(t, atomic.LoadUint32(d3.uarm.word(1, abi.UARQPOffset)))
 }
