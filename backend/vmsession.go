@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/pcidev"
@@ -74,6 +76,10 @@ type admittedPeer struct {
 	pid     int32
 	machine string
 }
+
+// uarFileName names the UAR memory of memory doorbells among a VM
+// connection's kept descriptors (the fd store's <vm>.uar).
+const uarFileName = "uar"
 
 // reconnectWait bounds how long a new QEMU connection waits for the
 // previous one's teardown (a QEMU restarted at once, or a reconnect while
@@ -232,6 +238,14 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 			}
 		}
 	}
+	if pending != nil && pending.uarFile >= 0 {
+		// The UAR memory the guest's mapping names (memory doorbells):
+		// the device maps a duplicate.
+		if s.doorbells == vdev.DoorbellsMemory {
+			vcfg.UARFile = pending.uarFile
+		}
+		defer func() { _ = unix.Close(pending.uarFile) }()
+	}
 	if pending != nil {
 		// The hand-over's pause ends for this VM once its device serves
 		// (newDevice returns), or cannot.
@@ -260,6 +274,13 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		}
 		if c.journal, err = createJournal(s.d.keep.vmDir(s.name), first, s.log); err != nil {
 			s.log.Error("no device journal: a restart will not rebuild this VM's device", "err", err)
+		}
+	}
+	if fd, _, _, ok := dev.UARMmap(); ok && c.keeper != nil {
+		// Memory doorbells: the guest's mapping of the UAR pages outlives
+		// this process; a successor must watch the same memory.
+		if err := c.keeper.Keep(uarFileName, fd); err != nil {
+			s.log.Warn("the UAR memory is not kept: after a restart, user-space doorbells of this VM go unseen", "err", err)
 		}
 	}
 	events.set(dev)
@@ -327,12 +348,22 @@ func (s *vmSession) resume(r *resumable, rebuilt func()) {
 	s.pending = r
 	s.mu.Unlock()
 	names := append(r.session.FileNames(), vfiouser.ConnName)
+	r.uarFile = -1
+	if fd, ok := r.files[uarFileName]; ok {
+		// The device's, not the session's: newDevice maps it again.
+		r.uarFile = fd
+		delete(r.files, uarFileName)
+		names = append(names, uarFileName)
+	}
 	go func() {
 		err := s.srv.Resume(r.conn, s.socket, &r.session, r.files)
 		s.mu.Lock()
 		failed := s.pending == r // the device was never made
 		s.pending = nil
 		s.mu.Unlock()
+		if failed && r.uarFile >= 0 {
+			_ = unix.Close(r.uarFile)
+		}
 		if failed {
 			s.d.ho.resumed(0, 0, 0)
 			r.rebuilt()
@@ -417,6 +448,7 @@ func (s *vmSession) disconnected(c *vmConn) error {
 		c.journal.close()
 	}
 	if c.keeper != nil && !c.keeper.leaving.Load() {
+		c.keeper.Forget(uarFileName)
 		s.d.keep.forgetConn(s.name)
 	}
 	s.lim.Info("disconnect", "QEMU disconnected", "stats", fmt.Sprintf("%+v", c.dev.Stats()))
