@@ -88,7 +88,7 @@ const (
 // one that finds CQEs waiting (a consumer waiting for the event) and a
 // seen arm make it short again.
 const (
-	armGraceMin = 2 * time.Millisecond
+	armGraceMin = 500 * time.Microsecond
 	armGraceMax = 128 * time.Millisecond
 )
 
