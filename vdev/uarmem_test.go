@@ -511,3 +511,39 @@ func TestMemoryDoorbellsKeptFile(t *testing.T) {
 	defer d3.Close()
 	assert.Zero(t, atomic.LoadUint32(d3.uarm.word(1, abi.UARQPOffset)))
 }
+
+// BenchmarkUARPass is one pass of the memory-doorbell poller over 4
+// contexts of 8 QPs and 8 CQs each: idle (no word written: the cost of each
+// of the idle poller's wake-ups) and with the QP and CQ words
+// written on one context (a busy pass, nothing posted).
+func BenchmarkUARPass(b *testing.B) {
+	for _, busy := range []bool{false, true} {
+		b.Run(map[bool]string{false: "idle", true: "rung"}[busy], func(b *testing.B) {
+			fv := newFakeVerbs()
+			g := newMemGuest(b, fv, true)
+			var qs []*gqp
+			for uar := uint32(1); uar <= 4; uar++ {
+				uc := g.createUC(uar)
+				pd := g.createPD(uc)
+				for i := 0; i < 8; i++ {
+					c := g.createCQ(uc, 64)
+					q := g.createQP(qpSpec{pd: pd, scq: c, rcq: c, typ: hostverbs.QPTypeUD, sendWR: 16, recvWR: 16, sendSGE: 1, recvSGE: 1, uar: uar})
+					q.udToRTS(0x11111111)
+					qs = append(qs, q)
+				}
+			}
+			now := time.Unix(7000, 0)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if busy {
+					for _, q := range qs[:4] {
+						g.store(q.uar, abi.UARQPOffset, abi.UARQPSend|q.handle)
+						g.store(q.uar, abi.UARCQOffset, abi.UARCQPoll|q.handle)
+					}
+				}
+				now = now.Add(time.Microsecond)
+				g.pass(now)
+			}
+		})
+	}
+}
