@@ -77,6 +77,9 @@ const (
 	uarSpinFor  = 200 * time.Microsecond
 	uarSleepMin = 50 * time.Microsecond
 	uarSleepMax = time.Millisecond
+	// uarSleepNoContext is the poller's sleep while the VM has no user
+	// context (no process uses the device: nothing to watch).
+	uarSleepNoContext = 20 * time.Millisecond
 )
 
 // The lost-arm safety net (pollUAR): a CQ of a context whose CQ word was
@@ -103,6 +106,8 @@ type uarMemory struct {
 	// CQ and SRQ words a pass found written.
 	qpPages, cqPages, srqPages []bool
 	suspects                   int // CQs with suspect set, at most (checkSuspects recounts)
+	// contexts is how many user contexts the last pass found.
+	contexts atomic.Int32
 }
 
 // newUARMemory creates the shared UAR memory, or with kept > 0 takes a
@@ -244,6 +249,9 @@ func (d *Device) runUARPoller(ctx context.Context) {
 		case <-t.C:
 		}
 		sleep = min(2*sleep, uarSleepMax)
+		if d.uarm.contexts.Load() == 0 {
+			sleep = uarSleepNoContext
+		}
 	}
 }
 
@@ -263,9 +271,13 @@ func (d *Device) pollUAR(now time.Time) bool {
 	defer d.mu.Unlock()
 	u := d.uarm
 	if u == nil || u.mem == nil || d.closed || d.dsr == nil {
+		if u != nil {
+			u.contexts.Store(0)
+		}
 		return false
 	}
 	d.stats.dbPasses.Add(1)
+	u.contexts.Store(int32(d.ucs.len()))
 	rung, anyQP, anySRQ, anyCQ := false, false, false, false
 	d.ucs.each(func(page uint32, _ *uctx) {
 		if page == 0 || page >= UARPages {
