@@ -183,9 +183,9 @@ func (d *Device) releaseUARMemory() {
 }
 
 // UARMmap describes the shared UAR memory of a device in memory mode: the
-// client may map File (from offset 0) at BAR2 for the byte range Offset,
-// Size of the BAR (every page but the kernel's page 0). ok is false in
-// trapped mode. The device owns the file descriptor.
+// file fd holds BAR2 from file offset 0, and the client may map the BAR's
+// bytes offset to offset+size (every page but the kernel's page 0). ok is
+// false in trapped mode. The device owns the file descriptor.
 func (d *Device) UARMmap() (fd int, offset, size uint64, ok bool) {
 	if d.uarm == nil || d.uarm.mem == nil {
 		return -1, 0, 0, false
