@@ -89,10 +89,13 @@ const (
 // doubles, up to armGraceMax, each time such a notification finds the CQEs
 // consumed already (a consumer that polls is notified ever more rarely);
 // one that finds CQEs waiting (a consumer waiting for the event) and a
-// seen arm make it short again.
+// seen arm (a consumer that uses events) make it armGraceWaiter. The
+// common pattern "arm, then poll until empty" overwrites its own arm with
+// the empty poll's POLL: such a consumer's events all come this way.
 const (
-	armGraceMin = 500 * time.Microsecond
-	armGraceMax = 128 * time.Millisecond
+	armGraceWaiter = 50 * time.Microsecond
+	armGraceMin    = 500 * time.Microsecond
+	armGraceMax    = 128 * time.Millisecond
 )
 
 // uarMemory is the shared UAR BAR of a device in memory mode.
@@ -383,7 +386,7 @@ func (d *Device) memCQDoorbell(page, v uint32) {
 		c.arm(armSolicited)
 	}
 	if arm {
-		c.grace = 0 // its consumer arms: notify a lost arm soon
+		c.grace = armGraceWaiter // its consumer arms: notify a lost arm soon
 		if c.suspect {
 			c.suspect = false
 			d.uarm.suspects--
@@ -419,13 +422,13 @@ func (d *Device) checkSuspects(now time.Time) {
 			c.suspectSince = time.Time{}
 		case c.suspectSince.IsZero() || head != c.suspectHead:
 			c.suspectSince, c.suspectHead = now, head
-		case now.Sub(c.suspectSince) >= max(c.grace, armGraceMin):
+		case now.Sub(c.suspectSince) >= c.graceOrDefault():
 			c.suspect = false
 			n--
 			if head != tail {
 				// CQEs wait unconsumed: a consumer waiting for this
 				// event, likely; keep its grace short.
-				c.grace = armGraceMin
+				c.grace = armGraceWaiter
 			} else {
 				// All consumed already: a consumer that polls.
 				c.grace = min(2*max(c.grace, armGraceMin), armGraceMax)
@@ -435,6 +438,15 @@ func (d *Device) checkSuspects(now time.Time) {
 		}
 	})
 	d.uarm.suspects = n // destroyed CQs and a reset leave the count
+}
+
+// graceOrDefault is the CQ's grace (armGraceMin until the safety net or
+// an arm classified its consumer). Device.mu held.
+func (c *cq) graceOrDefault() time.Duration {
+	if c.grace == 0 {
+		return armGraceMin
+	}
+	return c.grace
 }
 
 // armedNow reports whether the CQ is armed.

@@ -450,14 +450,16 @@ func TestMemoryDoorbellsLostArmConsumedElsewhere(t *testing.T) {
 }
 
 // TestMemoryDoorbellsGraceShortForWaiters: a consumer that waits for the
-// event leaves its CQEs unconsumed until it comes: its grace stays short
-// however many of its arms are overwritten.
+// event leaves its CQEs unconsumed until it comes: once the safety net
+// found it so, its grace is armGraceWaiter, however many of its arms are
+// overwritten.
 func TestMemoryDoorbellsGraceShortForWaiters(t *testing.T) {
 	s := newMemCQs(t, 2)
 	g := s.g
 	now := time.Unix(6000, 0)
 	s.postRecvs(8, now)
 	waiter, poller := s.cqs[0], s.cqs[1]
+	wait := armGraceMin // not classified yet
 	for round := 0; round < 5; round++ {
 		g.store(1, abi.UARCQOffset, abi.UARCQArm|waiter.handle)
 		g.store(1, abi.UARCQOffset, abi.UARCQPoll|poller.handle) // overwrites the arm
@@ -466,10 +468,14 @@ func TestMemoryDoorbellsGraceShortForWaiters(t *testing.T) {
 		s.qps[0].fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv})
 		now = now.Add(time.Microsecond)
 		g.pass(now)
-		now = now.Add(armGraceMin)
+		now = now.Add(wait - time.Microsecond)
 		g.pass(now)
-		require.Equal(t, []uint32{waiter.handle}, g.notifications(), "round %d: notified after the short grace", round)
-		waiter.mustPoll() // after the event
+		require.Empty(t, g.notifications(), "round %d: not before the grace", round)
+		now = now.Add(time.Microsecond)
+		g.pass(now)
+		require.Equal(t, []uint32{waiter.handle}, g.notifications(), "round %d: notified after the grace", round)
+		waiter.mustPoll()     // after the event
+		wait = armGraceWaiter // the notification found its CQE waiting
 	}
 }
 

@@ -26,6 +26,7 @@ import (
 const (
 	doorbellPolls = 20000
 	doorbellRuns  = 3
+	pingpongIters = 1000
 )
 
 // buildDoorbells compiles testdata/doorbells.c for the guests.
@@ -98,6 +99,18 @@ func TestDoorbells(t *testing.T) {
 		}
 		b.WriteString("echo '=== events'\n")
 		b.WriteString("if timeout 600 doorbells -d vmw_pvrdma0 -n 100 -g $g -p 8 -r 40; then echo rc=0; else echo rc=$?; fi\n")
+		// Event-driven ping-pong in the guest (loopback): each side arms
+		// its CQ, then polls it until empty, which overwrites the arm with
+		// a POLL in memory mode (the safety net's case).
+		fmt.Fprintf(&b, "gr=$(pvt_gid_index rxe0 %s)\n", ip)
+		for i, dev := range []string{"vmw_pvrdma0", "rxe0"} {
+			gv := map[string]string{"vmw_pvrdma0": "$g", "rxe0": "$gr"}[dev]
+			port := 18800 + i
+			fmt.Fprintf(&b, "echo '=== pingpong %s'\n", dev)
+			fmt.Fprintf(&b, "timeout 300 ibv_rc_pingpong -d %s -g %s -e -n %d -s 64 -p %d >/tmp/pp.srv 2>&1 &\n", dev, gv, pingpongIters, port)
+			fmt.Fprintf(&b, "if pvt_retry 30 timeout 300 ibv_rc_pingpong -d %s -g %s -e -n %d -s 64 -p %d 127.0.0.1; then echo rc=0; else echo rc=$?; fi\n", dev, gv, pingpongIters, port)
+			b.WriteString("wait\n")
+		}
 		return b.String()
 	}
 	latest, stop := watchCounters(d)
@@ -131,6 +144,16 @@ func TestDoorbells(t *testing.T) {
 		c := latest(name)
 		t.Logf("DOORBELLS %s counters: %s", name, nonzero(c))
 		require.NotNil(t, c, "%s: no counters seen while connected", name)
+	}
+	ppRE := regexp.MustCompile(`(?m)^\d+ iters in [\d.]+ seconds = ([\d.]+) usec/iter$`)
+	for _, name := range []string{"dbtrap", "dbmem"} {
+		for _, dev := range []string{"vmw_pvrdma0", "rxe0"} {
+			sec := vm.Section(res[name], "pingpong "+dev)
+			assert.Contains(t, sec, "rc=0", "%s: ibv_rc_pingpong -e over %s: %s", name, dev, sec)
+			if m := ppRE.FindStringSubmatch(sec); m != nil {
+				t.Logf("DOORBELLS ibv_rc_pingpong -e -s 64 -n %d (loopback in one guest) vm=%s dev=%s: %s usec/iter", pingpongIters, name, dev, m[1])
+			}
+		}
 	}
 	for _, k := range []string{"dbtrap/vmw_pvrdma0", "dbtrap/rxe0", "dbmem/vmw_pvrdma0", "dbmem/rxe0"} {
 		assert.Len(t, cost[k], doorbellRuns, "%s: every measurement printed", k)
