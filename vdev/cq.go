@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -60,6 +61,9 @@ type cq struct {
 	suspectHead  uint32
 	suspectTail  uint32
 	grace        time.Duration
+	// watched mirrors suspect for the completion paths (which do not
+	// hold Device.mu): a CQE for a watched CQ wakes the poller.
+	watched atomic.Bool
 
 	// rec and resizeRec are the journal payloads of its CREATE_CQ and last
 	// RESIZE_CQ (Checkpoint; guarded by Device.mu).
@@ -365,6 +369,9 @@ func (c *cq) unlock() {
 	notify, cqErr := c.notifyDue, c.errDue
 	c.notifyDue, c.errDue = false, false
 	c.mu.Unlock()
+	if c.watched.Load() {
+		c.dev.kickUAR()
+	}
 	if cqErr {
 		c.dev.pushEvent(uint32(hostverbs.EventCQErr), c.handle)
 	}

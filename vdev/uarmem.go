@@ -111,6 +111,8 @@ type uarMemory struct {
 	suspects                   int // CQs with suspect set, at most (checkSuspects recounts)
 	// contexts is how many user contexts the last pass found.
 	contexts atomic.Int32
+	// kick wakes the poller: a CQE for a suspect CQ (cq.watched).
+	kick chan struct{}
 }
 
 // newUARMemory creates the shared UAR memory, or with kept > 0 takes a
@@ -145,7 +147,7 @@ func newUARMemory(kept int) (*uarMemory, error) {
 		_ = unix.Close(fd)
 		return nil, fmt.Errorf("UAR memfd map: %w", err)
 	}
-	return &uarMemory{fd: fd, mem: mem,
+	return &uarMemory{fd: fd, mem: mem, kick: make(chan struct{}, 1),
 		qpPages: make([]bool, UARPages), cqPages: make([]bool, UARPages), srqPages: make([]bool, UARPages)}, nil
 }
 
@@ -235,7 +237,8 @@ func (d *Device) runUARPoller(ctx context.Context) {
 	defer t.Stop()
 	for {
 		now := time.Now()
-		if d.pollUAR(now) {
+		rung, due := d.pollUAR(now)
+		if rung {
 			last, sleep = now, uarSleepMin
 		}
 		if now.Sub(last) < uarSpinFor {
@@ -245,11 +248,20 @@ func (d *Device) runUARPoller(ctx context.Context) {
 			runtime.Gosched()
 			continue
 		}
-		t.Reset(sleep)
+		wait := sleep
+		if !due.IsZero() {
+			// A suspect CQ's grace ends: pass then, not a sleep later.
+			wait = max(min(wait, due.Sub(now)), 0)
+		}
+		t.Reset(wait)
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		case <-d.uarm.kick:
+			if !t.Stop() {
+				<-t.C
+			}
 		}
 		sleep = min(2*sleep, uarSleepMax)
 		if d.uarm.contexts.Load() == 0 {
@@ -269,7 +281,7 @@ func (d *Device) runUARPoller(ctx context.Context) {
 // other CQ of the context a suspect of a lost arm (the safety net).
 // Words that name nothing the context owns are counted
 // (Stats.MemoryBadDoorbells).
-func (d *Device) pollUAR(now time.Time) bool {
+func (d *Device) pollUAR(now time.Time) (rung bool, due time.Time) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	u := d.uarm
@@ -277,11 +289,11 @@ func (d *Device) pollUAR(now time.Time) bool {
 		if u != nil {
 			u.contexts.Store(0)
 		}
-		return false
+		return false, time.Time{}
 	}
 	d.stats.dbPasses.Add(1)
 	u.contexts.Store(int32(d.ucs.len()))
-	rung, anyQP, anySRQ, anyCQ := false, false, false, false
+	anyQP, anySRQ, anyCQ := false, false, false
 	d.ucs.each(func(page uint32, _ *uctx) {
 		if page == 0 || page >= UARPages {
 			return
@@ -354,15 +366,16 @@ func (d *Device) pollUAR(now time.Time) bool {
 			c.mu.Unlock()
 			if !armed {
 				c.suspect, c.suspectSince, c.suspectTail = true, time.Time{}, tail
+				c.watched.Store(true)
 				u.suspects++
 			}
 		})
 		clear(u.cqPages)
 	}
 	if u.suspects > 0 {
-		d.checkSuspects(now)
+		due = d.checkSuspects(now)
 	}
-	return rung
+	return rung, due
 }
 
 // memCQDoorbell applies a CQ word found in memory. mu held.
@@ -389,6 +402,7 @@ func (d *Device) memCQDoorbell(page, v uint32) {
 		c.grace = armGraceWaiter // its consumer arms: notify a lost arm soon
 		if c.suspect {
 			c.suspect = false
+			c.watched.Store(false)
 			d.uarm.suspects--
 		}
 	}
@@ -398,10 +412,11 @@ func (d *Device) memCQDoorbell(page, v uint32) {
 // again needs nothing; one that got a CQE since it became a suspect (the
 // completion a lost arm would have notified), or whose guest has left CQEs
 // unconsumed (cons_head short of prod_tail), gets a CQ notification once
-// that has lasted its grace with cons_head unchanged. (The new CQE counts
+// that has lasted its grace with cons_head unchanged. It returns when the
+// earliest grace running ends (zero: none runs). (The new CQE counts
 // even if it was consumed: another thread may poll the CQ while one waits
 // for its event.) mu held.
-func (d *Device) checkSuspects(now time.Time) {
+func (d *Device) checkSuspects(now time.Time) (due time.Time) {
 	n := 0
 	d.cqs.each(func(_ uint32, c *cq) {
 		if !c.suspect {
@@ -417,13 +432,18 @@ func (d *Device) checkSuspects(now time.Time) {
 		switch {
 		case armed || dead || err != nil:
 			c.suspect = false
+			c.watched.Store(false)
 			n--
 		case !pending:
 			c.suspectSince = time.Time{}
 		case c.suspectSince.IsZero() || head != c.suspectHead:
 			c.suspectSince, c.suspectHead = now, head
+			if end := now.Add(c.graceOrDefault()); due.IsZero() || end.Before(due) {
+				due = end
+			}
 		case now.Sub(c.suspectSince) >= c.graceOrDefault():
 			c.suspect = false
+			c.watched.Store(false)
 			n--
 			if head != tail {
 				// CQEs wait unconsumed: a consumer waiting for this
@@ -438,6 +458,17 @@ func (d *Device) checkSuspects(now time.Time) {
 		}
 	})
 	d.uarm.suspects = n // destroyed CQs and a reset leave the count
+	return due
+}
+
+// kickUAR wakes the poller (a CQE for a suspect CQ: its grace starts).
+func (d *Device) kickUAR() {
+	if u := d.uarm; u != nil {
+		select {
+		case u.kick <- struct{}{}:
+		default:
+		}
+	}
 }
 
 // graceOrDefault is the CQ's grace (armGraceMin until the safety net or
