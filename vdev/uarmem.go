@@ -284,6 +284,11 @@ func (d *Device) runUARPoller(ctx context.Context) {
 func (d *Device) pollUAR(now time.Time) (rung bool, due time.Time) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	return d.pollUARLocked(now)
+}
+
+// pollUARLocked is pollUAR with mu held.
+func (d *Device) pollUARLocked(now time.Time) (rung bool, due time.Time) {
 	u := d.uarm
 	if u == nil || u.mem == nil || d.closed || d.dsr == nil {
 		if u != nil {

@@ -588,3 +588,20 @@ func TestMemoryDoorbellsKickAndDue(t *testing.T) {
 	_, _ = g.dev.pollUAR(due)
 	assert.Equal(t, []uint32{s.cqs[0].handle}, g.notifications())
 }
+
+// TestMemoryDoorbellsBeforeCommand: what the guest stored before a command
+// is taken before the command runs: a POLL of a CQ it then destroys (or a
+// post to a QP it then modifies) names a live object, as a trapped
+// doorbell would have.
+func TestMemoryDoorbellsBeforeCommand(t *testing.T) {
+	fv := newFakeVerbs()
+	g := newMemGuest(t, fv, true)
+	uc := g.createUC(1)
+	c := g.createCQ(uc, 64)
+	g.store(1, abi.UARCQOffset, abi.UARCQPoll|c.handle)
+	g.mustCmd(abi.CmdDestroyCQ, abi.DestroyCQ{CQHandle: c.handle})
+	g.pass(time.Unix(9000, 0))
+	st := g.dev.Stats()
+	assert.EqualValues(t, 1, st.MemoryDoorbells.CQPoll)
+	assert.Zero(t, st.MemoryBadDoorbells)
+}
