@@ -355,6 +355,9 @@ type resumable struct {
 	stored map[string]bool
 	// rebuilt is called once the device is rebuilt (or cannot be).
 	rebuilt func()
+	// uarFile is the kept UAR memory of memory doorbells (-1: none),
+	// taken out of files by resume.
+	uarFile int
 }
 
 // loadResumable gathers a VM's kept connection: its descriptors fds (taken

@@ -107,6 +107,8 @@ type VMStatus struct {
 	GIDAllow []string `json:"gid_allow"`
 	// RoCEMode is the VM's device's RoCE version: "v1" or "v2".
 	RoCEMode string `json:"roce_mode"`
+	// Doorbells is the VM's doorbell mode: "trapped" or "memory".
+	Doorbells string `json:"doorbells"`
 	// ReservedGIDs are the GIDs reserved to the VM (bound at least once
 	// since it was registered), sorted.
 	ReservedGIDs []string `json:"reserved_gids,omitempty"`
@@ -179,6 +181,12 @@ type VMRequest struct {
 	// a libvirt machine cgroup that names another VM). CheckCgroupPath
 	// says which paths are valid.
 	QEMUCgroup string `json:"qemu_cgroup,omitempty"`
+	// Doorbells is how the guest's user-space doorbells reach the daemon:
+	// "trapped" (absent: every UAR write is a vfio-user round trip) or
+	// "memory" (the UAR pages of user contexts are memory shared with
+	// QEMU, which the daemon polls; docs/ARCHITECTURE.md, "Doorbells in
+	// memory", says what differs).
+	Doorbells string `json:"doorbells,omitempty"`
 }
 
 // Controller is what the control socket serves.

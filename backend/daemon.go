@@ -416,6 +416,10 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 	if err != nil {
 		return VMStatus{}, fmt.Errorf("VM %s: roce_mode: %w", req.Name, err)
 	}
+	doorbells, err := vdev.ParseDoorbellMode(req.Doorbells)
+	if err != nil {
+		return VMStatus{}, fmt.Errorf("VM %s: %w", req.Name, err)
+	}
 	if req.QEMUCgroup != "" {
 		if err := CheckCgroupPath(req.QEMUCgroup); err != nil {
 			return VMStatus{}, fmt.Errorf("VM %s: qemu_cgroup: %w", req.Name, err)
@@ -457,7 +461,7 @@ func (d *Daemon) AddVM(req VMRequest) (VMStatus, error) {
 				"vm", req.Name, "other_vm", other)
 		}
 	}
-	s, err := startVM(d, req.Name, mac, pol, mode, vdev.NewBudget(lockLimit, d.locked), vmIdentity{uid: req.QEMUUID, cgroup: req.QEMUCgroup})
+	s, err := startVM(d, req.Name, mac, pol, mode, vdev.NewBudget(lockLimit, d.locked), vmIdentity{uid: req.QEMUUID, cgroup: req.QEMUCgroup}, doorbells)
 	if err != nil {
 		return VMStatus{}, err
 	}

@@ -14,11 +14,14 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
 	"github.com/pvrdma-backend/pvrdma-backend/pcidev"
 	"github.com/pvrdma-backend/pvrdma-backend/ratelog"
 	"github.com/pvrdma-backend/pvrdma-backend/vdev"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev/abi"
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
 
@@ -39,6 +42,8 @@ type vmSession struct {
 	// binds rate-limits the guest's GID binds, and with them the host
 	// address changes (IP mode) and GID table churn they cause.
 	binds *ratelog.Bucket
+	// doorbells is how the guest's UAR doorbells reach the device.
+	doorbells vdev.DoorbellMode
 
 	refusals atomic.Uint64
 	locked   *vdev.Budget // the guest memory its QEMU may map and lock
@@ -71,6 +76,10 @@ type admittedPeer struct {
 	pid     int32
 	machine string
 }
+
+// uarFileName names the UAR memory of memory doorbells among a VM
+// connection's kept descriptors (the fd store's <vm>.uar).
+const uarFileName = "uar"
 
 // reconnectWait bounds how long a new QEMU connection waits for the
 // previous one's teardown (a QEMU restarted at once, or a reconnect while
@@ -107,8 +116,8 @@ type vmConn struct {
 	gids map[int]hostverbs.GIDEntry
 }
 
-func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode hostverbs.GIDType, locked *vdev.Budget, id vmIdentity) (*vmSession, error) {
-	s := &vmSession{d: d, name: name, mac: mac, mode: mode, socket: SocketPath(d.cfg.SocketDir, name), identity: id,
+func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode hostverbs.GIDType, locked *vdev.Budget, id vmIdentity, doorbells vdev.DoorbellMode) (*vmSession, error) {
+	s := &vmSession{d: d, name: name, mac: mac, mode: mode, doorbells: doorbells, socket: SocketPath(d.cfg.SocketDir, name), identity: id,
 		qmpSocket: QMPSocketPath(d.cfg.SocketDir, name), qmpDone: make(chan struct{}), monitors: map[*vmMonitor]struct{}{},
 		log: d.log.With("vm", name), done: make(chan struct{}), policy: pol}
 	s.lim = ratelog.New(s.log, 0)
@@ -140,7 +149,8 @@ func startVM(d *Daemon, name string, mac net.HardwareAddr, pol gidPolicy, mode h
 			s.log.Error("vfio-user server stopped", "err", err)
 		}
 	}()
-	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String(), "roce_mode", RoCEModeName(mode), "gid_allow", FormatGIDAllow(pol.allow))
+	s.log.Info("VM registered", "socket", s.socket, "mac", mac.String(), "roce_mode", RoCEModeName(mode), "gid_allow", FormatGIDAllow(pol.allow),
+		"doorbells", doorbells.String())
 	return s, nil
 }
 
@@ -217,6 +227,7 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		CheckGID: func(index int, e hostverbs.GIDEntry) error { return s.checkGID(c, e) },
 		// The histograms of GET /metrics (metrics.go).
 		Distributions: true,
+		Doorbells:     s.doorbells,
 	}
 	var dev *vdev.Device
 	if c.keeper != nil {
@@ -226,6 +237,14 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 				j.append(rec, func() { j.rotate(dev.Checkpoint) })
 			}
 		}
+	}
+	if pending != nil && pending.uarFile >= 0 {
+		// The UAR memory the guest's mapping names (memory doorbells):
+		// the device maps a duplicate.
+		if s.doorbells == vdev.DoorbellsMemory {
+			vcfg.UARFile = pending.uarFile
+		}
+		defer func() { _ = unix.Close(pending.uarFile) }()
 	}
 	if pending != nil {
 		// The hand-over's pause ends for this VM once its device serves
@@ -255,6 +274,13 @@ func (s *vmSession) newDevice(ctx context.Context, h *vfiouser.Host) (vfiouser.D
 		}
 		if c.journal, err = createJournal(s.d.keep.vmDir(s.name), first, s.log); err != nil {
 			s.log.Error("no device journal: a restart will not rebuild this VM's device", "err", err)
+		}
+	}
+	if fd, _, _, ok := dev.UARMmap(); ok && c.keeper != nil {
+		// Memory doorbells: the guest's mapping of the UAR pages outlives
+		// this process; a successor must watch the same memory.
+		if err := c.keeper.Keep(uarFileName, fd); err != nil {
+			s.log.Warn("the UAR memory is not kept: after a restart, user-space doorbells of this VM go unseen", "err", err)
 		}
 	}
 	events.set(dev)
@@ -322,12 +348,22 @@ func (s *vmSession) resume(r *resumable, rebuilt func()) {
 	s.pending = r
 	s.mu.Unlock()
 	names := append(r.session.FileNames(), vfiouser.ConnName)
+	r.uarFile = -1
+	if fd, ok := r.files[uarFileName]; ok {
+		// The device's, not the session's: newDevice maps it again.
+		r.uarFile = fd
+		delete(r.files, uarFileName)
+		names = append(names, uarFileName)
+	}
 	go func() {
 		err := s.srv.Resume(r.conn, s.socket, &r.session, r.files)
 		s.mu.Lock()
 		failed := s.pending == r // the device was never made
 		s.pending = nil
 		s.mu.Unlock()
+		if failed && r.uarFile >= 0 {
+			_ = unix.Close(r.uarFile)
+		}
 		if failed {
 			s.d.ho.resumed(0, 0, 0)
 			r.rebuilt()
@@ -412,6 +448,7 @@ func (s *vmSession) disconnected(c *vmConn) error {
 		c.journal.close()
 	}
 	if c.keeper != nil && !c.keeper.leaving.Load() {
+		c.keeper.Forget(uarFileName)
 		s.d.keep.forgetConn(s.name)
 	}
 	s.lim.Info("disconnect", "QEMU disconnected", "stats", fmt.Sprintf("%+v", c.dev.Stats()))
@@ -515,7 +552,7 @@ func (s *vmSession) gidChanged(c *vmConn, index int, e hostverbs.GIDEntry, bound
 
 func (s *vmSession) status() VMStatus {
 	st := VMStatus{Name: s.name, Socket: s.socket, MAC: s.mac.String(),
-		GIDAllow: FormatGIDAllow(s.policy.allow), RoCEMode: RoCEModeName(s.mode), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit(),
+		GIDAllow: FormatGIDAllow(s.policy.allow), RoCEMode: RoCEModeName(s.mode), Doorbells: s.doorbells.String(), GIDRefusals: s.refusals.Load(), LockedLimit: s.locked.Limit(),
 		QMPSocket: s.qmpSocket, QEMUUID: s.identity.uid, QEMUCgroup: s.identity.cgroup, QMP: s.monitorState(), MigrationsCancelled: s.migrationsCancelled.Load(), SnapshotsCancelled: s.snapshotsCancelled.Load()}
 	for _, a := range s.d.owners.reserved(s.name) {
 		st.ReservedGIDs = append(st.ReservedGIDs, a.String())
@@ -557,6 +594,14 @@ func (s *vmSession) status() VMStatus {
 		"local_invs": ds.LocalInvs, "local_inv_refused": ds.LocalInvRefused, "frmr_refused": ds.FRMRRefused,
 		"error_cqes": ds.ErrorCQEs, "flush_cqes": ds.FlushCQEs,
 		"interrupts": ds.Interrupts, "masked_interrupts": ds.MaskedInterrupts, "bad_bar_accesses": ds.BadBARAccesses,
+		// Doorbells by kind: trapped (a region write each, an exit on a
+		// KVM host) against seen in memory (memory doorbells).
+		"trapped_qp_doorbells": ds.TrappedDoorbells.QP, "trapped_cq_poll_doorbells": ds.TrappedDoorbells.CQPoll,
+		"trapped_cq_arm_doorbells": ds.TrappedDoorbells.CQArm, "trapped_srq_doorbells": ds.TrappedDoorbells.SRQ,
+		"memory_qp_doorbells": ds.MemoryDoorbells.QP, "memory_cq_poll_doorbells": ds.MemoryDoorbells.CQPoll,
+		"memory_cq_arm_doorbells": ds.MemoryDoorbells.CQArm, "memory_srq_doorbells": ds.MemoryDoorbells.SRQ,
+		"memory_bad_doorbells": ds.MemoryBadDoorbells, "doorbell_passes": ds.DoorbellPasses,
+		"arm_safety_nets": ds.ArmSafetyNets,
 	}
 	// The provider's own statistics for this VM (the soft transport's
 	// packets, drops by reason, CNPs), prefixed so that they cannot be
@@ -593,11 +638,18 @@ func pciConfig(dev *vdev.Device, onClose func() error) pcidev.Config {
 		if b.Size == 0 {
 			continue
 		}
+		var mmap *vfiouser.RegionMmap
+		if fd, off, size, ok := dev.UARMmap(); ok && i == abi.UARBAR {
+			// Memory doorbells: QEMU maps the user contexts' UAR pages
+			// into the guest; page 0 (the kernel's) stays trapped.
+			mmap = &vfiouser.RegionMmap{FD: fd, Areas: []vfiouser.MmapArea{{Offset: off, Size: size}}}
+		}
 		bar := i
 		cfg.BARs[i] = pcidev.BAR{
 			Size: b.Size, Type: pcidev.BARMem32, Prefetchable: b.Prefetchable,
 			Read:  func(off uint64, p []byte) error { return dev.ReadBAR(bar, off, p) },
 			Write: func(off uint64, p []byte) error { return dev.WriteBAR(bar, off, p) },
+			Mmap:  mmap,
 		}
 		if b.Is64Bit {
 			cfg.BARs[i].Type = pcidev.BARMem64

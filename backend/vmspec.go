@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 )
 
 // ErrBadVMName: a VM name is empty, too long or has characters that cannot
@@ -212,7 +214,8 @@ func (s VMSpec) QMPArgs() []string {
 
 // ParseVMFlag parses a `serve --vm` value: NAME, NAME=MAC, then optional
 // comma-separated options: gid-allow=PREFIX (repeatable; a CIDR prefix, a
-// single address, or "none"), mem=SIZE, roce=v1|v2, uid=N (the QEMU's
+// single address, or "none"), mem=SIZE, roce=v1|v2,
+// doorbells=trapped|memory (VMRequest.Doorbells), uid=N (the QEMU's
 // user) and cgroup=PATH (the QEMU's cgroup, VMRequest.QEMUCgroup). For
 // example
 //
@@ -256,6 +259,11 @@ func ParseVMFlag(v string) (VMRequest, error) {
 				return VMRequest{}, fmt.Errorf("VM %s: %w", name, err)
 			}
 			req.QEMUCgroup = val
+		case ok && k == "doorbells":
+			if _, err := vdev.ParseDoorbellMode(val); err != nil || val == "" {
+				return VMRequest{}, fmt.Errorf("VM %s: doorbells=%q: want trapped or memory: %w", name, val, ErrBadGIDPolicy)
+			}
+			req.Doorbells = val
 		case ok && k == "mem":
 			n, err := ParseSize(val)
 			if err != nil || n == 0 {
@@ -263,7 +271,7 @@ func ParseVMFlag(v string) (VMRequest, error) {
 			}
 			req.MemBytes = n
 		default:
-			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX, mem=SIZE, roce=v1|v2, uid=N or cgroup=PATH: %w", name, o, ErrBadGIDPolicy)
+			return VMRequest{}, fmt.Errorf("VM %s: option %q: want gid-allow=PREFIX, mem=SIZE, roce=v1|v2, doorbells=trapped|memory, uid=N or cgroup=PATH: %w", name, o, ErrBadGIDPolicy)
 		}
 	}
 	if _, err := ParseGIDAllow(req.GIDAllow...); err != nil {

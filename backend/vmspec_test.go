@@ -54,3 +54,19 @@ func TestQEMUArgs(t *testing.T) {
 	_, err = VMSpec{Name: "x/y", Slot: 5, MemBytes: 1 << 30, Netdev: "n0", Socket: "s"}.QEMUArgs()
 	assert.ErrorIs(t, err, ErrBadVMName)
 }
+
+func TestParseVMFlagDoorbells(t *testing.T) {
+	req, err := ParseVMFlag("vm1,doorbells=memory")
+	if err != nil || req.Doorbells != "memory" {
+		t.Fatalf("doorbells=memory: %+v %v", req, err)
+	}
+	req, err = ParseVMFlag("vm1")
+	if err != nil || req.Doorbells != "" {
+		t.Fatalf("default: %+v %v", req, err)
+	}
+	for _, bad := range []string{"vm1,doorbells=", "vm1,doorbells=mmio"} {
+		if _, err := ParseVMFlag(bad); err == nil {
+			t.Fatalf("%s accepted", bad)
+		}
+	}
+}

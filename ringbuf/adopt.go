@@ -10,3 +10,7 @@ func (p *Producer) Empty() (bool, error) {
 	}
 	return h == p.tail.val, nil
 }
+
+// HeadIndex loads the guest's cons_head once; an invalid one is an
+// ErrIndex. With TailIndex it tells how far the guest has consumed.
+func (p *Producer) HeadIndex() (uint32, error) { return p.head.load(p.mem, p.geo) }

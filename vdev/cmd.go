@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"syscall"
+	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
@@ -66,6 +67,12 @@ func CommandName(c uint32) string {
 // MODIFY_QP also check the response's err.
 func (d *Device) execCommand() {
 	d.stats.commands.Add(1)
+	if d.uarm != nil && d.rp == nil {
+		// Memory doorbells: what the guest stored before this command
+		// is taken before it (a POLL of a CQ it destroys now names a
+		// live CQ), as a trapped doorbell would have been.
+		d.pollUARLocked(time.Now())
+	}
 	err := d.dispatch()
 	if err != nil {
 		d.stats.commandErrors.Add(1)

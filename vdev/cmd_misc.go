@@ -70,6 +70,11 @@ func (d *Device) cmdCreateUC(req, resp []byte) error {
 	if !d.ucs.set(uint32(idx), &uctx{uar: uint32(idx)}) {
 		return fmt.Errorf("UAR page %d already in use: %w", idx, syscall.EBUSY)
 	}
+	if d.uarm != nil && d.uarm.mem != nil && d.rp == nil {
+		// (A restore's replay keeps what the guest stored there: doorbells
+		// the previous daemon had not seen yet.)
+		d.uarm.clearPage(uint32(idx))
+	}
 	abi.CreateUCResp{CtxHandle: uint32(idx)}.Encode(resp)
 	return nil
 }

@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"syscall"
+	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/guestmem"
 	"github.com/pvrdma-backend/pvrdma-backend/hostverbs"
@@ -48,6 +50,20 @@ type cq struct {
 	// beforeCommit, if set (tests only), runs in put between the WQE's
 	// release and the CQE's publication.
 	beforeCommit func()
+
+	// The lost-arm safety net of memory doorbells (uarmem.go), guarded
+	// by Device.mu: suspect says a lost arm of this CQ cannot be ruled
+	// out, suspectTail its prod_tail then, suspectSince and suspectHead
+	// since when the guest has left cons_head there with CQEs pending (or
+	// produced since), grace how long it may.
+	suspect      bool
+	suspectSince time.Time
+	suspectHead  uint32
+	suspectTail  uint32
+	grace        time.Duration
+	// watched mirrors suspect for the completion paths (which do not
+	// hold Device.mu): a CQE for a watched CQ wakes the poller.
+	watched atomic.Bool
 
 	// rec and resizeRec are the journal payloads of its CREATE_CQ and last
 	// RESIZE_CQ (Checkpoint; guarded by Device.mu).
@@ -353,6 +369,9 @@ func (c *cq) unlock() {
 	notify, cqErr := c.notifyDue, c.errDue
 	c.notifyDue, c.errDue = false, false
 	c.mu.Unlock()
+	if c.watched.Load() {
+		c.dev.kickUAR()
+	}
 	if cqErr {
 		c.dev.pushEvent(uint32(hostverbs.EventCQErr), c.handle)
 	}

@@ -114,6 +114,18 @@ type Config struct {
 	// Checkpoint compacts. The record is the callee's to keep, not to
 	// modify; the sink must not block for long nor call into the device.
 	Journal func(rec []byte)
+	// Doorbells is how UAR doorbells reach the device (DoorbellMode;
+	// the zero value traps them).
+	Doorbells DoorbellMode
+	// UARFile, if positive, is the UAR memory of memory doorbells a
+	// previous daemon served the VM with (UARMmap's file, kept in the fd
+	// store): the device maps a duplicate of it instead of a new file, so
+	// that it watches the memory the guest's mapping names. The caller
+	// keeps its descriptor.
+	UARFile int
+	// manualDoorbellPoll (tests): memory mode without the poller
+	// goroutine; the test calls pollUAR.
+	manualDoorbellPoll bool
 	// Distributions turns on the device's distributions: the latency
 	// from a send WQE's doorbell to its CQE and the send queue's depth at
 	// each SQ doorbell (Device.Distributions, metrics.go). They cost per
@@ -174,6 +186,17 @@ type Stats struct {
 	// are logged, rate-limited, with the QP and the work request (flushes
 	// at debug level: every disconnect flushes the receives left posted).
 	ErrorCQEs, FlushCQEs uint64
+	// TrappedDoorbells counts the UAR doorbells that arrived as region
+	// writes, by kind (Doorbells counts them all, with the bad ones);
+	// MemoryDoorbells the doorbell words the memory-mode poller found
+	// written (DoorbellsMemory: one word may stand for several stores of
+	// the guest), MemoryBadDoorbells those of them that named nothing
+	// the context owns, DoorbellPasses the poller's passes over the
+	// pages. ArmSafetyNets counts the CQ notifications the lost-arm
+	// safety net raised (uarmem.go).
+	TrappedDoorbells, MemoryDoorbells  DoorbellCounts
+	MemoryBadDoorbells, DoorbellPasses uint64
+	ArmSafetyNets                      uint64
 }
 
 type counters struct {
@@ -196,6 +219,9 @@ type counters struct {
 	localInvs, localInvRefused     atomic.Uint64
 	frmrRefused                    atomic.Uint64
 	errorCQEs, flushCQEs           atomic.Uint64
+	trappedDBs, memDBs             [dbKinds]atomic.Uint64
+	memBad, dbPasses               atomic.Uint64
+	armSafetyNets                  atomic.Uint64
 }
 
 // Device is one PVRDMA function serving one VM.
@@ -214,6 +240,9 @@ type Device struct {
 	stats    counters
 	// dist is what the device measures (Config.Distributions; nil: off).
 	dist *distributions
+	// uarm is the shared UAR memory of memory doorbells (nil: trapped).
+	uarm     *uarMemory
+	stopUARM sync.Once
 
 	// Interrupt state, touched from any goroutine.
 	icr atomic.Uint32
@@ -318,6 +347,22 @@ func New(cfg Config) (*Device, error) {
 	d.macl = uint32(d.mac[0]) | uint32(d.mac[1])<<8 | uint32(d.mac[2])<<16 | uint32(d.mac[3])<<24
 	d.mach = uint32(d.mac[4]) | uint32(d.mac[5])<<8
 	d.resetLocked()
+	if cfg.Doorbells == DoorbellsMemory {
+		u, err := newUARMemory(cfg.UARFile)
+		if err != nil && cfg.UARFile > 0 {
+			// The guest's mapping names the kept file: its user-space
+			// doorbells go unseen until its driver maps the BAR again.
+			d.log.Error("vdev: the kept UAR file does not map; user-space doorbells of this VM go unseen", "err", err)
+			u, err = newUARMemory(0)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("vdev: memory doorbells: %w", err)
+		}
+		d.uarm = u
+		if !cfg.manualDoorbellPoll {
+			d.startUARPoller()
+		}
+	}
 	return d, nil
 }
 
@@ -354,6 +399,9 @@ func (d *Device) Stats() Stats {
 		LocalInvs: s.localInvs.Load(), LocalInvRefused: s.localInvRefused.Load(),
 		FRMRRefused: s.frmrRefused.Load(),
 		ErrorCQEs:   s.errorCQEs.Load(), FlushCQEs: s.flushCQEs.Load(),
+		TrappedDoorbells: loadCounts(&s.trappedDBs), MemoryDoorbells: loadCounts(&s.memDBs),
+		MemoryBadDoorbells: s.memBad.Load(), DoorbellPasses: s.dbPasses.Load(),
+		ArmSafetyNets: s.armSafetyNets.Load(),
 	}
 }
 
@@ -422,6 +470,7 @@ func (d *Device) Reset() {
 // may Restore the device from its journal as after a crash (one that ends
 // the VM's session discards the journal).
 func (d *Device) Close() error {
+	d.stopUARM.Do(d.stopUARPoller) // it takes mu
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
@@ -429,6 +478,9 @@ func (d *Device) Close() error {
 	}
 	d.resetLocked()
 	d.closed = true
+	if d.uarm != nil {
+		d.uarm.close()
+	}
 	d.lim.Flush()
 	return nil
 }

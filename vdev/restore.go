@@ -123,6 +123,12 @@ func Restore(cfg Config, journal []byte) (*Device, RestoreReport, error) {
 	if err != nil {
 		return nil, rep, err
 	}
+	restored := false
+	defer func() {
+		if !restored {
+			d.releaseUARMemory() // (after the unlock below: the poller takes mu)
+		}
+	}()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	rp := newReplayer(d, &rep, recs)
@@ -135,6 +141,7 @@ func Restore(cfg Config, journal []byte) (*Device, RestoreReport, error) {
 	d.seq = last
 	// Settle what the replay rebuilt, so that the guest can go on.
 	rp.finish()
+	restored = true
 	return d, rep, nil
 }
 

@@ -18,6 +18,7 @@ func (d *Device) doorbell(off uint64, v uint32) {
 	h := v & abi.UARHandleMask
 	switch off % abi.UARPageSize {
 	case abi.UARQPOffset:
+		d.stats.trappedDBs[dbQP].Add(1)
 		guardSlow()
 		q, ok := d.qps.get(h)
 		if !ok || q.uar != page || q.sq == nil { // no rings: lost in a restore
@@ -33,6 +34,10 @@ func (d *Device) doorbell(off uint64, v uint32) {
 	case abi.UARCQOffset:
 		if v&abi.UARCQPoll != 0 {
 			d.stats.pollDoorbells.Add(1)
+			d.stats.trappedDBs[dbCQPoll].Add(1)
+		}
+		if v&(abi.UARCQArm|abi.UARCQArmSol) != 0 {
+			d.stats.trappedDBs[dbCQArm].Add(1)
 		}
 		c, ok := d.cqs.get(h)
 		if !ok || c.uar != page {
@@ -49,6 +54,7 @@ func (d *Device) doorbell(off uint64, v uint32) {
 			d.resumeStalled()
 		}
 	case abi.UARSRQOffset:
+		d.stats.trappedDBs[dbSRQ].Add(1)
 		guardSlow()
 		s, ok := d.srqs.get(h)
 		if !ok || s.uar != page || s.ring == nil {

@@ -81,7 +81,19 @@ func supervisedCrashScenario(self, peer string, server bool, rounds int) string 
 // guests after each kill. status counts the restarts, and the supervisor's
 // log names each. At the end an orderly stop of the supervisor ends the
 // worker and leaves no process behind.
-func TestSupervisedCrashKeepsVMs(t *testing.T) {
+func TestSupervisedCrashKeepsVMs(t *testing.T) { supervisedCrash(t, "") }
+
+// TestSupervisedCrashKeepsVMsMemoryDoorbells is TestSupervisedCrashKeepsVMs
+// with the VMs' doorbells in memory (doorbells=memory): the UAR memory the
+// guests' mappings name is kept (<vm>.uar) and the restarted worker watches
+// it, so the guests' posts after each kill are seen.
+func TestSupervisedCrashKeepsVMsMemoryDoorbells(t *testing.T) {
+	supervisedCrash(t, ",doorbells=memory")
+}
+
+// supervisedCrash runs TestSupervisedCrashKeepsVMs with vmOpts appended to
+// each --vm.
+func supervisedCrash(t *testing.T, vmOpts string) {
 	img := image(t)
 	ctx := context.Background()
 	bin := filepath.Join(t.TempDir(), "pvrdma-backend")
@@ -91,7 +103,7 @@ func TestSupervisedCrashKeepsVMs(t *testing.T) {
 	require.NoError(t, err, "go build: %s", out)
 
 	dir := filepath.Join(t.TempDir(), "pvrdma")
-	serve := exec.Command(bin, "serve", "--socket-dir", dir, "--gid-allow", "10.77.0.0/24", "--vm", "sk1", "--vm", "sk2")
+	serve := exec.Command(bin, "serve", "--socket-dir", dir, "--gid-allow", "10.77.0.0/24", "--vm", "sk1"+vmOpts, "--vm", "sk2"+vmOpts)
 	// A test that dies takes the supervisor with it (and it its worker).
 	serve.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	log := &syncBuf{}
@@ -169,11 +181,28 @@ func TestSupervisedCrashKeepsVMs(t *testing.T) {
 		assert.Equal(t, r, st.Supervisor.Restarts, "round %d: the supervisor's restarts", r)
 		assert.Equal(t, "killed by signal SIGKILL", st.Supervisor.LastExit)
 		t.Logf("round %d: kill -9 of the worker to both devices resumed: %v", r, back.Round(time.Millisecond))
+		if vmOpts != "" {
+			for _, v := range st.VMs {
+				t.Logf("round %d: %s doorbells=%s: %s", r, v.Name, v.Doorbells, nonzero(v.Counters))
+				assert.Equal(t, "memory", v.Doorbells, "%s", v.Name)
+			}
+		}
 		for _, v := range vms {
 			require.NoError(t, syscall.Kill(v.PID(), 0), "%s: its QEMU is alive", v.Name())
 		}
 	}
 
+	if vmOpts != "" {
+		// The guests' posts after the last restart were seen in memory.
+		var seen uint64
+		if st, err := ctl.Status(ctx); err == nil {
+			for _, v := range st.VMs {
+				seen += v.Counters["memory_qp_doorbells"]
+				t.Logf("after the last restart: %s: %s", v.Name, nonzero(v.Counters))
+			}
+		}
+		assert.NotZero(t, seen, "posts seen in memory")
+	}
 	res, err := vm.WaitAll(ctx, vms...)
 	require.NoError(t, err)
 	rcRE := regexp.MustCompile(`(?m)^rc=(\d+)$`)
