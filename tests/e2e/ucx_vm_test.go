@@ -161,8 +161,9 @@ func checkUCX(t *testing.T, res []vm.Result, devs ...string) {
 	}
 	if len(stalled) > 0 && !t.Failed() {
 		t.Skipf("everything else passed; UCT ud_verbs am_lat over our device stalled in %v. "+
-			"Issue 40, still open: the device completes every datagram in order (the guests' "+
-			"CQs are drained), then the pinging side never posts its next message; it comes "+
-			"and goes between runs and ways, over rxe it was not seen. E2E_UCX_STRICT=1 fails on it.", stalled)
+			"Issue 40, still open: every doorbell finds its WQE and every datagram is delivered "+
+			"and completed in order (the guests' CQs are drained), then the pinging side posts "+
+			"nothing more; it comes and goes between runs and ways, over rxe it was not seen. "+
+			"docs/ARCHITECTURE.md has the details; E2E_UCX_STRICT=1 fails on it.", stalled)
 	}
 }
