@@ -67,3 +67,39 @@ func TestFnIRQKeepsWhatCameBeforeTheFunction(t *testing.T) {
 	require.Eventually(t, func() bool { return fn.PendingMSIX(2) }, hangBound, time.Millisecond,
 		"the vector raised before the function existed is signalled (pending: no eventfd yet)")
 }
+
+// TestFnIRQTriggerSyncSignalsBeforeReturning: TriggerSync (the device's
+// command completion, raised on the goroutine answering the REQUEST write)
+// reaches the function before it returns, not through the signaller, which
+// may run after the write's reply: here the signaller is stopped, so only
+// a synchronous signal can leave the vector pending in the function (MSI-X
+// on, no eventfd yet). Before the function exists it is kept for the
+// signaller like any vector.
+func TestFnIRQTriggerSyncSignalsBeforeReturning(t *testing.T) {
+	i := newFnIRQ()
+	fn, err := pcidev.New(&vfiouser.Host{IRQs: &vfiouser.IRQs{}}, pcidev.Config{
+		VendorID: 0x15ad, DeviceID: 0x0820, ClassCode: 0x028000,
+		BARs: [6]pcidev.BAR{0: {Size: 16 << 10, Type: pcidev.BARMem32}},
+		MSIX: &pcidev.MSIX{Vectors: 3, BAR: 0, TableOffset: 0, PBAOffset: 0x2000},
+	})
+	require.NoError(t, err)
+	require.NoError(t, fn.WriteRegion(vfiouser.RegionConfig, 0x04, []byte{0x06, 0x00})) // memory, bus master
+	msix := uint64(0)
+	for off := uint64(0x40); off < 0x100; off += 4 {
+		b := make([]byte, 1)
+		require.NoError(t, fn.ReadRegion(vfiouser.RegionConfig, off, b))
+		if b[0] == 0x11 {
+			msix = off
+			break
+		}
+	}
+	require.NotZero(t, msix)
+	require.NoError(t, fn.WriteRegion(vfiouser.RegionConfig, msix+3, []byte{0x80})) // MSI-X enable
+
+	i.TriggerSync(1) // no function yet: left to the signaller, which has none either
+	i.stop()
+	i.fn.Store(fn)
+	i.TriggerSync(0)
+	require.True(t, fn.PendingMSIX(0), "signalled on the caller's goroutine, before TriggerSync returned")
+	require.False(t, fn.PendingMSIX(1), "the stopped signaller delivered nothing")
+}

@@ -718,6 +718,21 @@ func (i *fnIRQ) run() {
 	}
 }
 
+// TriggerSync signals vector on the calling goroutine before it returns
+// (vdev.SyncIRQ): the device's command completion, raised on the
+// goroutine that answers the guest's REQUEST write, so that QEMU has the
+// interrupt before the write's reply. Signalling does not block (a full
+// eventfd means an interrupt is pending anyway), and that goroutine is the
+// VM's own. Before the function exists it is left to the signaller.
+func (i *fnIRQ) TriggerSync(vector int) {
+	fn := i.fn.Load()
+	if fn == nil || vector < 0 || vector >= 64 {
+		i.Trigger(vector)
+		return
+	}
+	fn.Trigger(vector)
+}
+
 // setFn gives the signaller its function and signals what was raised
 // before it existed (a device rebuilt from its journal raises
 // notifications and events while it is rebuilt: none may be lost).

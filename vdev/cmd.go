@@ -62,9 +62,10 @@ func CommandName(c uint32) string {
 // execCommand runs the command in the command slot (a REQUEST write), as
 // pvrdma_cmd_post expects: ERR holds 0 or a positive errno when REQUEST
 // returns, the response (if the command has one) is in the response slot,
-// and vector 0 fires. The driver reads ERR first and only waits for the
-// interrupt and reads the response when ERR is 0; callers such as
-// MODIFY_QP also check the response's err.
+// and vector 0 fires, signalled before the write is answered (raiseSync).
+// The driver reads ERR first and only waits for the interrupt and reads
+// the response when ERR is 0; callers such as MODIFY_QP also check the
+// response's err.
 func (d *Device) execCommand() {
 	d.stats.commands.Add(1)
 	if d.uarm != nil && d.rp == nil {
@@ -81,7 +82,7 @@ func (d *Device) execCommand() {
 	} else {
 		d.errReg = 0
 	}
-	d.raise(abi.VectorResponse)
+	d.raiseSync(abi.VectorResponse)
 }
 
 func (d *Device) dispatch() error {

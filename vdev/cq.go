@@ -306,7 +306,7 @@ func (c *cq) put(q *qp, wc *hostverbs.WorkCompletion, w *workQueue, upTo uint32,
 	*e = abi.CQE{
 		WRID: wc.WRID, QP: uint64(q.handle), Opcode: uint32(wc.Opcode), Status: uint32(wc.Status),
 		ByteLen: wc.ByteLen, ImmData: wc.ImmData, SrcQP: wc.SrcQP, WCFlags: cqeFlags(wc.Flags, q.uar != 0),
-		VendorErr: wc.VendorErr, PKeyIndex: wc.PKeyIndex, SLID: wc.SLID, SL: wc.SL,
+		VendorErr: wc.VendorErr, PKeyIndex: wc.PKeyIndex, SLID: wc.SLID, SL: cqeSL(wc, q.uar != 0),
 		DLIDPathBits: wc.DLIDBits, PortNum: wc.Port, NetworkHdrType: uint8(wc.NetworkHdrType),
 	}
 	if e.PortNum == 0 {
@@ -419,4 +419,39 @@ func cqeFlags(f hostverbs.WCFlags, user bool) uint32 {
 		u |= ibvWCWithInv
 	}
 	return u
+}
+
+// RoCE packet types a user-space UD receive CQE's sl carries (bit 3: the
+// frame had a UDP header, RoCE v2; bits 2:0: its L3 header).
+const (
+	roceSLUDP  = 0x8
+	roceSLGRH  = 0x0
+	roceSLIPv6 = 0x1
+	roceSLIPv4 = 0x2
+)
+
+// cqeSL is a CQE's sl. On RoCE an SL does not travel with the packet, and
+// for a user QP's UD receive the CQE's sl says instead what the packet
+// came as, the way RoCE hardware reports it to user space (libibverbs'
+// ibv_wc has no network header type): RoCE v2 over IPv4 (0xa), over IPv6
+// (0x9), or RoCE v1 (0). Neither driver translates the field, and user
+// space reads it: UCX's UD transport, on RoCE, takes it to tell where the
+// receive buffer's 40-byte GRH area holds the destination address (the
+// last 4 bytes of the IPv4 header, or the GRH's DGID), and silently drops
+// every datagram whose destination is not one of the port's GIDs; with sl
+// 0 it read 16 bytes of an IPv4 header as a GID and dropped them all.
+// Kernel QPs keep the provider's sl: the kernel's consumers take the
+// packet type from network_hdr_type and build reply address handles from
+// the sl.
+func cqeSL(wc *hostverbs.WorkCompletion, user bool) uint8 {
+	if !user || wc.Flags&hostverbs.WCFlagWithNetworkHdrTyp == 0 || wc.Status != hostverbs.WCSuccess {
+		return wc.SL
+	}
+	switch wc.NetworkHdrType {
+	case hostverbs.NetworkIPv4:
+		return roceSLUDP | roceSLIPv4
+	case hostverbs.NetworkIPv6:
+		return roceSLUDP | roceSLIPv6
+	}
+	return roceSLGRH
 }

@@ -22,6 +22,21 @@ type IRQ interface {
 	Trigger(vector int)
 }
 
+// SyncIRQ is an IRQ that can also signal a vector before returning, on
+// the goroutine that serves the guest's register accesses. The device
+// signals a command's completion that way (when its IRQ offers it), so
+// that the interrupt is on its way before the REQUEST write that ran the
+// command is answered: the stock driver waits for it with
+// wait_for_completion_interruptible_timeout, which returns at once when
+// the waiting task has a signal pending unless the completion is already
+// done, so an interrupt that reached the guest only after the write had
+// retired failed the command (-ETIMEDOUT) for a task being signalled,
+// such as LIO's iSER teardown ("completion timeout or interrupted").
+type SyncIRQ interface {
+	IRQ
+	TriggerSync(vector int)
+}
+
 // Limits are per-VM resource quotas. A zero field selects the default
 // below; the capabilities reported to the guest are the smaller of these
 // and the provider's. Exceeding one fails the guest's command with an
@@ -537,4 +552,21 @@ func (d *Device) raise(v int) {
 	}
 	d.stats.interrupts.Add(1)
 	d.irq.Trigger(v)
+}
+
+// raiseSync is raise for the register-access goroutine: the vector is
+// signalled before it returns when the IRQ can (SyncIRQ).
+func (d *Device) raiseSync(v int) {
+	s, ok := d.irq.(SyncIRQ)
+	if !ok {
+		d.raise(v)
+		return
+	}
+	d.icr.Or(1 << v)
+	if d.imr.Load()&(1<<v) != 0 {
+		d.stats.maskedInterrupts.Add(1)
+		return
+	}
+	d.stats.interrupts.Add(1)
+	s.TriggerSync(v)
 }

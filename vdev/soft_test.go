@@ -295,6 +295,7 @@ func TestSoftUDAndGSI(t *testing.T) {
 	assert.EqualValues(t, 1, r.SrcQP)
 	assert.EqualValues(t, hostverbs.WCFlagGRH|hostverbs.WCFlagWithNetworkHdrTyp, r.WCFlags)
 	assert.EqualValues(t, hostverbs.NetworkIPv4, r.NetworkHdrType)
+	assert.Zero(t, r.SL, "a kernel QP's sl stays the provider's: the kernel reads network_hdr_type")
 	grh := gb.raw[b.buf : b.buf+40]
 	assert.EqualValues(t, 0x45, grh[20], "IPv4 header at GRH offset 20")
 	assert.Equal(t, gidA[12:], grh[20+12:20+16], "source address")

@@ -22,10 +22,16 @@ type Layer string
 
 // LayerStorage is what the kernel's RDMA storage consumers need: NVMe over Fabrics
 // (nvme-rdma, nvmet-rdma), NFS over RDMA (nfsd, nfsv4, rpcrdma), SRP (ib_srp, ib_srpt
-// on the SCSI target core), a RAM block device (brd) to serve, nfs-utils' rpc.nfsd,
-// rpc.mountd, exportfs and mount.nfs, and ioping. guest/storage.sh's helpers come
+// on the SCSI target core), iSER (ib_iser, ib_isert on LIO's iSCSI target), a RAM
+// block device (brd) to serve, nfs-utils' rpc.nfsd, rpc.mountd, exportfs and
+// mount.nfs, open-iscsi's iscsid and iscsiadm, and ioping. guest/storage.sh's helpers come
 // with it (at /usr/lib/pvt/storage.sh).
 const LayerStorage Layer = "storage"
+
+// LayerUCX is UCX from bookworm (ucx-utils' ucx_perftest and ucx_info, libucx0 with
+// its verbs transports, loaded by UCX at run time from its module directory), for
+// running UCX's own tests over the device. It has no kernel modules.
+const LayerUCX Layer = "ucx"
 
 // layerRecipe names how layers are assembled; bump it when layerSpec's use changes.
 // Each layer's own recipe is in its spec.
@@ -52,24 +58,38 @@ type layerSpec struct {
 // layers are the layers the image has.
 var layers = map[Layer]layerSpec{
 	LayerStorage: {
-		recipe: "storage-v1",
+		recipe: "storage-v2",
 		modules: []string{
 			"nvme_core", "nvme_fabrics", "nvme_rdma", "nvmet", "nvmet_rdma", "brd",
 			"sunrpc", "auth_rpcgss", "lockd", "grace", "rpcrdma", "nfsd", "nfs", "nfsv4",
 			"scsi_mod", "sd_mod", "scsi_transport_srp", "ib_srp", "target_core_mod", "target_core_iblock", "ib_srpt",
+			// iSCSI's login sets up CRC32C (digests) whether or not it uses them.
+			"scsi_transport_iscsi", "libiscsi", "ib_iser", "iscsi_target_mod", "ib_isert", "crc32c_generic",
 		},
-		packages: []string{"nfs-kernel-server", "nfs-common", "ioping"},
+		packages: []string{"nfs-kernel-server", "nfs-common", "ioping", "open-iscsi"},
 		programs: map[string][]string{
 			"nfs-kernel-server": {"usr/sbin/rpc.nfsd", "usr/sbin/rpc.mountd", "usr/sbin/exportfs"},
 			"nfs-common":        {"sbin/mount.nfs"},
 			"ioping":            {"usr/bin/ioping"},
+			"open-iscsi":        {"sbin/iscsid", "sbin/iscsiadm"},
 		},
 		// libtirpc reads /etc/netconfig; nfs-utils resolves protocol and service
-		// names.
-		data: []string{"etc/netconfig", "etc/protocols", "etc/services"},
+		// names; iscsiadm and iscsid read iscsid.conf.
+		data: []string{"etc/netconfig", "etc/protocols", "etc/services", "etc/iscsi/iscsid.conf"},
 		// nfsd's NFSv4 client tracking (the legacy one: a directory) and nfs-utils'
 		// state.
 		dirs: []string{"var/lib/nfs/v4recovery", "var/lib/nfs/rpc_pipefs"},
+	},
+	LayerUCX: {
+		recipe:   "ucx-v1",
+		packages: []string{"ucx-utils", "libucx0"},
+		programs: map[string][]string{
+			"ucx-utils": {"usr/bin/ucx_perftest", "usr/bin/ucx_info"},
+			// UCX opens its transports by these names (lib<framework>_<module>.so.0)
+			// in the ucx directory beside libucs: the verbs ones (UD, RC, DC) and
+			// shared memory's cma. Not rdmacm's: perftest connects through its own socket.
+			"libucx0": {"usr/lib/x86_64-linux-gnu/ucx/libuct_ib.so.0", "usr/lib/x86_64-linux-gnu/ucx/libuct_cma.so.0"},
+		},
 	},
 }
 
@@ -94,6 +114,9 @@ type layerManifest struct {
 func layerKernelRecipe() string {
 	parts := []string{strings.Join(guestModules, ",")}
 	for _, n := range sortedKeys(layers) {
+		if len(layers[n].modules) == 0 {
+			continue // a layer of programs only: the kernel component stays as it is
+		}
 		parts = append(parts, string(n)+"="+strings.Join(layers[n].modules, ","))
 	}
 	return strings.Join(parts, " ")

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -11,7 +12,7 @@ import (
 
 // Storage scenarios: a target guest and an initiator guest (both with LayerStorage) run
 // the kernel's RDMA storage consumers in turn (guest/storage.sh): NVMe over Fabrics,
-// NFSv4.2 over RDMA and SRP, each writing data, reading it back with direct I/O and
+// NFSv4.2 over RDMA, SRP and iSER, each writing data, reading it back with direct I/O and
 // checking it on both sides.
 
 // Storage consumers (StorageRun.Kind).
@@ -19,14 +20,23 @@ const (
 	StorageNVMe = "nvme" // nvmet-rdma target (RAM disk namespace), nvme-rdma host
 	StorageNFS  = "nfs"  // nfsd with an RDMA listener on 20049, an NFSv4.2 mount over RDMA
 	StorageSRP  = "srp"  // ib_srpt (RAM disk LUN), ib_srp logged in over rdma_cm
+	// StorageISER is iSCSI over RDMA: LIO's iSCSI target with an iSER portal (ib_isert,
+	// RAM disk LUN), open-iscsi's iscsid and iscsiadm logged in through its iser iface
+	// (ib_iser).
+	StorageISER = "iser"
 )
 
-// StorageConsumers are the consumers the test bed has.
+// StorageConsumers are the consumers every storage test runs (TestStorageConsumers,
+// the two hosts' and the crash tests).
 var StorageConsumers = []string{StorageNVMe, StorageNFS, StorageSRP}
+
+// storageKinds are the consumers a scenario may run: StorageConsumers and iSER, which
+// its own test runs (tests/e2e TestStorageISER).
+var storageKinds = append(slices.Clone(StorageConsumers), StorageISER)
 
 // StorageRun is one consumer run of a storage scenario.
 type StorageRun struct {
-	// Kind is the consumer: StorageNVMe, StorageNFS or StorageSRP.
+	// Kind is the consumer: StorageNVMe, StorageNFS, StorageSRP or StorageISER.
 	Kind string
 	// Section is the run's "=== " section; empty means Kind.
 	Section string
@@ -73,7 +83,7 @@ func StorageScenario(target bool, ibdev, self, peer string, mib int, runs ...Sto
 	}
 	b.WriteString("dmesg -c >/dev/null\n")
 	for _, r := range runs {
-		if !contains(StorageConsumers, r.Kind) || !storageWordRE.MatchString(r.Section) || !storageWordRE.MatchString(r.Opts) || r.Secs < 0 {
+		if !contains(storageKinds, r.Kind) || !storageWordRE.MatchString(r.Section) || !storageWordRE.MatchString(r.Opts) || r.Secs < 0 {
 			return "", fmt.Errorf("storage scenario: bad run %+v", r)
 		}
 		call := fmt.Sprintf("pvt_storage_target %s %s %s %s %d %d", r.Kind, ibdev, self, peer, mib, r.Secs)

@@ -42,7 +42,7 @@ echo '=== end'
 		mib int
 		r   StorageRun
 	}{
-		{"rxe0", 32, StorageRun{Kind: "iser"}},
+		{"rxe0", 32, StorageRun{Kind: "fcoe"}},
 		{"rxe0", 32, StorageRun{Kind: StorageNFS, Opts: "x'; reboot; '"}},
 		{"rxe0", 32, StorageRun{Kind: StorageNFS, Section: "a b"}},
 		{"rxe0", 32, StorageRun{Kind: StorageNFS, Secs: -1}},

@@ -1,8 +1,9 @@
 # Helpers for the kernel's RDMA storage consumers (vm.LayerStorage), busybox sh; sourced
 # after lib.sh. A target guest serves a RAM disk (brd) over NVMe-oF (nvmet-rdma), SRP
-# (ib_srpt) or a tmpfs over NFSv4.2/RDMA (nfsd); an initiator guest connects, writes,
-# reads back. Everything is set up through configfs, sysfs, /dev/nvme-fabrics and
-# /proc/fs/nfsd as the kernel documents them, plus nfs-utils for NFS.
+# (ib_srpt), iSER (LIO's iSCSI target with ib_isert) or a tmpfs over NFSv4.2/RDMA
+# (nfsd); an initiator guest connects, writes, reads back. Everything is set up through
+# configfs, sysfs, /dev/nvme-fabrics and /proc/fs/nfsd as the kernel documents them, plus
+# nfs-utils for NFS and open-iscsi's iscsid and iscsiadm for the iSER initiator.
 
 # pvt_configfs: mount configfs (/init does only if the module was loaded before it).
 pvt_configfs() {
@@ -210,6 +211,87 @@ pvt_srp_logout() {
 	true
 }
 
+# pvt_isert_target SELF DEV: export block device DEV as LUN 0 of LIO's iSCSI target
+# $PVT_ISER_IQN, with an iSER portal on SELF:3260 (ib_isert), open to any initiator
+# (generated node ACLs, no authentication).
+PVT_ISER_IQN=iqn.2026-11.test.pvt:iser
+pvt_isert_target() {
+	pvt_configfs && modprobe target_core_iblock && modprobe crc32c_generic && modprobe ib_isert || return 1
+	_c=/sys/kernel/config/target
+	mkdir -p "$_c/core/iblock_1/iser0" || return 1
+	echo "udev_path=$2" >"$_c/core/iblock_1/iser0/control" || return 1
+	echo 1 >"$_c/core/iblock_1/iser0/enable" || return 1
+	_t="$_c/iscsi/$PVT_ISER_IQN/tpgt_1"
+	mkdir -p "$_t/lun/lun_0" || return 1
+	ln -s "$_c/core/iblock_1/iser0" "$_t/lun/lun_0/iser0" || return 1
+	mkdir -p "$_t/np/$1:3260" || return 1
+	echo 1 >"$_t/np/$1:3260/iser" || return 1
+	for _a in authentication=0 generate_node_acls=1 cache_dynamic_acls=1 demo_mode_write_protect=0; do
+		echo "${_a#*=}" >"$_t/attrib/${_a%=*}" || return 1
+	done
+	echo 1 >"$_t/enable" || return 1
+	echo "pvt: iSER portal $1:3260 iser=$(cat "$_t/np/$1:3260/iser")" >&2
+}
+
+# pvt_isert_remove: undo pvt_isert_target.
+pvt_isert_remove() {
+	_c=/sys/kernel/config/target
+	_t="$_c/iscsi/$PVT_ISER_IQN/tpgt_1"
+	if [ -d "$_t" ]; then
+		echo 0 >"$_t/enable"
+		rm -f "$_t/lun/lun_0/iser0"
+		rmdir "$_t/lun/lun_0"
+		for _n in "$_t"/np/*; do
+			[ -d "$_n" ] || continue
+			echo 0 >"$_n/iser"
+			rmdir "$_n"
+		done
+		rmdir "$_t" "${_t%/*}"
+	fi
+	rmdir "$_c/core/iblock_1/iser0" "$_c/core/iblock_1"
+	true
+}
+
+# pvt_iser_login TARGET: start iscsid, log in to TARGET:3260's $PVT_ISER_IQN through
+# open-iscsi's iser iface (ib_iser), wait for its LUN's SCSI disk and print its path.
+pvt_iser_login() {
+	modprobe crc32c_generic && modprobe ib_iser && modprobe sd_mod || return 1
+	mkdir -p /etc/iscsi /var/lib/iscsi /run/lock/iscsi || return 1
+	echo "InitiatorName=iqn.2026-11.test.pvt:host" >/etc/iscsi/initiatorname.iscsi
+	[ -e /etc/iscsi/iscsid.conf ] || : >/etc/iscsi/iscsid.conf
+	if ! pidof iscsid >/dev/null; then
+		setsid iscsid -f -d 1 >/tmp/iscsid.log 2>&1 &
+		sleep 1
+	fi
+	iscsiadm -m node -o new -T "$PVT_ISER_IQN" -p "$1:3260" -I iser >&2 || return 1
+	iscsiadm -m node -T "$PVT_ISER_IQN" -p "$1:3260" -I iser -o update -n node.session.initial_login_retry_max -v 2 >&2
+	if ! timeout 120 iscsiadm -m node -T "$PVT_ISER_IQN" -p "$1:3260" -I iser --login >&2; then
+		echo "pvt: iSER login failed; iscsid said:" >&2
+		tail -40 /tmp/iscsid.log >&2
+		dmesg | tail -30 >&2
+		return 1
+	fi
+	_t=0
+	while [ $_t -lt 100 ]; do
+		for _d in /sys/class/iscsi_session/session*/device/target*/*/block/sd*; do
+			[ -e "$_d" ] && [ -b /dev/"${_d##*/}" ] && { echo /dev/"${_d##*/}"; return 0; }
+		done
+		sleep 0.1
+		_t=$((_t + 1))
+	done
+	echo "pvt: the iSER target's LUN has no SCSI disk" >&2
+	return 1
+}
+
+# pvt_iser_logout TARGET: log out of TARGET's $PVT_ISER_IQN, forget it, stop iscsid.
+pvt_iser_logout() {
+	iscsiadm -m node -T "$PVT_ISER_IQN" -p "$1:3260" -I iser --logout
+	iscsiadm -m node -o delete -T "$PVT_ISER_IQN" -p "$1:3260" -I iser >/dev/null 2>&1
+	_p=$(pidof iscsid) && kill $_p
+	grep -i 'err\|fail' /tmp/iscsid.log | tail -5
+	true
+}
+
 # --- One consumer run between two guests ---------------------------------------------
 # The target guest runs pvt_storage_target, the initiator pvt_storage_host, with the same
 # KIND (nvme, nfs or srp); they keep in step with pvt_send/pvt_recv (target on port
@@ -231,6 +313,7 @@ pvt_storage_target() {
 		nvme) pvt_nvmet_target "$_self" 4420 pvt-nvme /dev/ram0 || _rc=1 ;;
 		nfs) pvt_nfsd_rdma /export "$_peer"/32 $((_mib + 16)) || _rc=1 ;;
 		srp) _info=$(pvt_srpt_target "$_dev" "$_self" /dev/ram1) || _rc=1 ;;
+		iser) pvt_isert_target "$_self" /dev/ram1 || _rc=1 ;;
 		*) echo "pvt: no consumer $_k"; _rc=1 ;;
 		esac
 	fi
@@ -244,7 +327,7 @@ pvt_storage_target() {
 		nvme) echo "sum_target=$(pvt_sum /dev/ram0 "$_mib")" ;;
 		# tmpfs has no O_DIRECT (6.1): the server's own view of the file.
 		nfs) echo "sum_target=$(md5sum /export/data | cut -d' ' -f1)" ;;
-		srp) echo "sum_target=$(pvt_sum /dev/ram1 "$_mib")" ;;
+		srp | iser) echo "sum_target=$(pvt_sum /dev/ram1 "$_mib")" ;;
 		esac
 	else
 		echo "pvt: the initiator wrote nothing"
@@ -255,6 +338,7 @@ pvt_storage_target() {
 	nvme) pvt_nvmet_remove pvt-nvme ;;
 	nfs) pvt_nfsd_stop /export ;;
 	srp) pvt_srpt_remove ;;
+	iser) pvt_isert_remove ;;
 	esac
 	echo "--- dmesg"
 	dmesg -c
@@ -280,6 +364,7 @@ pvt_storage_host() {
 		nvme) _path=$(pvt_nvme_connect "$_peer" 4420 pvt-nvme "$_opts") || _rc=1 ;;
 		nfs) pvt_nfs_mount "$_peer" /mnt/nfs 20049 "$_opts" && _path=/mnt/nfs/data || _rc=1 ;;
 		srp) _path=$(pvt_srp_login "$_dev" "$_self" "$_peer" "$_info" 5555 "$_opts") || _rc=1 ;;
+		iser) _path=$(pvt_iser_login "$_peer") || _rc=1 ;;
 		esac
 	fi
 	[ $_rc = 0 ] && echo "pvt: $_k device $_path"
@@ -300,6 +385,7 @@ pvt_storage_host() {
 		umount /mnt/nfs 2>/dev/null
 		;;
 	srp) pvt_srp_logout ;;
+	iser) pvt_iser_logout "$_peer" ;;
 	esac
 	pvt_send "$_peer" 7001 120 "$_k-done" || _rc=1
 	echo "--- dmesg"

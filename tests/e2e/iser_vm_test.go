@@ -1,0 +1,58 @@
+//go:build vm
+
+package e2e
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
+)
+
+// iserLogoutErrors are what the target's kernel must not log about a run of iSER up to
+// the initiator's logout: the stock driver's failed command wait, the QP it then could
+// not move to ERR, and the drain warnings that follow in isert_wait_conn.
+var iserLogoutErrors = []string{"completion timeout", "could not modify queuepair", "WARNING"}
+
+// TestStorageISER: iSCSI over RDMA between two stock guests, LIO's iSCSI target with an
+// iSER portal (ib_isert) on a RAM disk and open-iscsi's initiator (ib_iser): 32 MiB
+// written and read back with direct I/O, the data checked on both sides, then a logout.
+// Over kernel rxe in the guests (the control) and over our device, in this run; on both,
+// the target's kernel log of the run must hold none of iserLogoutErrors. Over our
+// device it logged them at every logout while the command-done interrupt could reach
+// QEMU after the REQUEST write's reply (the stock driver waits for it interruptibly, and
+// LIO tears the connection down from a signalled thread).
+func TestStorageISER(t *testing.T) {
+	img := image(t)
+	ctx := context.Background()
+	run := vm.StorageRun{Kind: vm.StorageISER}
+	for _, tr := range []storageTransport{transportRxe, transportPvrdma} {
+		t.Run(tr.name, func(t *testing.T) {
+			var d *backend.Daemon
+			names := [2]string{"is" + tr.name[:1] + "1", "is" + tr.name[:1] + "2"}
+			if tr == transportPvrdma {
+				d = daemon(t, backend.Config{}, names[0], names[1])
+			}
+			nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
+			require.NoError(t, err)
+			cfgs := storagePair(t, tr, d, names, storageMiB, run)
+			res := runGuests(ctx, t, img, nw, 10*time.Minute, cfgs[0], cfgs[1])
+			got := checkStorage(t, tr.name, res, run)
+			sr, ok := got[vm.StorageISER]
+			require.True(t, ok)
+			t.Logf("%s target kernel log:\n%s", tr.name, sr.TargetDmesg)
+			for _, bad := range iserLogoutErrors {
+				assert.NotContains(t, sr.TargetDmesg, bad, "%s: the target's kernel log after the logout", tr.name)
+			}
+			assert.Contains(t, sr.HostDmesg, "iser", "%s: the initiator logged in over iSER", tr.name)
+			if d != nil {
+				t.Logf("daemon counters: %s", nonzero(d.Status().Counters))
+			}
+		})
+	}
+}
