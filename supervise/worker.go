@@ -78,7 +78,7 @@ const (
 // sent it SIGTERM), it removes the supervisor's notify socket directory,
 // which nobody else would.
 func WorkerDone(info WorkerInfo) {
-	if info.SupervisorPID == 0 || os.Getppid() == info.SupervisorPID {
+	if info.SupervisorPID == 0 || (os.Getppid() == info.SupervisorPID && !dying(info.SupervisorPID)) {
 		return
 	}
 	sock := os.Getenv("NOTIFY_SOCKET")
@@ -93,4 +93,34 @@ func WorkerDone(info WorkerInfo) {
 	}
 	_ = os.Remove(sock)
 	_ = os.Remove(dir)
+}
+
+// dying reports whether process pid is gone, a zombie, or being killed with SIGKILL.
+// The parent-death signal fires when the thread that started the worker ends: when a
+// kill -9 of the supervisor ends that thread first, the worker's parent is still
+// another thread of the dying supervisor, and its PID is the supervisor's.
+func dying(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return true
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		v = strings.TrimSpace(v)
+		switch k {
+		case "State":
+			if strings.HasPrefix(v, "Z") || strings.HasPrefix(v, "X") {
+				return true
+			}
+		case "ShdPnd":
+			// A kill -9 stays pending for the whole thread group while it exits.
+			if set, err := strconv.ParseUint(v, 16, 64); err == nil && set&(1<<(uint(syscall.SIGKILL)-1)) != 0 {
+				return true
+			}
+		}
+	}
+	return false
 }
