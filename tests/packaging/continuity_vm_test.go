@@ -127,14 +127,23 @@ func (c *container) guest(name, ip, scenario string, modules []string) vm.Config
 	}
 }
 
-// daemonPID finds the packaged daemon's process (seen from the host).
-func daemonPID(t *testing.T) int {
+// daemonPID returns the PID of the packaged daemon that runs in c's container (a
+// descendant of its systemd-nspawn), or 0. Only c's: a container another test left
+// running (one whose test binary was killed) runs the same command line.
+func (c *container) daemonPID(t *testing.T) int {
 	t.Helper()
 	ents, _ := os.ReadDir("/proc")
+	parent := map[int]int{}
+	var daemons []int
 	for _, e := range ents {
 		pid, err := strconv.Atoi(e.Name())
 		if err != nil {
 			continue
+		}
+		if st, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat")); err == nil {
+			if f := strings.Fields(string(st[bytes.LastIndexByte(st, ')')+1:])); len(f) > 1 {
+				parent[pid], _ = strconv.Atoi(f[1])
+			}
 		}
 		cl, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
 		if err != nil {
@@ -142,7 +151,14 @@ func daemonPID(t *testing.T) int {
 		}
 		args := strings.Split(string(cl), "\x00")
 		if len(args) > 2 && args[0] == "/usr/bin/pvrdma-backend" && args[1] == "serve" {
-			return pid
+			daemons = append(daemons, pid)
+		}
+	}
+	for _, pid := range daemons {
+		for p, hops := pid, 0; p > 1 && hops < 64; p, hops = parent[p], hops+1 {
+			if p == c.cmd.Process.Pid {
+				return pid
+			}
 		}
 	}
 	return 0
@@ -209,13 +225,13 @@ func TestCrashKeepsVMs(t *testing.T) {
 		mark := fmt.Sprintf("=== during%d", r)
 		require.NoError(t, vm.WaitMarked(5*time.Minute, mark, vms...), "round %d", r)
 		time.Sleep(2 * time.Second) // into the ping-pong
-		pid := daemonPID(t)
+		pid := c.daemonPID(t)
 		require.NotZero(t, pid, "the daemon runs")
 		killed := time.Now()
 		require.NoError(t, syscall.Kill(pid, syscall.SIGKILL))
 		var back time.Duration
 		require.Eventually(t, func() bool {
-			np := daemonPID(t)
+			np := c.daemonPID(t)
 			if np == 0 || np == pid {
 				return false
 			}

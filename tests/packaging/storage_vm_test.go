@@ -60,13 +60,13 @@ func TestStorageSurvivesCrash(t *testing.T) {
 	for _, r := range runs {
 		require.NoError(t, vm.WaitStorageIO(10*time.Minute, vms[1], r.Kind))
 		time.Sleep(3 * time.Second) // into the I/O
-		pid := daemonPID(t)
+		pid := c.daemonPID(t)
 		require.NotZero(t, pid, "the daemon runs")
 		killed := time.Now()
 		require.NoError(t, syscall.Kill(pid, syscall.SIGKILL))
 		var back time.Duration
 		require.Eventually(t, func() bool {
-			np := daemonPID(t)
+			np := c.daemonPID(t)
 			if np == 0 || np == pid {
 				return false
 			}
