@@ -164,15 +164,16 @@ soak:
 	PVRDMA_SOAK_SESSIONS=$(SOAK_SESSIONS) $(GO) test -count=1 -run TestSoakSessions -v -timeout 30m ./tests/hostile
 
 # Guests through our device vs rxe in the guest, same run, as ratios (verbs, then the
-# kernel's NVMe-oF); then the ibverbs relay vs a plain libibverbs program on the same
-# rxe device in one guest.
+# kernel's NVMe-oF, then the two doorbell modes); then the ibverbs relay vs a plain
+# libibverbs program on the same rxe device in one guest.
 bench-vm: image
 	$(GO) test -tags vm -run '^$$' -bench VMvsRxe -benchtime 1x -timeout 30m ./tests/e2e
 	$(GO) test -tags vm -run '^$$' -bench StorageVsRxe -benchtime 1x -timeout 30m ./tests/e2e
+	$(GO) test -tags vm -run '^$$' -bench Doorbells -benchtime 1x -timeout 60m ./tests/e2e
 	$(GO) test -tags vm -run '^$$' -bench RelayVsPlain -benchtime 1x -timeout 30m ./hostverbs/ibverbs
 
 # The benchmark report, docs/BENCHMARKS.md: runs the benchmarks above section by section
-# (tests/benchreport/sections.go: device, wire, incast, vm, storage, relay, scale,
+# (tests/benchreport/sections.go: device, wire, incast, vm, storage, doorbells, relay, scale,
 # handover, hosts), each with its date, commit, machine, load average and exact command,
 # and writes the figures as the benchmarks printed them. BENCH_SECTIONS=wire,scale
 # regenerates only those sections (the others stay as they are). Run it on a machine

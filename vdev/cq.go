@@ -64,6 +64,10 @@ type cq struct {
 	// watched mirrors suspect for the completion paths (which do not
 	// hold Device.mu): a CQE for a watched CQ wakes the poller.
 	watched atomic.Bool
+	// memDB says the CQ's context rings its doorbells in memory (memory
+	// mode, a user context's page): a CQE for it is activity that keeps
+	// the poller awake, since the guest is about to poll and post.
+	memDB bool
 
 	// rec and resizeRec are the journal payloads of its CREATE_CQ and last
 	// RESIZE_CQ (Checkpoint; guarded by Device.mu).
@@ -98,7 +102,8 @@ func (d *Device) cmdCreateCQ(req, resp []byte) error {
 	if err != nil {
 		return err
 	}
-	c := &cq{dev: d, uar: uar, ring: ring, pages: len(pages), cost: costCQ + uint64(len(pages))*costPageEntry}
+	c := &cq{dev: d, uar: uar, ring: ring, pages: len(pages), cost: costCQ + uint64(len(pages))*costPageEntry,
+		memDB: d.uarm != nil && uar != 0 && uar < UARPages}
 	if err := d.heap.Charge(c.cost); err != nil {
 		return fmt.Errorf("CQ of %d CQEs: %w", r.CQE, err)
 	}
@@ -369,7 +374,7 @@ func (c *cq) unlock() {
 	notify, cqErr := c.notifyDue, c.errDue
 	c.notifyDue, c.errDue = false, false
 	c.mu.Unlock()
-	if c.watched.Load() {
+	if c.memDB || c.watched.Load() {
 		c.dev.kickUAR()
 	}
 	if cqErr {

@@ -111,7 +111,8 @@ type uarMemory struct {
 	suspects                   int // CQs with suspect set, at most (checkSuspects recounts)
 	// contexts is how many user contexts the last pass found.
 	contexts atomic.Int32
-	// kick wakes the poller: a CQE for a suspect CQ (cq.watched).
+	// kick wakes the poller: a CQE for a user CQ (cq.memDB) or a suspect
+	// CQ (cq.watched).
 	kick chan struct{}
 }
 
@@ -227,8 +228,12 @@ func (d *Device) stopUARPoller() {
 }
 
 // runUARPoller passes over the shared UAR pages until ctx ends: adaptive
-// and bounded, busy (yielding) for uarSpinFor after the last doorbell,
-// then sleeping longer and longer, up to uarSleepMax.
+// and bounded, busy (yielding) for uarSpinFor after the last activity (a
+// doorbell seen, or a CQE written for a user CQ: its consumer is about to
+// poll, re-arm and post), then sleeping longer and longer, up to
+// uarSleepMax. An event-driven consumer rings only after its CQE came, so
+// the CQE's wake-up is what makes its doorbells seen at once, not a sleep
+// later.
 func (d *Device) runUARPoller(ctx context.Context) {
 	sleep := uarSleepMin
 	var last time.Time
@@ -244,6 +249,11 @@ func (d *Device) runUARPoller(ctx context.Context) {
 		if now.Sub(last) < uarSpinFor {
 			if ctx.Err() != nil {
 				return
+			}
+			select {
+			case <-d.uarm.kick:
+				last = now // a CQE came for a user CQ: keep watching
+			default:
 			}
 			runtime.Gosched()
 			continue
@@ -262,6 +272,10 @@ func (d *Device) runUARPoller(ctx context.Context) {
 			if !t.Stop() {
 				<-t.C
 			}
+			// A CQE for a user CQ (or a suspect's): the guest is about
+			// to poll and post; watch closely for a while.
+			last, sleep = time.Now(), uarSleepMin
+			continue
 		}
 		sleep = min(2*sleep, uarSleepMax)
 		if d.uarm.contexts.Load() == 0 {
@@ -466,7 +480,8 @@ func (d *Device) checkSuspects(now time.Time) (due time.Time) {
 	return due
 }
 
-// kickUAR wakes the poller (a CQE for a suspect CQ: its grace starts).
+// kickUAR wakes the poller (a CQE for a user CQ: its consumer is about to
+// ring; for a suspect CQ, its grace starts).
 func (d *Device) kickUAR() {
 	if u := d.uarm; u != nil {
 		select {

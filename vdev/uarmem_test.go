@@ -605,3 +605,25 @@ func TestMemoryDoorbellsBeforeCommand(t *testing.T) {
 	assert.EqualValues(t, 1, st.MemoryDoorbells.CQPoll)
 	assert.Zero(t, st.MemoryBadDoorbells)
 }
+
+// TestMemoryDoorbellsCQEWakesPoller: a CQE for a user CQ wakes a sleeping
+// poller whether or not the CQ is a suspect: an event-driven consumer
+// polls, re-arms and posts right after its CQE, and those doorbells must
+// be seen at once, not a back-off sleep later.
+func TestMemoryDoorbellsCQEWakesPoller(t *testing.T) {
+	s := newMemCQs(t, 1)
+	g := s.g
+	now := time.Unix(9500, 0)
+	s.postRecvs(2, now)
+	g.store(1, abi.UARCQOffset, abi.UARCQArm|s.cqs[0].handle)
+	_, _ = g.dev.pollUAR(now.Add(time.Microsecond))
+	c, ok := g.dev.cqs.get(s.cqs[0].handle)
+	require.True(t, ok)
+	require.False(t, c.watched.Load(), "armed and seen: not a suspect")
+	for len(g.dev.uarm.kick) > 0 {
+		<-g.dev.uarm.kick
+	}
+	s.qps[0].fq.finish(t, true, 0, hostverbs.WorkCompletion{Opcode: hostverbs.WCRecv})
+	assert.Len(t, g.dev.uarm.kick, 1, "the CQE of a user CQ wakes the poller")
+	assert.Equal(t, []uint32{s.cqs[0].handle}, g.notifications(), "and the armed CQ is notified")
+}

@@ -86,6 +86,20 @@ var sections = []Section{
 		Args: []string{"-tags", "vm", "-run", "^$", "-bench", "StorageVsRxe", "-benchtime", "1x", "-timeout", "30m", "./tests/e2e"},
 	},
 	{
+		Name: "doorbells", Title: "Doorbells trapped and in memory, against rxe", Target: "make bench-vm",
+		About: "Three pairs of stock guests (TCG) in one run: kernel rxe in the guests, our device with doorbells " +
+			"trapped (each UAR write a VM exit and a vfio-user round trip), and our device with doorbells in " +
+			"memory (`doorbells=memory`: the guests' user-space doorbells are stores the daemon polls). Each pair " +
+			"runs `ib_write_lat` 2 B, `ib_send_bw` 64 B (message rate), `ibv_rc_pingpong` 64 B busy-polling and " +
+			"event-driven (`-e`), UCX's `ucx_perftest` am_lat over rc_verbs, and NVMe-oF 4 KiB random reads and " +
+			"writes at queue depth 1 (`BenchmarkDoorbells`). The tables give each figure, each mode against rxe and " +
+			"memory against trapped (`x_mem_vs_trap_...`), the doorbells trapped and seen in memory per operation, " +
+			"and the daemon's CPU per VM (a daemon process per mode, its CPU time over wall time, halved) while " +
+			"both guests hold an idle context and over the workloads. The kernel's consumers ring on UAR page 0, " +
+			"trapped in both modes. Every figure is dominated by TCG: compare the ratios, not the absolute values.",
+		Args: []string{"-tags", "vm", "-run", "^$", "-bench", "Doorbells", "-benchtime", "1x", "-timeout", "60m", "./tests/e2e"},
+	},
+	{
 		Name: "relay", Title: "The ibverbs relay against a plain libibverbs program", Target: "make bench-vm",
 		About: "In one TCG guest with kernel rxe, the relay (`--transport ibverbs`) against a plain C libibverbs " +
 			"program on the same rxe device: 64 KiB WRITE throughput and 8-byte SEND post-to-completion, in the " +

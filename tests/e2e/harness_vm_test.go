@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -96,6 +97,18 @@ func pvrdmaGuestIn(dir, name, ip, scenario string) vm.Config {
 		ExtraArgs: append([]string{"-device", string(dev)}, backend.VMSpec{QMPSocket: backend.QMPSocketPath(dir, name)}.QMPArgs()...),
 		Scenario:  scenario,
 	}
+}
+
+// buildDaemon builds the daemon's binary from this tree into a temporary
+// directory and returns its path.
+func buildDaemon(t testing.TB) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "pvrdma-backend")
+	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
+	build.Dir = repoDir(t)
+	out, err := build.CombinedOutput()
+	require.NoError(t, err, "go build: %s", out)
+	return bin
 }
 
 // quietLogger logs only warnings and errors (benchmarks).

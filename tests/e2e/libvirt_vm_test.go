@@ -116,22 +116,18 @@ func TestLibvirtDomain(t *testing.T) {
 	work := t.TempDir()
 	sockDir := filepath.Join(work, "sock")
 	d := daemon(t, backend.Config{SocketDir: sockDir})
-	bin := filepath.Join(work, "pvrdma-backend")
-	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
-	build.Dir = repoDir(t)
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "build: %s", out)
+	bin := buildDaemon(t)
 	emulator := filepath.Join(work, "qemu-system-x86_64")
 	require.NoError(t, img.WriteQEMUWrapper(emulator))
 
 	// doctor, given the test bed's QEMU, finds what the VM needs.
-	out, _ = exec.Command(bin, "doctor", "--qemu", emulator, "--socket-dir", sockDir).CombinedOutput() // exit status: the host may lack pieces the VM test does not need
+	out, _ := exec.Command(bin, "doctor", "--qemu", emulator, "--socket-dir", sockDir).CombinedOutput() // exit status: the host may lack pieces the VM test does not need
 	t.Logf("pvrdma-backend doctor --qemu %s:\n%s", emulator, out)
 	require.Regexp(t, `(?m)^OK +qemu +QEMU 1\d\.\d+\.\d+ at .*, with vfio-user-pci, vmxnet3 and memory-backend-memfd$`, string(out))
 	require.Regexp(t, `(?m)^OK +memfd-seal `, string(out))
 
 	const name = "lv1"
-	out, err = exec.Command(bin, "libvirt-xml", "--vm", name, "--socket-dir", sockDir, "--mem", "512M",
+	out, err := exec.Command(bin, "libvirt-xml", "--vm", name, "--socket-dir", sockDir, "--mem", "512M",
 		"--domain-type", "qemu", "--nic", "user", "--emulator", emulator, "--lock="+strconv.FormatBool(vm.CanRaiseMemlock())).CombinedOutput()
 	require.NoError(t, err, "libvirt-xml: %s", out)
 	domain := string(out)
@@ -275,7 +271,7 @@ func libvirtSaveImage(domainXML string) []byte {
 }
 
 // repoDir is the module's root directory.
-func repoDir(t *testing.T) string {
+func repoDir(t testing.TB) string {
 	t.Helper()
 	out, err := exec.Command("go", "list", "-m", "-f", "{{.Dir}}").Output()
 	require.NoError(t, err)

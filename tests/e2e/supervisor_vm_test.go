@@ -96,11 +96,7 @@ func TestSupervisedCrashKeepsVMsMemoryDoorbells(t *testing.T) {
 func supervisedCrash(t *testing.T, vmOpts string) {
 	img := image(t)
 	ctx := context.Background()
-	bin := filepath.Join(t.TempDir(), "pvrdma-backend")
-	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
-	build.Dir = repoDir(t)
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "go build: %s", out)
+	bin := buildDaemon(t)
 
 	dir := filepath.Join(t.TempDir(), "pvrdma")
 	serve := exec.Command(bin, "serve", "--socket-dir", dir, "--gid-allow", "10.77.0.0/24", "--vm", "sk1"+vmOpts, "--vm", "sk2"+vmOpts)

@@ -192,12 +192,8 @@ func upgradeDuring(t *testing.T, vms []*vm.VM, mark string, all []*backend.Contr
 // (fabA/fabB) for 10.77.0.0/24, as TestTwoHosts runs them.
 func twoHosts(t *testing.T) (bin string, nwA, nwB *vm.Network) {
 	t.Helper()
-	bin = filepath.Join(t.TempDir(), "pvrdma-backend")
-	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
-	build.Dir = repoDir(t)
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "go build: %s", out)
-	nwA, err = vm.NewNetwork(t, vm.NetworkConfig{})
+	bin = buildDaemon(t)
+	nwA, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	nwB, err = vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
