@@ -86,6 +86,10 @@ type VMSpec struct {
 	// RoCEMode is the VM's RoCE version as registered ("v1" or "v2";
 	// empty: the daemon's default).
 	RoCEMode string
+	// Doorbells is the VM's doorbell mode as registered ("trapped" or
+	// "memory"; empty: the daemon's default, trapped). It changes nothing
+	// in QEMU's arguments: QEMU maps what the device offers.
+	Doorbells string
 	// QEMUUID and QEMUGID, if set, are the credentials the VM's QEMU runs
 	// with (VMRequest.QEMUUID); libvirt-xml gives the domain a static DAC
 	// label with them, so libvirt starts its QEMU so.

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/vdev"
 )
 
 // sizeFlag parses sizes like 512M, 1G, 1073741824.
@@ -33,7 +34,7 @@ func (s *sizeFlag) Set(v string) error {
 
 type vmFlags struct {
 	name, mac, netdev, socketDir, bus string
-	gidAllow, roceMode                string
+	gidAllow, roceMode, doorbells     string
 	slot                              int
 	mem                               sizeFlag
 	qmp                               bool
@@ -49,6 +50,7 @@ func (v *vmFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&v.socketDir, "socket-dir", defaultSocketDir, "daemon socket directory")
 	fs.StringVar(&v.gidAllow, "gid-allow", "", "GID prefixes the VM may bind (CIDR, comma-separated; \"none\": only its own link-local GID); default: the daemon's --gid-allow")
 	fs.StringVar(&v.roceMode, "roce-mode", "", "the VM's RoCE version, v1 or v2 (its device offers one); default: the daemon's --roce-mode")
+	fs.StringVar(&v.doorbells, "doorbells", "", "how the guest's user-space doorbells reach the daemon: trapped (each a VM exit and a round trip to the daemon) or memory (stores to memory shared with QEMU that the daemon polls: for busy-polling applications; README \"Doorbells\"); default trapped")
 	v.mem = 1 << 30
 	fs.Var(&v.mem, "mem", "guest RAM size, backed by a shared memfd")
 	fs.UintVar(&v.qemuUID, "qemu-uid", 0, "the user ID the VM's QEMU runs as, if it has one of its own: the VM's sockets then admit only it (and root); libvirt-xml gives the domain that DAC label")
@@ -104,6 +106,13 @@ func (v *vmFlags) spec() (backend.VMSpec, error) {
 		}
 		spec.GIDAllow = backend.FormatGIDAllow(allow)
 	}
+	if v.doorbells != "" {
+		m, err := vdev.ParseDoorbellMode(v.doorbells)
+		if err != nil {
+			return spec, fmt.Errorf("--doorbells: %w", err)
+		}
+		spec.Doorbells = m.String()
+	}
 	if v.roceMode != "" {
 		m, err := backend.ParseRoCEMode(v.roceMode)
 		if err != nil {
@@ -126,7 +135,7 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 	}
 	c := backend.NewControlClient(controlPath(socketDir))
 	_, err := c.AddVM(ctx, backend.VMRequest{Name: spec.Name, MAC: mac.String(), GIDAllow: spec.GIDAllow, MemBytes: spec.MemBytes,
-		RoCEMode: spec.RoCEMode, QEMUUID: spec.QEMUUID, QEMUCgroup: spec.QEMUCgroup})
+		RoCEMode: spec.RoCEMode, QEMUUID: spec.QEMUUID, QEMUCgroup: spec.QEMUCgroup, Doorbells: spec.Doorbells})
 	if err == nil {
 		return nil
 	}
@@ -153,6 +162,10 @@ func registerVM(ctx context.Context, socketDir string, spec backend.VMSpec) erro
 		if vm.Name == spec.Name && vm.QEMUCgroup != spec.QEMUCgroup {
 			return fmt.Errorf("VM %s is registered for QEMU cgroup %q, not %q (--qemu-cgroup; empty: the libvirt machine rule): %s",
 				spec.Name, vm.QEMUCgroup, spec.QEMUCgroup, unregisterFirst(socketDir, spec.Name))
+		}
+		if vm.Name == spec.Name && spec.Doorbells != "" && vm.Doorbells != spec.Doorbells {
+			return fmt.Errorf("VM %s is registered with doorbells %s, not %s: %s", spec.Name, vm.Doorbells, spec.Doorbells,
+				unregisterFirst(socketDir, spec.Name))
 		}
 		if vm.Name == spec.Name && spec.RoCEMode != "" && vm.RoCEMode != spec.RoCEMode {
 			return fmt.Errorf("VM %s is registered as RoCE %s, not %s: %s", spec.Name, vm.RoCEMode, spec.RoCEMode,
