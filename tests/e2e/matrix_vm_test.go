@@ -79,7 +79,16 @@ var matrix = []step{
 // TestPairMatrix: two VMs on one backend run every tool of the issue through
 // our device: the verbs examples, perftest and the rdma_cm tools (whose CM
 // MADs the backend delivers on QP1 itself: no rdmacm-mux, no host modules).
-func TestPairMatrix(t *testing.T) {
+func TestPairMatrix(t *testing.T) { pairMatrix(t, "mx", "") }
+
+// TestPairMatrixMemoryDoorbells is TestPairMatrix with both VMs'
+// doorbells in memory (doorbells=memory): every tool passes as with
+// trapped doorbells, and the user-space doorbells were seen in memory.
+func TestPairMatrixMemoryDoorbells(t *testing.T) { pairMatrix(t, "mm", "memory") }
+
+// pairMatrix runs TestPairMatrix on VMs named prefix1 and prefix2 with the
+// doorbell mode doorbells ("": the default).
+func pairMatrix(t *testing.T, prefix, doorbells string) {
 	steps := matrix
 	if only := os.Getenv("E2E_STEPS"); only != "" { // e.g. E2E_STEPS=ib_send_bw,rping
 		steps = nil
@@ -90,19 +99,36 @@ func TestPairMatrix(t *testing.T) {
 		}
 	}
 	img := image(t)
-	d := daemon(t, backend.Config{}, "mx1", "mx2")
+	n1, n2 := prefix+"1", prefix+"2"
+	d := daemon(t, backend.Config{VMs: []backend.VMRequest{{Name: n1, Doorbells: doorbells}, {Name: n2, Doorbells: doorbells}}})
 	ctx := context.Background()
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	cfgs := []vm.Config{
-		pvrdmaGuest(d, "mx1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, steps)),
-		pvrdmaGuest(d, "mx2", "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, steps)),
+		pvrdmaGuest(d, n1, "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, steps)),
+		pvrdmaGuest(d, n2, "10.77.0.2/24", matrixScenario("vmw_pvrdma0", "10.77.0.2", "10.77.0.1", false, steps)),
+	}
+	var latest func(string) map[string]uint64
+	if doorbells == "memory" {
+		var stop func()
+		latest, stop = watchCounters(d)
+		defer stop()
 	}
 	for i := range cfgs {
 		cfgs[i].Modules = rdmaCMModules
 	}
 	res := runGuests(ctx, t, img, nw, 12*time.Minute, cfgs...)
 	checkSteps(t, res, steps)
+	if latest != nil {
+		for _, n := range []string{n1, n2} {
+			c := latest(n)
+			assert.NotZero(t, c["memory_qp_doorbells"], "%s: the tools' posts were seen in memory: %s", n, nonzero(c))
+			assert.Zero(t, c["memory_bad_doorbells"], n)
+			t.Logf("%s doorbells: trapped qp %d cq_poll %d cq_arm %d srq %d; memory qp %d cq_poll %d cq_arm %d srq %d; safety nets %d", n,
+				c["trapped_qp_doorbells"], c["trapped_cq_poll_doorbells"], c["trapped_cq_arm_doorbells"], c["trapped_srq_doorbells"],
+				c["memory_qp_doorbells"], c["memory_cq_poll_doorbells"], c["memory_cq_arm_doorbells"], c["memory_srq_doorbells"], c["arm_safety_nets"])
+		}
+	}
 	for i, r := range res {
 		for _, tool := range []string{"ib_send_bw", "ib_write_bw", "ib_read_bw"} {
 			if bw, err := vm.ParsePerftestBW(vm.Section(r.Output, tool)); err == nil && len(bw) == 1 {
