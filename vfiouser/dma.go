@@ -89,7 +89,15 @@ func (c *conn) mapRegion(addr, size, offset uint64, prot guestmem.Prot, fd int) 
 		}
 	} else {
 		spec = guestmem.RegionSpec{Base: base, Size: size, Prot: prot, FD: -1}
-		if c.desc.RequireSharedMemory && prot&guestmem.ProtWrite != 0 && !c.warnedRAM {
+		switch {
+		case c.offeredArea(size):
+			// QEMU maps the device's own mmap'd BAR area (a RAM-device
+			// region in the guest's address space) into its DMA space
+			// too: not guest RAM, nothing to warn about.
+			if c.trace {
+				c.log.Debug("DMA_MAP of an area the device offered for mmap", "addr", fmt.Sprintf("%#x", addr), "size", size)
+			}
+		case c.desc.RequireSharedMemory && prot&guestmem.ProtWrite != 0 && !c.warnedRAM:
 			c.warnedRAM = true
 			c.log.Warn("client mapped writable guest memory without a file descriptor; the device cannot reach it",
 				"addr", fmt.Sprintf("%#x", addr), "size", size, "fix", guestmem.ErrNotShared.Error())
@@ -112,6 +120,26 @@ func (c *conn) mapRegion(addr, size, offset uint64, prot guestmem.Prot, fd int) 
 		n.DMAMapped(s)
 	}
 	return nil
+}
+
+// offeredArea reports whether size is the size of an area of a region the
+// device offers for mmap (DEVICE_GET_REGION_INFO's sparse areas, or the
+// whole region when it lists none).
+func (c *conn) offeredArea(size uint64) bool {
+	for _, r := range c.desc.Regions {
+		if r.Mmap == nil {
+			continue
+		}
+		if len(r.Mmap.Areas) == 0 && r.Size == size {
+			return true
+		}
+		for _, a := range r.Mmap.Areas {
+			if a.Size == size {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // checkMemFD refuses a file too short for the mapping (touching pages past

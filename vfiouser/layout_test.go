@@ -79,3 +79,19 @@ func TestCommandStrings(t *testing.T) {
 	assert.Equal(t, "MSI-X", IRQMSIX.String())
 	assert.True(t, bytes.Contains([]byte(Header{Command: CmdDMAMap, Flags: FlagReply}.String()), []byte("reply DMA_MAP")))
 }
+
+// TestOfferedArea: a DMA_MAP without a file descriptor of the size of an
+// area the device offered for mmap (QEMU maps a RAM-device BAR into its
+// DMA space too) is recognised, and no other size is.
+func TestOfferedArea(t *testing.T) {
+	c := &conn{desc: Description{Regions: []Region{
+		{Size: 4096},
+		{Size: 2 << 20, Mmap: &RegionMmap{FD: 3, Areas: []MmapArea{{Offset: 4096, Size: 2<<20 - 4096}}}},
+		{Size: 1 << 16, Mmap: &RegionMmap{FD: 4}},
+	}}}
+	for size, want := range map[uint64]bool{2<<20 - 4096: true, 1 << 16: true, 2 << 20: false, 4096: false, 1 << 30: false} {
+		if got := c.offeredArea(size); got != want {
+			t.Errorf("offeredArea(%#x) = %v, want %v", size, got, want)
+		}
+	}
+}
