@@ -147,6 +147,27 @@ func TestUpgradeKeepsVMsMemoryDoorbells(t *testing.T) {
 	defer stop()
 	vms, err := vm.StartAll(ctx, t, img, nw, a, b)
 	require.NoError(t, err)
+	// Progress, for the log: a stall after a hand-over shows as flat sends.
+	progress := make(chan struct{})
+	var pwg sync.WaitGroup
+	defer func() { close(progress); pwg.Wait() }()
+	pwg.Add(1)
+	go func() {
+		defer pwg.Done()
+		for {
+			select {
+			case <-progress:
+				return
+			case <-time.After(10 * time.Second):
+			}
+			var b strings.Builder
+			for _, n := range []string{"mu1", "mu2"} {
+				c := latest(n)
+				fmt.Fprintf(&b, "%s: send_wqes=%d completions=%d memory_qp_doorbells=%d  ", n, c["send_wqes"], c["completions"], c["memory_qp_doorbells"])
+			}
+			t.Logf("progress: %s", b.String())
+		}
+	}()
 
 	for gen, mark := range []string{"=== rc_pingpong", "=== ib_write_bw"} {
 		gen++
@@ -263,8 +284,8 @@ func TestMemoryDoorbellsGarbage(t *testing.T) {
 	h.HostFiles = map[string]string{"/usr/bin/bar2garbage": garbage}
 
 	steps := []step{
-		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 3000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 3000 -s 4096 -c $peer"},
-		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 2000 -s 65536", "ib_write_bw -d $dev -x $g -F -n 2000 -s 65536 $peer"},
+		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 10000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 10000 -s 4096 -c $peer"},
+		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 10000 -s 65536", "ib_write_bw -d $dev -x $g -F -n 10000 -s 65536 $peer"},
 	}
 	// The trapped guest probes first whether a stock kernel lets root map
 	// the BAR while the driver holds it (no write).
