@@ -136,7 +136,7 @@ func TestUpgradeKeepsVMsMemoryDoorbells(t *testing.T) {
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	steps := []step{
-		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 20000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 20000 -s 4096 -c $peer"},
+		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 6000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 6000 -s 4096 -c $peer"},
 		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -D 20 -s 65536", "ib_write_bw -d $dev -x $g -F -D 20 -s 65536 $peer"},
 	}
 	a := pvrdmaGuestIn(dir, "mu1", "10.77.0.1/24", matrixScenario("vmw_pvrdma0", "10.77.0.1", "", true, steps))
@@ -284,8 +284,8 @@ func TestMemoryDoorbellsGarbage(t *testing.T) {
 	h.HostFiles = map[string]string{"/usr/bin/bar2garbage": garbage}
 
 	steps := []step{
-		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 10000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 10000 -s 4096 -c $peer"},
-		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 10000 -s 65536", "ib_write_bw -d $dev -x $g -F -n 10000 -s 65536 $peer"},
+		{"rc_pingpong", "ibv_rc_pingpong -d $dev -g $g -n 5000 -s 4096 -c", "ibv_rc_pingpong -d $dev -g $g -n 5000 -s 4096 -c $peer"},
+		{"ib_write_bw", "ib_write_bw -d $dev -x $g -F -n 5000 -s 65536", "ib_write_bw -d $dev -x $g -F -n 5000 -s 65536 $peer"},
 	}
 	// The trapped guest probes first whether a stock kernel lets root map
 	// the BAR while the driver holds it (no write).
