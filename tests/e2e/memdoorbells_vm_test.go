@@ -126,9 +126,13 @@ func sumCounter(ctl *backend.ControlClient, name string) uint64 {
 // (memory_qp_doorbells rises: the successor watches the memory the
 // guests' mappings name, not a memory of its own, where their stores
 // would go unseen and the applications hang), both applications complete
-// with rc 0 on both sides, and the user contexts' doorbells are not
-// trapped (the trapped ones are the kernel's, page 0: few against those
-// seen in memory).
+// with rc 0 on both sides, the user contexts' doorbells are not trapped
+// (the trapped ones are the kernel's, page 0: few against those seen in
+// memory), and the worker never died (no restart, no panic in the log).
+// The hand-over during ib_write_bw, whose client stores doorbells without
+// pause, is the one that needs the poller held with the connections
+// (vdev Device.HoldDoorbells): without it an RC QP came back in ERR and
+// ib_write_bw failed.
 func TestUpgradeKeepsVMsMemoryDoorbells(t *testing.T) {
 	img := image(t)
 	ctx := context.Background()
