@@ -278,7 +278,6 @@ func (u *upgrading) hold(ctx context.Context) error {
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
-	u.heldAt = time.Now()
 	for _, s := range u.vms {
 		s.mu.Lock()
 		if c := s.conn; c != nil {
@@ -286,6 +285,12 @@ func (u *upgrading) hold(ctx context.Context) error {
 		}
 		s.mu.Unlock()
 	}
+	for _, c := range u.conns {
+		// Doorbells in memory are plain stores: holding the connection
+		// does not hold them.
+		c.dev.HoldDoorbells()
+	}
+	u.heldAt = time.Now()
 	return nil
 }
 
@@ -547,6 +552,7 @@ func (u *upgrading) abort() {
 	}
 	for _, c := range u.conns {
 		c.dev.ResumeTransports()
+		c.dev.ReleaseDoorbells()
 	}
 	for _, s := range u.vms {
 		s.srv.Release() // a server not held is left as it is

@@ -312,6 +312,9 @@ type Device struct {
 	// handover: SaveTransports journaled transport states that are still
 	// valid (handover.go).
 	handover bool
+	// dbHeld: HoldDoorbells stopped the memory doorbell poller's passes
+	// (a hand-over holds the guest; the words stay in memory).
+	dbHeld bool
 
 	// Scratch space for the BAR goroutine (guarded by mu): command slots
 	// and one WQE at a time.

@@ -233,6 +233,30 @@ func (d *Device) saveTransport(h uint32, q *qp, withSRQ bool, srqErr map[uint32]
 	return true, nil
 }
 
+// HoldDoorbells stops taking the doorbells a guest stores in memory
+// (DoorbellsMemory; nothing to do in trapped mode, where holding the
+// connection holds them): a hand-over holds the guest before it drains
+// and saves transport states, and a doorbell taken meanwhile would post
+// new work (the sends would not drain) or, after SaveTransports, void the
+// saved states (the guest went on: the RC QPs would come back in ERR).
+// The words stay in memory: the successor, which maps the same memory,
+// takes them, or this device after ReleaseDoorbells. It waits for a pass
+// under way to end.
+func (d *Device) HoldDoorbells() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.dbHeld = true
+}
+
+// ReleaseDoorbells undoes HoldDoorbells (a hand-over abandoned) and wakes
+// the poller.
+func (d *Device) ReleaseDoorbells() {
+	d.mu.Lock()
+	d.dbHeld = false
+	d.mu.Unlock()
+	d.kickUAR()
+}
+
 // ResumeTransports abandons a hand-over: the QPs and SRQs SaveTransports
 // froze process packets and give receives again (what they dropped
 // meanwhile is resent by their peers) and a record voiding their saved

@@ -304,6 +304,9 @@ func (d *Device) pollUAR(now time.Time) (rung bool, due time.Time) {
 // pollUARLocked is pollUAR with mu held.
 func (d *Device) pollUARLocked(now time.Time) (rung bool, due time.Time) {
 	u := d.uarm
+	if d.dbHeld {
+		return false, time.Time{} // held: the words wait in memory
+	}
 	if u == nil || u.mem == nil || d.closed || d.dsr == nil {
 		if u != nil {
 			u.contexts.Store(0)
