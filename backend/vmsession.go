@@ -602,6 +602,11 @@ func (s *vmSession) status() VMStatus {
 		"memory_cq_arm_doorbells": ds.MemoryDoorbells.CQArm, "memory_srq_doorbells": ds.MemoryDoorbells.SRQ,
 		"memory_bad_doorbells": ds.MemoryBadDoorbells, "doorbell_passes": ds.DoorbellPasses,
 		"arm_safety_nets": ds.ArmSafetyNets,
+		// Command completions QEMU took (read the eventfd) before the
+		// REQUEST write was answered, those it had not within the bound,
+		// and the time spent waiting.
+		"sync_irq_taken": c.irq.syncTaken.Load(), "sync_irq_untaken": c.irq.syncUntaken.Load(),
+		"sync_irq_wait_us": c.irq.syncWaitNanos.Load() / 1000,
 	}
 	// The provider's own statistics for this VM (the soft transport's
 	// packets, drops by reason, CNPs), prefixed so that they cannot be
@@ -676,7 +681,15 @@ type fnIRQ struct {
 	wake    chan struct{}
 	done    chan struct{}
 	stopped chan struct{}
+
+	// TriggerSync's waits for the client to take the interrupt: taken
+	// within syncIRQBound, not taken by then, and their total duration.
+	syncTaken, syncUntaken, syncWaitNanos atomic.Uint64
 }
+
+// syncIRQBound is how long TriggerSync waits, at most, for the client to
+// read the eventfd it wrote before the register write is answered.
+const syncIRQBound = 2 * time.Millisecond
 
 func newFnIRQ() *fnIRQ {
 	i := &fnIRQ{wake: make(chan struct{}, 1), done: make(chan struct{}), stopped: make(chan struct{})}
@@ -723,7 +736,9 @@ func (i *fnIRQ) run() {
 // goroutine that answers the guest's REQUEST write, so that QEMU has the
 // interrupt before the write's reply. Signalling does not block (a full
 // eventfd means an interrupt is pending anyway), and that goroutine is the
-// VM's own. Before the function exists it is left to the signaller.
+// VM's own. It then waits, at most syncIRQBound, for QEMU to read the
+// eventfd (to take the interrupt), counting whether it did. Before the
+// function exists it is left to the signaller.
 func (i *fnIRQ) TriggerSync(vector int) {
 	fn := i.fn.Load()
 	if fn == nil || vector < 0 || vector >= 64 {
@@ -731,6 +746,14 @@ func (i *fnIRQ) TriggerSync(vector int) {
 		return
 	}
 	fn.Trigger(vector)
+	start := time.Now()
+	taken, err := fn.AwaitConsumed(vector, syncIRQBound)
+	i.syncWaitNanos.Add(uint64(time.Since(start)))
+	if taken && err == nil {
+		i.syncTaken.Add(1)
+	} else {
+		i.syncUntaken.Add(1) // a failed poll counts as not taken
+	}
 }
 
 // setFn gives the signaller its function and signals what was raised

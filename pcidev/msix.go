@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
@@ -137,6 +138,24 @@ func (f *Function) signalMSIX(vector int) error {
 		return nil
 	}
 	return err
+}
+
+// AwaitConsumed waits at most bound for the client to take the interrupt
+// TriggerMSIX last signalled for vector: the MSI-X vector's eventfd, or
+// the INTx eventfd when MSI-X is off, read again (vfiouser.IRQs
+// AwaitConsumed). It reports whether it was within the bound; an
+// interrupt that was not signalled (left pending, no eventfd) counts as
+// taken, there being nothing to wait for.
+func (f *Function) AwaitConsumed(vector int, bound time.Duration) (bool, error) {
+	index, v := vfiouser.IRQMSIX, uint32(vector)
+	if f.msix == nil || f.msixCtrl.Load()&msixCtrlEnable == 0 {
+		index, v = vfiouser.IRQINTx, 0
+	}
+	ok, err := f.irqs.AwaitConsumed(index, v, bound)
+	if errors.Is(err, vfiouser.ErrNoIRQ) {
+		return true, nil
+	}
+	return ok, err
 }
 
 // deliverPending signals the pending vectors that can be delivered now.

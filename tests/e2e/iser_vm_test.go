@@ -55,6 +55,12 @@ func TestStorageISER(t *testing.T) {
 				// guest is not stopped for them, so that the run reports them.
 				cfgs[0].KnownWarnings = append(cfgs[0].KnownWarnings, iserDrainWarnings...)
 			}
+			var latest func(string) map[string]uint64
+			if d != nil {
+				var stop func()
+				latest, stop = watchCounters(d)
+				defer stop()
+			}
 			res := runGuests(ctx, t, img, nw, 10*time.Minute, cfgs[0], cfgs[1])
 			got := checkStorage(t, tr.name, res, run)
 			sr, ok := got[vm.StorageISER]
@@ -63,6 +69,9 @@ func TestStorageISER(t *testing.T) {
 			assert.Contains(t, sr.HostDmesg, "iser", "%s: the initiator logged in over iSER", tr.name)
 			if d != nil {
 				t.Logf("daemon counters: %s", nonzero(d.Status().Counters))
+				for _, n := range names {
+					t.Logf("%s counters: %s", n, nonzero(latest(n)))
+				}
 			}
 			var logged []string
 			for _, bad := range iserLogoutErrors {
