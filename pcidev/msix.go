@@ -143,19 +143,14 @@ func (f *Function) signalMSIX(vector int) error {
 // AwaitConsumed waits at most bound for the client to take the interrupt
 // TriggerMSIX last signalled for vector: the MSI-X vector's eventfd, or
 // the INTx eventfd when MSI-X is off, read again (vfiouser.IRQs
-// AwaitConsumed). It reports whether it was within the bound; an
-// interrupt that was not signalled (left pending, no eventfd) counts as
-// taken, there being nothing to wait for.
+// AwaitConsumed). It reports whether it was within the bound, and an
+// error wrapping vfiouser.ErrNoIRQ when there is no eventfd to look at
+// (an interrupt that could not be signalled is left pending).
 func (f *Function) AwaitConsumed(vector int, bound time.Duration) (bool, error) {
-	index, v := vfiouser.IRQMSIX, uint32(vector)
 	if f.msix == nil || f.msixCtrl.Load()&msixCtrlEnable == 0 {
-		index, v = vfiouser.IRQINTx, 0
+		return f.irqs.AwaitConsumed(vfiouser.IRQINTx, 0, bound)
 	}
-	ok, err := f.irqs.AwaitConsumed(index, v, bound)
-	if errors.Is(err, vfiouser.ErrNoIRQ) {
-		return true, nil
-	}
-	return ok, err
+	return f.irqs.AwaitConsumed(vfiouser.IRQMSIX, uint32(vector), bound)
 }
 
 // deliverPending signals the pending vectors that can be delivered now.
