@@ -215,13 +215,13 @@ func (q *IRQs) Trigger(index IRQIndex, vector uint32) error {
 	return nil
 }
 
-// AwaitStep is how often AwaitConsumed looks at the eventfd again.
-const AwaitStep = 20 * time.Microsecond
+// awaitStep is how often AwaitConsumed looks at the eventfd again.
+const awaitStep = 20 * time.Microsecond
 
 // AwaitConsumed waits at most bound for the client to take the interrupt
 // last signalled on a vector: until its eventfd's counter is zero again
 // (not readable). It never blocks on the eventfd: it polls it with a zero
-// timeout every AwaitStep, and the eventfd's lock is not held in between,
+// timeout every awaitStep, and the eventfd's lock is not held in between,
 // so the client may replace or remove it meanwhile. It reports whether
 // the counter was read within the bound (true at once when nothing is
 // pending), and an error wrapping ErrNoIRQ when the vector has no eventfd.
@@ -246,7 +246,7 @@ func (q *IRQs) AwaitConsumed(index IRQIndex, vector uint32, bound time.Duration)
 		if !time.Now().Before(deadline) {
 			return false, nil
 		}
-		time.Sleep(AwaitStep)
+		time.Sleep(awaitStep)
 	}
 }
 
