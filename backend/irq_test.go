@@ -102,4 +102,6 @@ func TestFnIRQTriggerSyncSignalsBeforeReturning(t *testing.T) {
 	i.TriggerSync(0)
 	require.True(t, fn.PendingMSIX(0), "signalled on the caller's goroutine, before TriggerSync returned")
 	require.False(t, fn.PendingMSIX(1), "the stopped signaller delivered nothing")
+	require.Equal(t, uint64(1), i.syncPending.Load(), "counted as not taken by QEMU (no eventfd: pending)")
+	require.Zero(t, i.syncTaken.Load())
 }

@@ -602,6 +602,10 @@ func (s *vmSession) status() VMStatus {
 		"memory_cq_arm_doorbells": ds.MemoryDoorbells.CQArm, "memory_srq_doorbells": ds.MemoryDoorbells.SRQ,
 		"memory_bad_doorbells": ds.MemoryBadDoorbells, "doorbell_passes": ds.DoorbellPasses,
 		"arm_safety_nets": ds.ArmSafetyNets,
+		// Command completions QEMU had taken (read the eventfd) when the
+		// REQUEST write was answered, and those still pending then (all
+		// of them under TCG: docs/ARCHITECTURE.md).
+		"command_irq_taken": c.irq.syncTaken.Load(), "command_irq_pending": c.irq.syncPending.Load(),
 	}
 	// The provider's own statistics for this VM (the soft transport's
 	// packets, drops by reason, CNPs), prefixed so that they cannot be
@@ -676,7 +680,23 @@ type fnIRQ struct {
 	wake    chan struct{}
 	done    chan struct{}
 	stopped chan struct{}
+
+	// Command completions QEMU had taken (read the eventfd) when
+	// TriggerSync returned, and those still pending then.
+	syncTaken, syncPending atomic.Uint64
 }
+
+// syncIRQBound is how long TriggerSync waits for QEMU to take the
+// interrupt it signalled before the REQUEST write is answered: not at all,
+// it looks once. Under KVM with an irqfd the kernel injects the MSI
+// within our eventfd write, so it is taken before we look. Under TCG it
+// cannot be taken before the reply: the vCPU thread holds QEMU's BQL for
+// the whole round trip of the region access (accel/tcg/cputlb.c
+// do_st_mmio_leN, hw/vfio-user/proxy.c vfio_user_send_wait), and the main
+// loop needs it to read the eventfd (util/main-loop.c
+// os_host_main_loop_wait, hw/vfio/pci.c vfio_msi_interrupt); a 2 ms wait
+// was measured to run out at every command (docs/ARCHITECTURE.md).
+const syncIRQBound = 0
 
 func newFnIRQ() *fnIRQ {
 	i := &fnIRQ{wake: make(chan struct{}, 1), done: make(chan struct{}), stopped: make(chan struct{})}
@@ -723,7 +743,8 @@ func (i *fnIRQ) run() {
 // goroutine that answers the guest's REQUEST write, so that QEMU has the
 // interrupt before the write's reply. Signalling does not block (a full
 // eventfd means an interrupt is pending anyway), and that goroutine is the
-// VM's own. Before the function exists it is left to the signaller.
+// VM's own. It then counts whether QEMU has already taken the interrupt
+// (syncIRQBound). Before the function exists it is left to the signaller.
 func (i *fnIRQ) TriggerSync(vector int) {
 	fn := i.fn.Load()
 	if fn == nil || vector < 0 || vector >= 64 {
@@ -731,6 +752,11 @@ func (i *fnIRQ) TriggerSync(vector int) {
 		return
 	}
 	fn.Trigger(vector)
+	if taken, err := fn.AwaitConsumed(vector, syncIRQBound); taken && err == nil {
+		i.syncTaken.Add(1)
+	} else {
+		i.syncPending.Add(1) // a failed poll counts as pending
+	}
 }
 
 // setFn gives the signaller its function and signals what was raised

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/pvrdma-backend/pvrdma-backend/vfiouser"
 )
@@ -137,6 +138,19 @@ func (f *Function) signalMSIX(vector int) error {
 		return nil
 	}
 	return err
+}
+
+// AwaitConsumed waits at most bound for the client to take the interrupt
+// TriggerMSIX last signalled for vector: the MSI-X vector's eventfd, or
+// the INTx eventfd when MSI-X is off, read again (vfiouser.IRQs
+// AwaitConsumed). It reports whether it was within the bound, and an
+// error wrapping vfiouser.ErrNoIRQ when there is no eventfd to look at
+// (an interrupt that could not be signalled is left pending).
+func (f *Function) AwaitConsumed(vector int, bound time.Duration) (bool, error) {
+	if f.msix == nil || f.msixCtrl.Load()&msixCtrlEnable == 0 {
+		return f.irqs.AwaitConsumed(vfiouser.IRQINTx, 0, bound)
+	}
+	return f.irqs.AwaitConsumed(vfiouser.IRQMSIX, uint32(vector), bound)
 }
 
 // deliverPending signals the pending vectors that can be delivered now.

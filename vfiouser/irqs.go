@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -87,6 +88,28 @@ func (e *eventFD) signal() error {
 			continue
 		}
 		return fmt.Errorf("signal eventfd: %w", err)
+	}
+}
+
+// readable reports whether the eventfd's counter is non-zero: an
+// interrupt signalled that the client has not taken yet (QEMU reads the
+// counter when it handles the interrupt; reading resets it to zero).
+func (e *eventFD) readable() (bool, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.fd < 0 {
+		return false, ErrNoIRQ
+	}
+	pfd := [1]unix.PollFd{{Fd: int32(e.fd), Events: unix.POLLIN}}
+	for {
+		n, err := unix.Poll(pfd[:], 0)
+		switch {
+		case err == unix.EINTR:
+			continue
+		case err != nil:
+			return false, fmt.Errorf("poll eventfd: %w", err)
+		}
+		return n > 0 && pfd[0].Revents&unix.POLLIN != 0, nil
 	}
 }
 
@@ -190,6 +213,41 @@ func (q *IRQs) Trigger(index IRQIndex, vector uint32) error {
 		return fmt.Errorf("%v vector %d: %w", index, vector, err)
 	}
 	return nil
+}
+
+// awaitStep is how often AwaitConsumed looks at the eventfd again.
+const awaitStep = 20 * time.Microsecond
+
+// AwaitConsumed waits at most bound for the client to take the interrupt
+// last signalled on a vector: until its eventfd's counter is zero again
+// (not readable). It never blocks on the eventfd: it polls it with a zero
+// timeout every awaitStep, and the eventfd's lock is not held in between,
+// so the client may replace or remove it meanwhile. It reports whether
+// the counter was read within the bound (true at once when nothing is
+// pending), and an error wrapping ErrNoIRQ when the vector has no eventfd.
+func (q *IRQs) AwaitConsumed(index IRQIndex, vector uint32, bound time.Duration) (bool, error) {
+	s := q.slot(index, vector)
+	if s == nil {
+		return false, fmt.Errorf("%v vector %d: no such interrupt: %w", index, vector, ErrNoIRQ)
+	}
+	deadline := time.Now().Add(bound)
+	for {
+		e := s.efd.Load()
+		if e == nil {
+			return false, fmt.Errorf("%v vector %d: %w", index, vector, ErrNoIRQ)
+		}
+		pending, err := e.readable()
+		if err != nil {
+			return false, fmt.Errorf("%v vector %d: %w", index, vector, err)
+		}
+		if !pending {
+			return true, nil
+		}
+		if !time.Now().Before(deadline) {
+			return false, nil
+		}
+		time.Sleep(awaitStep)
+	}
 }
 
 // assign installs eventfds for vectors [start, start+len(fds)), unmasked,
