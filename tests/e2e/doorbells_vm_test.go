@@ -42,6 +42,12 @@ func buildDoorbells(t *testing.T) string {
 // watchCounters keeps the latest counters of each named VM while its QEMU is
 // connected (they go with the connection) until stop is called.
 func watchCounters(d *backend.Daemon) (latest func(string) map[string]uint64, stop func()) {
+	return watchStatus(func() (backend.Status, error) { return d.Status(), nil })
+}
+
+// watchStatus polls status every 200 ms and keeps the latest counters of
+// each VM while its QEMU is connected until stop is called.
+func watchStatus(status func() (backend.Status, error)) (latest func(string) map[string]uint64, stop func()) {
 	var mu sync.Mutex
 	last := map[string]map[string]uint64{}
 	done := make(chan struct{})
@@ -50,11 +56,13 @@ func watchCounters(d *backend.Daemon) (latest func(string) map[string]uint64, st
 	go func() {
 		defer wg.Done()
 		for {
-			for _, v := range d.Status().VMs {
-				if v.Connected && v.Counters != nil {
-					mu.Lock()
-					last[v.Name] = v.Counters
-					mu.Unlock()
+			if st, err := status(); err == nil {
+				for _, v := range st.VMs {
+					if v.Connected && v.Counters != nil {
+						mu.Lock()
+						last[v.Name] = v.Counters
+						mu.Unlock()
+					}
 				}
 			}
 			select {

@@ -10,12 +10,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
+	"github.com/pvrdma-backend/pvrdma-backend/tests/proc"
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
 )
 
@@ -109,6 +111,57 @@ func buildDaemon(t testing.TB) string {
 	out, err := build.CombinedOutput()
 	require.NoError(t, err, "go build: %s", out)
 	return bin
+}
+
+// servedDaemon is a `pvrdma-backend serve` process of the test's
+// (serveProcess).
+type servedDaemon struct {
+	dir    string                 // its socket directory
+	ctl    *backend.ControlClient // its control socket
+	log    *syncBuf               // its output (shown if the test failed)
+	cmd    *exec.Cmd
+	exited <-chan struct{} // closed when it has exited
+}
+
+// serveProcess builds the daemon and runs `pvrdma-backend serve` as a
+// process of its own (under its own supervisor, as in a shell: a live
+// upgrade execs the worker's binary in its process, a killed worker is
+// started again) with the given --vm values, on the test networks' pool,
+// and waits until its control socket answers. It is stopped (SIGTERM) at
+// cleanup.
+func serveProcess(t *testing.T, vms ...string) *servedDaemon {
+	t.Helper()
+	bin := buildDaemon(t)
+	sd := &servedDaemon{dir: filepath.Join(t.TempDir(), "pvrdma"), log: &syncBuf{}}
+	args := []string{"serve", "--socket-dir", sd.dir, "--gid-allow", "10.77.0.0/24"}
+	for _, v := range vms {
+		args = append(args, "--vm", v)
+	}
+	sd.cmd = exec.Command(bin, args...)
+	// A test that dies takes the supervisor with it (and it its worker).
+	sd.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	sd.cmd.Stdout, sd.cmd.Stderr = sd.log, sd.log
+	exited, err := proc.Start(sd.cmd)
+	require.NoError(t, err)
+	sd.exited = exited
+	t.Cleanup(func() {
+		_ = sd.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-exited:
+		case <-time.After(time.Minute):
+			_ = sd.cmd.Process.Kill()
+			<-exited
+		}
+		if t.Failed() {
+			t.Logf("serve's log:\n%s", tail(sd.log.String(), 12000))
+		}
+	})
+	sd.ctl = backend.NewControlClient(filepath.Join(sd.dir, "control.sock"))
+	require.Eventually(t, func() bool {
+		_, err := sd.ctl.Status(context.Background())
+		return err == nil
+	}, time.Minute, 20*time.Millisecond, "serve did not start:\n%s", sd.log.String())
+	return sd
 }
 
 // quietLogger logs only warnings and errors (benchmarks).

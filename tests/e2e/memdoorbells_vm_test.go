@@ -10,7 +10,6 @@ import (
 	"regexp"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -18,91 +17,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pvrdma-backend/pvrdma-backend/backend"
-	"github.com/pvrdma-backend/pvrdma-backend/tests/proc"
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
 )
 
-// serveProcess builds the daemon and runs `pvrdma-backend serve` as a
-// process of its own (under its own supervisor, as in a shell: a live
-// upgrade execs the worker's binary in its process) with the given --vm
-// values, on the test networks' pool. It returns the socket directory, a
-// control client and the process's log (shown if the test failed); the
-// daemon is stopped at cleanup.
-func serveProcess(t *testing.T, vms ...string) (dir string, ctl *backend.ControlClient, log *syncBuf) {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "pvrdma-backend")
-	build := exec.Command("go", "build", "-o", bin, "./cmd/pvrdma-backend")
-	build.Dir = repoDir(t)
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "go build: %s", out)
-	dir = filepath.Join(t.TempDir(), "pvrdma")
-	args := []string{"serve", "--socket-dir", dir, "--gid-allow", "10.77.0.0/24"}
-	for _, v := range vms {
-		args = append(args, "--vm", v)
-	}
-	serve := exec.Command(bin, args...)
-	serve.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	log = &syncBuf{}
-	serve.Stdout, serve.Stderr = log, log
-	exited, err := proc.Start(serve)
-	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = serve.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-exited:
-		case <-time.After(time.Minute):
-			_ = serve.Process.Kill()
-			<-exited
-		}
-		if t.Failed() {
-			t.Logf("serve's log:\n%s", tail(log.String(), 12000))
-		}
-	})
-	ctl = backend.NewControlClient(filepath.Join(dir, "control.sock"))
-	require.Eventually(t, func() bool {
-		_, err := ctl.Status(context.Background())
-		return err == nil
-	}, time.Minute, 20*time.Millisecond, "serve did not start:\n%s", log.String())
-	return dir, ctl, log
-}
-
 // watchControl keeps the latest counters of each VM while its QEMU is
-// connected (they go with the connection), as watchCounters does for a
-// daemon in this process, until stop is called.
+// connected, as watchCounters does for a daemon in this process, until
+// stop is called.
 func watchControl(ctl *backend.ControlClient) (latest func(string) map[string]uint64, stop func()) {
-	var mu sync.Mutex
-	last := map[string]map[string]uint64{}
-	done := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			if st, err := ctl.Status(context.Background()); err == nil {
-				for _, v := range st.VMs {
-					if v.Connected && v.Counters != nil {
-						mu.Lock()
-						last[v.Name] = v.Counters
-						mu.Unlock()
-					}
-				}
-			}
-			select {
-			case <-done:
-				return
-			case <-time.After(200 * time.Millisecond):
-			}
-		}
-	}()
-	var once sync.Once
-	return func(name string) map[string]uint64 {
-			mu.Lock()
-			defer mu.Unlock()
-			return last[name]
-		}, func() {
-			once.Do(func() { close(done) })
-			wg.Wait()
-		}
+	return watchStatus(func() (backend.Status, error) { return ctl.Status(context.Background()) })
 }
 
 // sumCounter sums a counter over the VMs the daemon behind ctl serves.
@@ -136,7 +58,8 @@ func sumCounter(ctl *backend.ControlClient, name string) uint64 {
 func TestUpgradeKeepsVMsMemoryDoorbells(t *testing.T) {
 	img := image(t)
 	ctx := context.Background()
-	dir, ctl, log := serveProcess(t, "mu1,doorbells=memory", "mu2,doorbells=memory")
+	sd := serveProcess(t, "mu1,doorbells=memory", "mu2,doorbells=memory")
+	dir, ctl, log := sd.dir, sd.ctl, sd.log
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 	steps := []step{
@@ -267,7 +190,8 @@ func TestMemoryDoorbellsGarbage(t *testing.T) {
 	img := image(t)
 	ctx := context.Background()
 	garbage := garbageProgram(t)
-	dir, ctl, log := serveProcess(t, "gh1,doorbells=memory", "gt2", "gm3,doorbells=memory")
+	sd := serveProcess(t, "gh1,doorbells=memory", "gt2", "gm3,doorbells=memory")
+	dir, ctl, log := sd.dir, sd.ctl, sd.log
 	nw, err := vm.NewNetwork(t, vm.NetworkConfig{})
 	require.NoError(t, err)
 

@@ -7,7 +7,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -20,8 +19,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pvrdma-backend/pvrdma-backend/backend"
-	"github.com/pvrdma-backend/pvrdma-backend/tests/proc"
 	"github.com/pvrdma-backend/pvrdma-backend/tests/vm"
 )
 
@@ -96,34 +93,10 @@ func TestSupervisedCrashKeepsVMsMemoryDoorbells(t *testing.T) {
 func supervisedCrash(t *testing.T, vmOpts string) {
 	img := image(t)
 	ctx := context.Background()
-	bin := buildDaemon(t)
-
-	dir := filepath.Join(t.TempDir(), "pvrdma")
-	serve := exec.Command(bin, "serve", "--socket-dir", dir, "--gid-allow", "10.77.0.0/24", "--vm", "sk1"+vmOpts, "--vm", "sk2"+vmOpts)
-	// A test that dies takes the supervisor with it (and it its worker).
-	serve.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	log := &syncBuf{}
-	serve.Stdout, serve.Stderr = log, log
-	exited, err := proc.Start(serve)
+	sd := serveProcess(t, "sk1"+vmOpts, "sk2"+vmOpts)
+	dir, ctl, log, serve, exited := sd.dir, sd.ctl, sd.log, sd.cmd, sd.exited
+	st, err := ctl.Status(ctx)
 	require.NoError(t, err)
-	t.Cleanup(func() {
-		_ = serve.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-exited:
-		case <-time.After(time.Minute):
-			_ = serve.Process.Kill()
-			<-exited
-		}
-		if t.Failed() {
-			t.Logf("serve's log:\n%s", tail(log.String(), 12000))
-		}
-	})
-	ctl := backend.NewControlClient(filepath.Join(dir, "control.sock"))
-	var st backend.Status
-	require.Eventually(t, func() bool {
-		st, err = ctl.Status(ctx)
-		return err == nil
-	}, time.Minute, 20*time.Millisecond, "serve did not start:\n%s", log.String())
 	require.NotNil(t, st.Supervisor, "serve in a shell runs under its supervisor")
 	require.Equal(t, serve.Process.Pid, st.Supervisor.PID)
 	require.NotEqual(t, serve.Process.Pid, st.PID)
