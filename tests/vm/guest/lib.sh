@@ -4,7 +4,8 @@
 [ -r /usr/lib/pvt/overrides.sh ] && . /usr/lib/pvt/overrides.sh
 
 # pvt_retry N CMD...: run CMD; while it fails because its peer is not listening yet
-# ("Couldn't connect", "Connection refused", "Unable to init the socket connection", or
+# ("Couldn't connect", "Connection refused", "Unable to init the socket connection", "No
+# route to host" (its NIC not up yet, so ARP is not answered: seen with ucx_perftest), or
 # for rdma_cm tools a CM reject with reason 8, invalid service ID, which rping prints as
 # "error 8" and ucmatose as "error: 8", or a SIDR request that found no listener), retry
 # up to N times, one second apart. Any other failure is returned at once. The command's
@@ -17,7 +18,7 @@ pvt_retry() {
 		# (in an if, so that the scenario's set -e does not end the shell)
 		if "$@" >/tmp/pvt_retry.out 2>&1; then _rc=0; else _rc=$?; fi
 		if [ $_rc -eq 0 ] || [ $_i -ge "$_n" ] ||
-			! grep -qiE "couldn't connect|connection refused|unable to init the socket connection|failed to connect|RDMA_CM_EVENT_REJECTED, error:? 8|RDMA_CM_EVENT_UNREACHABLE" /tmp/pvt_retry.out; then
+			! grep -qiE "couldn't connect|connection refused|unable to init the socket connection|no route to host|failed to connect|RDMA_CM_EVENT_REJECTED, error:? 8|RDMA_CM_EVENT_UNREACHABLE" /tmp/pvt_retry.out; then
 			cat /tmp/pvt_retry.out
 			return $_rc
 		fi
