@@ -45,24 +45,7 @@ func TestFnIRQKeepsWhatCameBeforeTheFunction(t *testing.T) {
 	defer i.stop()
 	i.Trigger(2)
 	time.Sleep(10 * time.Millisecond) // the signaller wakes with no function
-	fn, err := pcidev.New(&vfiouser.Host{IRQs: &vfiouser.IRQs{}}, pcidev.Config{
-		VendorID: 0x15ad, DeviceID: 0x0820, ClassCode: 0x028000,
-		BARs: [6]pcidev.BAR{0: {Size: 16 << 10, Type: pcidev.BARMem32}},
-		MSIX: &pcidev.MSIX{Vectors: 3, BAR: 0, TableOffset: 0, PBAOffset: 0x2000},
-	})
-	require.NoError(t, err)
-	require.NoError(t, fn.WriteRegion(vfiouser.RegionConfig, 0x04, []byte{0x06, 0x00})) // memory, bus master
-	msix := uint64(0)
-	for off := uint64(0x40); off < 0x100; off += 4 {
-		b := make([]byte, 1)
-		require.NoError(t, fn.ReadRegion(vfiouser.RegionConfig, off, b))
-		if b[0] == 0x11 {
-			msix = off
-			break
-		}
-	}
-	require.NotZero(t, msix)
-	require.NoError(t, fn.WriteRegion(vfiouser.RegionConfig, msix+3, []byte{0x80})) // MSI-X enable
+	fn := msixFunction(t)
 	i.setFn(fn)
 	require.Eventually(t, func() bool { return fn.PendingMSIX(2) }, hangBound, time.Millisecond,
 		"the vector raised before the function existed is signalled (pending: no eventfd yet)")
@@ -77,6 +60,22 @@ func TestFnIRQKeepsWhatCameBeforeTheFunction(t *testing.T) {
 // signaller like any vector.
 func TestFnIRQTriggerSyncSignalsBeforeReturning(t *testing.T) {
 	i := newFnIRQ()
+	fn := msixFunction(t)
+
+	i.TriggerSync(1) // no function yet: left to the signaller, which has none either
+	i.stop()
+	i.fn.Store(fn)
+	i.TriggerSync(0)
+	require.True(t, fn.PendingMSIX(0), "signalled on the caller's goroutine, before TriggerSync returned")
+	require.False(t, fn.PendingMSIX(1), "the stopped signaller delivered nothing")
+	require.Equal(t, uint64(1), i.syncPending.Load(), "counted as not taken by QEMU (no eventfd: pending)")
+	require.Zero(t, i.syncTaken.Load())
+}
+
+// msixFunction is a PCI function with MSI-X on (3 vectors) and no eventfd
+// assigned: a signalled vector stays pending in it.
+func msixFunction(t *testing.T) *pcidev.Function {
+	t.Helper()
 	fn, err := pcidev.New(&vfiouser.Host{IRQs: &vfiouser.IRQs{}}, pcidev.Config{
 		VendorID: 0x15ad, DeviceID: 0x0820, ClassCode: 0x028000,
 		BARs: [6]pcidev.BAR{0: {Size: 16 << 10, Type: pcidev.BARMem32}},
@@ -95,13 +94,5 @@ func TestFnIRQTriggerSyncSignalsBeforeReturning(t *testing.T) {
 	}
 	require.NotZero(t, msix)
 	require.NoError(t, fn.WriteRegion(vfiouser.RegionConfig, msix+3, []byte{0x80})) // MSI-X enable
-
-	i.TriggerSync(1) // no function yet: left to the signaller, which has none either
-	i.stop()
-	i.fn.Store(fn)
-	i.TriggerSync(0)
-	require.True(t, fn.PendingMSIX(0), "signalled on the caller's goroutine, before TriggerSync returned")
-	require.False(t, fn.PendingMSIX(1), "the stopped signaller delivered nothing")
-	require.Equal(t, uint64(1), i.syncPending.Load(), "counted as not taken by QEMU (no eventfd: pending)")
-	require.Zero(t, i.syncTaken.Load())
+	return fn
 }
